@@ -1,0 +1,36 @@
+# gpushared developer entry points. Everything runs from a virtualenv in .venv, made on first use.
+SHELL := /bin/bash
+PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+.PHONY: venv test lint protos check-protos clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+# Unit and integration tests (fakes over real sockets); the end-to-end suite has its own target.
+test: venv
+	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+
+lint: venv check-protos
+	$(BIN)/ruff check gpushared tests
+	$(BIN)/ruff format --check gpushared tests
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+protos: venv
+	VENV=$(VENV) scripts/gen-protos
+
+# The committed stubs must be exactly what the pinned generator makes from the committed .proto.
+check-protos: protos
+	git diff --exit-code -- gpushared/deviceplugin/v1beta1/ || \
+	  { echo "generated stubs differ from api.proto: run 'make protos' and commit" >&2; exit 1; }
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache

@@ -1,0 +1,426 @@
+"""The annotation contract between the extender, the node daemon and the inspect tool.
+
+Everything that crosses a process boundary through Kubernetes objects is named and formatted here, and only
+here: resource names, the unit, Aliyun's pod annotations (kept byte-compatible so nodes can migrate one at a
+time), the env that Allocate returns, and gpushared's own versioned additions. Nothing in this module does
+I/O; parsing returns typed values or raises :class:`ContractError` naming the key, the value and the reason,
+so that callers can turn it into an HTTP 4xx, a gRPC status or a pod Event without guessing.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Final
+
+# ---------------------------------------------------------------------------------------------------------
+# Errors
+
+
+class ContractError(ValueError):
+    """A value in an annotation, resource or env key that does not follow the contract."""
+
+    def __init__(self, *, key: str, value: object, reason: str) -> None:
+        self.key = key
+        self.value = value
+        self.reason = reason
+        shown = repr(value)
+        if len(shown) > 120:
+            shown = shown[:117] + "..."
+        super().__init__(f"{key}: {reason} (got {shown})")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Resources and units
+
+
+class MemoryUnit(enum.Enum):
+    """What one unit of the gpu-mem resource means on a node.
+
+    Aliyun leaves the unit implicit and its inspect tool guesses it from the size of a GPU; we declare it in
+    the node inventory and in every allocation so that nothing has to guess.
+    """
+
+    MIB = "MiB"
+    GIB = "GiB"
+
+    @property
+    def mib(self) -> int:
+        """MiB in one unit."""
+        return 1 if self is MemoryUnit.MIB else 1024
+
+    @classmethod
+    def parse(cls, text: object, *, key: str = "unit") -> MemoryUnit:
+        for unit in cls:
+            if text == unit.value:
+                return unit
+        raise ContractError(key=key, value=text, reason="'unit' must be 'MiB' or 'GiB'")
+
+    def from_mib(self, mib: int) -> int:
+        """Whole units in ``mib`` MiB, rounded down: a GPU never advertises memory it does not have."""
+        return mib // self.mib
+
+    def to_mib(self, amount: int) -> int:
+        return amount * self.mib
+
+    def convert(self, amount: int, *, to: MemoryUnit) -> int:
+        """``amount`` of this unit expressed in ``to``, rounded up: a holding is never under-counted."""
+        return math.ceil(amount * self.mib / to.mib)
+
+
+@dataclass(frozen=True)
+class ResourceNames:
+    """The extended resource names; the domain is configurable for clusters that run both stacks."""
+
+    domain: str = "aliyun.com"
+
+    @property
+    def gpu_mem(self) -> str:
+        return f"{self.domain}/gpu-mem"
+
+    @property
+    def gpu_count(self) -> str:
+        return f"{self.domain}/gpu-count"
+
+
+DEFAULT_RESOURCES: Final = ResourceNames()
+
+#: Node label that Aliyun's DaemonSet selects on; kept so that existing node pools keep working.
+NODE_LABEL_GPUSHARE: Final = "gpushare"
+
+# ---------------------------------------------------------------------------------------------------------
+# Aliyun pod annotations (written by the extender at bind, ASSIGNED flipped by the node daemon)
+
+ALIYUN_GPU_MEM_IDX: Final = "ALIYUN_COM_GPU_MEM_IDX"
+ALIYUN_GPU_MEM_DEV: Final = "ALIYUN_COM_GPU_MEM_DEV"
+ALIYUN_GPU_MEM_POD: Final = "ALIYUN_COM_GPU_MEM_POD"
+ALIYUN_GPU_MEM_ASSIGNED: Final = "ALIYUN_COM_GPU_MEM_ASSIGNED"
+ALIYUN_GPU_MEM_ASSUME_TIME: Final = "ALIYUN_COM_GPU_MEM_ASSUME_TIME"
+#: Written by Alibaba's closed "gpushare 2.0"; read (never written) so that inspect shows those pods.
+ALIYUN_FRAMEWORK_ALLOCATION: Final = "scheduler.framework.gpushare.allocation"
+
+# ---------------------------------------------------------------------------------------------------------
+# Env returned by Allocate
+
+ENV_NVIDIA_VISIBLE_DEVICES: Final = "NVIDIA_VISIBLE_DEVICES"
+ENV_GPU_MEM_IDX: Final = "ALIYUN_COM_GPU_MEM_IDX"
+ENV_GPU_MEM_POD: Final = "ALIYUN_COM_GPU_MEM_POD"
+ENV_GPU_MEM_CONTAINER: Final = "ALIYUN_COM_GPU_MEM_CONTAINER"
+ENV_GPU_MEM_DEV: Final = "ALIYUN_COM_GPU_MEM_DEV"
+ENV_MPS_PIPE_DIRECTORY: Final = "CUDA_MPS_PIPE_DIRECTORY"
+ENV_MPS_ACTIVE_THREAD_PERCENTAGE: Final = "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"
+ENV_MPS_PINNED_DEVICE_MEM_LIMIT: Final = "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"
+
+# ---------------------------------------------------------------------------------------------------------
+# gpushared's own annotations, versioned in their JSON bodies
+
+ANNOTATION_DOMAIN: Final = "gpushared.io"
+#: Node: the GPUs the daemon found, with their own sizes and health (Aliyun assumes equal sizes).
+NODE_INVENTORY: Final = f"{ANNOTATION_DOMAIN}/gpu-inventory"
+#: Pod: container -> GPU -> amount, so that Allocate (called once per container) can be exact.
+POD_ALLOCATION: Final = f"{ANNOTATION_DOMAIN}/allocation"
+#: Pod: "true" opts the pod into the GPU's MPS server.
+POD_MPS: Final = f"{ANNOTATION_DOMAIN}/mps"
+#: Pod: overrides the derived CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100).
+POD_MPS_THREAD_PERCENTAGE: Final = f"{ANNOTATION_DOMAIN}/mps-active-thread-percentage"
+
+#: The version of the JSON bodies this build writes and the newest it reads.
+CONTRACT_VERSION: Final = 1
+
+# ---------------------------------------------------------------------------------------------------------
+# Scalar values
+
+
+def parse_int(key: str, text: object, *, minimum: int = 0, maximum: int | None = None) -> int:
+    """A decimal integer as Go's strconv.Atoi writes it: optional '-', digits, nothing else."""
+    if not isinstance(text, str) or not text.lstrip("-").isdigit() or not text.lstrip("-").isascii():
+        raise ContractError(key=key, value=text, reason="expected a decimal integer")
+    value = int(text)
+    if value < minimum:
+        raise ContractError(key=key, value=text, reason=f"must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise ContractError(key=key, value=text, reason=f"must be <= {maximum}")
+    return value
+
+
+def parse_bool(key: str, text: object) -> bool:
+    """Aliyun writes and compares the exact strings "true" and "false"; so do we."""
+    if text == "true":
+        return True
+    if text == "false":
+        return False
+    raise ContractError(key=key, value=text, reason="expected 'true' or 'false'")
+
+
+def format_bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+def parse_thread_percentage(text: object) -> int:
+    return parse_int(POD_MPS_THREAD_PERCENTAGE, text, minimum=1, maximum=100)
+
+
+def parse_framework_allocation(text: str) -> dict[int, dict[int, int]]:
+    """Alibaba's closed scheduler's ``{"<container index>": {"<gpu index>": amount}}``."""
+    key = ALIYUN_FRAMEWORK_ALLOCATION
+    body = _load_json(key, text)
+    if not isinstance(body, dict):
+        raise ContractError(key=key, value=text, reason="expected a JSON object")
+    result: dict[int, dict[int, int]] = {}
+    for container, gpus in body.items():
+        if not isinstance(gpus, dict):
+            raise ContractError(key=key, value=text, reason=f"container {container}: expected an object")
+        result[parse_int(key, container)] = {
+            parse_int(key, gpu): _require_int(key, f"container {container} gpu {gpu}", amount)
+            for gpu, amount in gpus.items()
+        }
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The node GPU inventory
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One physical GPU as the node daemon reports it.
+
+    ``index`` is NVML's enumeration index (the same one the daemon resolves to ``uuid``); ``memory`` is in
+    the node's unit, rounded down; ``memory_mib`` is NVML's exact total, which MPS limits are derived from.
+    """
+
+    index: int
+    uuid: str
+    model: str
+    memory: int
+    memory_mib: int
+    healthy: bool = True
+    mps_capable: bool = False
+
+
+@dataclass(frozen=True)
+class GpuInventory:
+    """All GPUs of one node. One unit per node: a node advertises one gpu-mem resource."""
+
+    unit: MemoryUnit
+    gpus: tuple[GpuInfo, ...]
+
+    def __post_init__(self) -> None:
+        indices = [gpu.index for gpu in self.gpus]
+        if indices != sorted(set(indices)):
+            raise ContractError(
+                key=NODE_INVENTORY, value=indices, reason="GPU indices must be unique, ascending"
+            )
+        uuids = [gpu.uuid for gpu in self.gpus]
+        if len(set(uuids)) != len(uuids):
+            raise ContractError(key=NODE_INVENTORY, value=uuids, reason="GPU UUIDs must be unique")
+
+    def by_index(self, index: int) -> GpuInfo | None:
+        for gpu in self.gpus:
+            if gpu.index == index:
+                return gpu
+        return None
+
+    @property
+    def total(self) -> int:
+        return sum(gpu.memory for gpu in self.gpus)
+
+
+def format_inventory(inventory: GpuInventory) -> str:
+    return json.dumps(
+        {
+            "version": CONTRACT_VERSION,
+            "unit": inventory.unit.value,
+            "gpus": [
+                {
+                    "index": gpu.index,
+                    "uuid": gpu.uuid,
+                    "model": gpu.model,
+                    "memory": gpu.memory,
+                    "memoryMiB": gpu.memory_mib,
+                    "healthy": gpu.healthy,
+                    "mps": gpu.mps_capable,
+                }
+                for gpu in inventory.gpus
+            ],
+        },
+        separators=(",", ":"),
+    )
+
+
+def parse_inventory(text: str) -> GpuInventory:
+    key = NODE_INVENTORY
+    body = _versioned_object(key, text)
+    unit = MemoryUnit.parse(body.get("unit"), key=key)
+    gpus = body.get("gpus")
+    if not isinstance(gpus, list):
+        raise ContractError(key=key, value=text, reason="'gpus' must be a list")
+    parsed = []
+    for position, gpu in enumerate(gpus):
+        where = f"gpus[{position}]"
+        if not isinstance(gpu, dict):
+            raise ContractError(key=key, value=text, reason=f"{where} must be an object")
+        parsed.append(
+            GpuInfo(
+                index=_require_int(key, f"{where}.index", gpu.get("index")),
+                uuid=_require_str(key, f"{where}.uuid", gpu.get("uuid")),
+                model=_require_str(key, f"{where}.model", gpu.get("model", "")),
+                memory=_require_int(key, f"{where}.memory", gpu.get("memory")),
+                memory_mib=_require_int(key, f"{where}.memoryMiB", gpu.get("memoryMiB")),
+                healthy=_require_bool(key, f"{where}.healthy", gpu.get("healthy", True)),
+                mps_capable=_require_bool(key, f"{where}.mps", gpu.get("mps", False)),
+            )
+        )
+    return GpuInventory(unit=unit, gpus=tuple(parsed))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The per-container allocation
+
+
+@dataclass(frozen=True)
+class GpuShare:
+    """``amount`` units of the GPU at ``index``; ``uuid`` lets the daemon refuse a GPU that moved."""
+
+    index: int
+    uuid: str
+    amount: int
+
+
+@dataclass(frozen=True)
+class ContainerShares:
+    """The GPU memory of one container. ``init`` and ``sidecar`` matter for what the pod holds at once:
+    init containers run one after another before the app containers, sidecars (restartable init
+    containers) keep running beside them (KEP-753), and kubelet hands init containers' devices on."""
+
+    name: str
+    gpus: tuple[GpuShare, ...]
+    init: bool = False
+    sidecar: bool = False
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """What the extender decided for one pod: every GPU-using container, init containers first, in the
+    order of the pod spec."""
+
+    unit: MemoryUnit
+    containers: tuple[ContainerShares, ...]
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.containers]
+        if len(set(names)) != len(names):
+            raise ContractError(key=POD_ALLOCATION, value=names, reason="container names must be unique")
+
+    def for_container(self, name: str) -> ContainerShares | None:
+        for container in self.containers:
+            if container.name == name:
+                return container
+        return None
+
+
+def format_allocation(allocation: Allocation) -> str:
+    def shares(container: ContainerShares) -> list[dict[str, object]]:
+        return [{"index": s.index, "uuid": s.uuid, "amount": s.amount} for s in container.gpus]
+
+    return json.dumps(
+        {
+            "version": CONTRACT_VERSION,
+            "unit": allocation.unit.value,
+            "initContainers": [
+                {"name": c.name, "sidecar": c.sidecar, "gpus": shares(c)}
+                for c in allocation.containers
+                if c.init
+            ],
+            "containers": [{"name": c.name, "gpus": shares(c)} for c in allocation.containers if not c.init],
+        },
+        separators=(",", ":"),
+    )
+
+
+def parse_allocation(text: str) -> Allocation:
+    key = POD_ALLOCATION
+    body = _versioned_object(key, text)
+    unit = MemoryUnit.parse(body.get("unit"), key=key)
+    parsed: list[ContainerShares] = []
+    for field, init in (("initContainers", True), ("containers", False)):
+        entries = body.get(field, [])
+        if not isinstance(entries, list):
+            raise ContractError(key=key, value=text, reason=f"'{field}' must be a list")
+        for position, entry in enumerate(entries):
+            where = f"{field}[{position}]"
+            if not isinstance(entry, dict):
+                raise ContractError(key=key, value=text, reason=f"{where} must be an object")
+            gpus = entry.get("gpus")
+            if not isinstance(gpus, list) or not gpus:
+                raise ContractError(key=key, value=text, reason=f"{where}.gpus must list at least one GPU")
+            parsed.append(
+                ContainerShares(
+                    name=_require_str(key, f"{where}.name", entry.get("name")),
+                    gpus=tuple(
+                        _parse_share(key, f"{where}.gpus[{i}]", share) for i, share in enumerate(gpus)
+                    ),
+                    init=init,
+                    sidecar=init and _require_bool(key, f"{where}.sidecar", entry.get("sidecar", False)),
+                )
+            )
+    if not parsed:
+        raise ContractError(key=key, value=text, reason="no container holds GPU memory")
+    return Allocation(unit=unit, containers=tuple(parsed))
+
+
+def _parse_share(key: str, where: str, share: object) -> GpuShare:
+    if not isinstance(share, dict):
+        raise ContractError(key=key, value=share, reason=f"{where} must be an object")
+    return GpuShare(
+        index=_require_int(key, f"{where}.index", share.get("index")),
+        uuid=_require_str(key, f"{where}.uuid", share.get("uuid")),
+        amount=_require_int(key, f"{where}.amount", share.get("amount")),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _load_json(key: str, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (json.JSONDecodeError, TypeError) as exc:
+        raise ContractError(key=key, value=text, reason=f"not valid JSON ({exc})") from None
+
+
+def _versioned_object(key: str, text: str) -> dict[str, Any]:
+    body = _load_json(key, text)
+    if not isinstance(body, dict):
+        raise ContractError(key=key, value=text, reason="expected a JSON object")
+    version = body.get("version")
+    if type(version) is not int or version < 1:
+        raise ContractError(key=key, value=text, reason="'version' must be a positive integer")
+    if version > CONTRACT_VERSION:
+        raise ContractError(
+            key=key,
+            value=text,
+            reason=f"version {version} is newer than this gpushared reads ({CONTRACT_VERSION}); upgrade it",
+        )
+    return body
+
+
+def _require_int(key: str, where: str, value: object) -> int:
+    if type(value) is not int or value < 0:
+        raise ContractError(key=key, value=value, reason=f"{where} must be a non-negative integer")
+    return value
+
+
+def _require_str(key: str, where: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise ContractError(key=key, value=value, reason=f"{where} must be a string")
+    return value
+
+
+def _require_bool(key: str, where: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise ContractError(key=key, value=value, reason=f"{where} must be true or false")
+    return value

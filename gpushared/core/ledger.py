@@ -1,0 +1,259 @@
+"""One node's GPUs and what the pods on it hold: the accounting every component agrees on.
+
+The ledger is derived, never persisted: the node inventory annotation says what GPUs exist, and each pod's
+annotations say what it holds. Rebuilding it from the API server after a restart therefore gives the same
+numbers the extender had before, which is what makes the extender restart-safe and lets two replicas agree.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+
+from gpushared import contract
+from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.core.bodies import NodeBody, PodBody
+from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
+
+
+class GpuMode(enum.Enum):
+    """How a GPU is being shared right now. MPS and plain time-sliced clients must not mix on one GPU:
+    with the MPS server in exclusive mode the others fail, and without it they escape its limits."""
+
+    EMPTY = "empty"
+    SHARED = "shared"
+    MPS = "mps"
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one pod holds on this node. ``gpus`` maps GPU index to units held at the pod's peak;
+    ``pending`` is memory of a pod bound here without a GPU choice (it bypassed the extender, or its
+    annotations are unreadable, as ``problem`` then says): it counts against the node, not a GPU."""
+
+    uid: str
+    namespace: str
+    name: str
+    gpus: Mapping[int, int]
+    mps: bool = False
+    pending: int = 0
+    assigned: bool = False
+    problem: str | None = None
+
+
+def holds_gpu_memory(pod: PodBody) -> bool:
+    """Whether the pod's GPU memory is still in use.
+
+    A finished pod (Succeeded/Failed) frees it. A terminating pod does not: its processes keep their GPU
+    memory until the containers have stopped, so we free it only once every container status says so.
+    Aliyun frees at the deletion timestamp, and the next pod then runs out of memory on a busy GPU.
+    """
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed"):
+        return False
+    if not (pod.get("metadata") or {}).get("deletionTimestamp"):
+        return True
+    statuses = list(status.get("containerStatuses") or [])
+    if not statuses:
+        return True
+    return not all((s.get("state") or {}).get("terminated") for s in statuses)
+
+
+def holding_from_pod(
+    pod: PodBody, *, unit: MemoryUnit, resources: ResourceNames = contract.DEFAULT_RESOURCES
+) -> Holding | None:
+    """What ``pod`` holds, in ``unit``, or None if it holds no GPU memory (any more).
+
+    Sources, most exact first: our allocation annotation; Alibaba's framework allocation; Aliyun's
+    ``ALIYUN_COM_GPU_MEM_IDX`` with ``_POD`` (the amount it wrote). A pod whose annotations cannot be read is
+    held as pending with the reason, so that memory is never silently given away twice.
+    """
+    if not holds_gpu_memory(pod):
+        return None
+    meta = pod.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    problems: list[str] = []
+    try:
+        request = pod_request(pod, resources=resources)
+    except ContractError as exc:
+        request = PodRequest(containers=())
+        problems.append(str(exc))
+    try:
+        gpus = _gpus_from_annotations(annotations, unit=unit)
+    except ContractError as exc:
+        gpus = None
+        problems.append(str(exc))
+    if gpus is None and request.total == 0 and not problems:
+        return None
+    return Holding(
+        uid=meta.get("uid", ""),
+        namespace=meta.get("namespace", ""),
+        name=meta.get("name", ""),
+        gpus=gpus or {},
+        mps=request.mps,
+        pending=request.total if gpus is None else 0,
+        assigned=annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true",
+        problem="; ".join(problems) or None,
+    )
+
+
+def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) -> dict[int, int] | None:
+    if contract.POD_ALLOCATION in annotations:
+        allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+        return holds_per_gpu(allocation, unit=unit)
+    if contract.ALIYUN_FRAMEWORK_ALLOCATION in annotations:
+        held: dict[int, int] = {}
+        for gpus in contract.parse_framework_allocation(
+            annotations[contract.ALIYUN_FRAMEWORK_ALLOCATION]
+        ).values():
+            for index, amount in gpus.items():
+                held[index] = held.get(index, 0) + amount
+        return held
+    if contract.ALIYUN_GPU_MEM_IDX in annotations:
+        index = contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, annotations[contract.ALIYUN_GPU_MEM_IDX])
+        amount = contract.parse_int(contract.ALIYUN_GPU_MEM_POD, annotations.get(contract.ALIYUN_GPU_MEM_POD))
+        return {index: amount}
+    return None
+
+
+def holds_per_gpu(allocation: contract.Allocation, *, unit: MemoryUnit) -> dict[int, int]:
+    """Units held at the pod's peak on each GPU of ``allocation``, converted to ``unit``."""
+    indices = sorted({share.index for c in allocation.containers for share in c.gpus})
+    held = {}
+    for index in indices:
+        on_gpu = (
+            ContainerRequest(
+                name=c.name,
+                amount=sum(s.amount for s in c.gpus if s.index == index),
+                init=c.init,
+                sidecar=c.sidecar,
+            )
+            for c in allocation.containers
+        )
+        held[index] = allocation.unit.convert(peak(on_gpu), to=unit)
+    return held
+
+
+def inventory_from_node(
+    node: NodeBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES
+) -> GpuInventory | None:
+    """The node's GPUs: from the inventory annotation, or for an Aliyun node from its capacity.
+
+    Aliyun nodes advertise ``gpu-mem`` capacity and ``gpu-count``; each GPU is assumed to be capacity/count
+    (Aliyun's own assumption) and the unit is guessed the way its inspect tool does (more than 100 units per
+    GPU means MiB). None for a node that shares no GPU.
+    """
+    meta = node.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if contract.NODE_INVENTORY in annotations:
+        return contract.parse_inventory(annotations[contract.NODE_INVENTORY])
+    capacity = (node.get("status") or {}).get("capacity") or {}
+    if resources.gpu_mem not in capacity:
+        return None
+    total = parse_whole_quantity(f"status.capacity[{resources.gpu_mem}]", capacity[resources.gpu_mem])
+    count = parse_whole_quantity(
+        f"status.capacity[{resources.gpu_count}]", capacity.get(resources.gpu_count, "0")
+    )
+    if total <= 0 or count <= 0:
+        return None
+    per_gpu = total // count
+    unit = MemoryUnit.MIB if per_gpu > 100 else MemoryUnit.GIB
+    gpus = tuple(
+        GpuInfo(
+            index=i,
+            uuid=f"aliyun-{meta.get('name', '')}-{i}",
+            model="",
+            memory=per_gpu,
+            memory_mib=unit.to_mib(per_gpu),
+        )
+        for i in range(count)
+    )
+    return GpuInventory(unit=unit, gpus=gpus)
+
+
+@dataclass
+class Ledger:
+    """The GPUs of one node and the holdings on them. Placement only ever adds a holding that fits; a
+    ledger rebuilt from a cluster that is already over capacity (it happens under Aliyun) shows it as is."""
+
+    inventory: GpuInventory
+    _holdings: dict[str, Holding] = field(default_factory=dict)
+    _used: dict[int, int] = field(default_factory=dict)
+    _mps: dict[int, int] = field(default_factory=dict)
+    _shared: dict[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def build(cls, inventory: GpuInventory, holdings: Iterable[Holding] = ()) -> Ledger:
+        ledger = cls(inventory)
+        for holding in holdings:
+            ledger.add(holding)
+        return ledger
+
+    @property
+    def unit(self) -> MemoryUnit:
+        return self.inventory.unit
+
+    def add(self, holding: Holding) -> None:
+        """Record ``holding``, replacing what the same pod held before."""
+        self.remove(holding.uid)
+        self._holdings[holding.uid] = holding
+        self._count(holding, +1)
+
+    def remove(self, uid: str) -> Holding | None:
+        holding = self._holdings.pop(uid, None)
+        if holding is not None:
+            self._count(holding, -1)
+        return holding
+
+    def _count(self, holding: Holding, sign: int) -> None:
+        modes = self._mps if holding.mps else self._shared
+        for index, amount in holding.gpus.items():
+            _bump(self._used, index, sign * amount)
+            _bump(modes, index, sign)
+
+    def holding(self, uid: str) -> Holding | None:
+        return self._holdings.get(uid)
+
+    def holdings(self) -> Iterator[Holding]:
+        return iter(self._holdings.values())
+
+    def used(self, index: int) -> int:
+        return self._used.get(index, 0)
+
+    def free(self, gpu: GpuInfo) -> int:
+        return gpu.memory - self.used(gpu.index)
+
+    def mode(self, index: int) -> GpuMode:
+        if self._mps.get(index):
+            return GpuMode.MPS
+        if self._shared.get(index):
+            return GpuMode.SHARED
+        return GpuMode.EMPTY
+
+    def mps_clients(self, index: int) -> int:
+        return self._mps.get(index, 0)
+
+    @property
+    def pending(self) -> int:
+        return sum(h.pending for h in self._holdings.values())
+
+    @property
+    def used_total(self) -> int:
+        """Units in use on the node, pending pods included (as Aliyun's inspect counts them)."""
+        return sum(self._used.values()) + self.pending
+
+    def orphaned(self) -> dict[int, int]:
+        """Units held on GPU indices the inventory no longer has (a GPU removed or lost)."""
+        known = {gpu.index for gpu in self.inventory.gpus}
+        return {index: used for index, used in self._used.items() if index not in known}
+
+
+def _bump(counts: dict[int, int], index: int, delta: int) -> None:
+    """Add ``delta``, dropping keys that reach zero so the maps stay as small as the busy GPUs."""
+    value = counts.get(index, 0) + delta
+    if value:
+        counts[index] = value
+    else:
+        counts.pop(index, None)

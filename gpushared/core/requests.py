@@ -1,0 +1,123 @@
+"""What a pod asks for: its GPU memory per container, and what it holds on a GPU at its peak.
+
+Kubernetes defines a pod's effective request for a resource as the larger of what its init phase needs
+and what runs together afterwards (KEP-753 adds restartable "sidecar" init containers, which keep running
+beside everything started after them). Kubelet's device manager follows the same rule: devices given to an
+init container are reused by later containers. Aliyun sums app containers only and ignores init containers,
+which under-counts a pod whose init container is the larger one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gpushared import contract
+from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.bodies import Container, PodBody
+from gpushared.core.quantity import parse_whole_quantity
+
+
+@dataclass(frozen=True)
+class ContainerRequest:
+    name: str
+    amount: int
+    init: bool = False
+    sidecar: bool = False
+
+
+def peak(containers: Iterable[ContainerRequest]) -> int:
+    """Most units held at any one time by ``containers``, given in pod-spec order, init containers first."""
+    sidecars = 0
+    init_peak = 0
+    apps = 0
+    for container in containers:
+        if container.sidecar:
+            sidecars += container.amount
+            init_peak = max(init_peak, sidecars)
+        elif container.init:
+            init_peak = max(init_peak, sidecars + container.amount)
+        else:
+            apps += container.amount
+    return max(init_peak, sidecars + apps)
+
+
+@dataclass(frozen=True)
+class PodRequest:
+    """The GPU memory of one pod: the containers that ask for any, and how it wants to share a GPU."""
+
+    containers: tuple[ContainerRequest, ...]
+    mps: bool = False
+    thread_percentage: int | None = None
+
+    @property
+    def total(self) -> int:
+        return peak(self.containers)
+
+    @property
+    def app_sum(self) -> int:
+        """Aliyun's ``ALIYUN_COM_GPU_MEM_POD``: the sum over app containers."""
+        return sum(c.amount for c in self.containers if not c.init)
+
+
+def container_amount(container: Container, *, resource: str, where: str) -> int:
+    """A container's units of ``resource``: its limit, which for extended resources is also its request.
+
+    The API server defaults a missing request to the limit and rejects a request that differs from it; a
+    request without a limit is refused there too. We read both so that a body which skipped validation
+    (a fake, an old object) still gets a precise error instead of a guess.
+    """
+    resources = container.get("resources") or {}
+    limits = resources.get("limits") or {}
+    requests = resources.get("requests") or {}
+    key = f"{where}.resources"
+    limit = (
+        parse_whole_quantity(f"{key}.limits[{resource}]", limits[resource]) if resource in limits else None
+    )
+    request = (
+        parse_whole_quantity(f"{key}.requests[{resource}]", requests[resource])
+        if resource in requests
+        else None
+    )
+    if limit is not None and request is not None and limit != request:
+        raise ContractError(
+            key=f"{key}[{resource}]",
+            value={"requests": requests[resource], "limits": limits[resource]},
+            reason="the request of an extended resource must equal its limit",
+        )
+    if limit is not None:
+        return limit
+    return request or 0
+
+
+def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES) -> PodRequest:
+    """The pod's GPU memory request; raises :class:`ContractError` for malformed quantities or annotations."""
+    spec = pod.get("spec") or {}
+    found: list[ContainerRequest] = []
+    for position, container in enumerate(spec.get("initContainers") or []):
+        name = container.get("name", f"#init{position}")
+        amount = container_amount(
+            container, resource=resources.gpu_mem, where=f"spec.initContainers[{position}]({name})"
+        )
+        if amount:
+            sidecar = container.get("restartPolicy") == "Always"
+            found.append(ContainerRequest(name=name, amount=amount, init=True, sidecar=sidecar))
+    for position, container in enumerate(spec.get("containers") or []):
+        name = container.get("name", f"#{position}")
+        amount = container_amount(
+            container, resource=resources.gpu_mem, where=f"spec.containers[{position}]({name})"
+        )
+        if amount:
+            found.append(ContainerRequest(name=name, amount=amount))
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    mps = (
+        contract.parse_bool(contract.POD_MPS, annotations[contract.POD_MPS])
+        if contract.POD_MPS in annotations
+        else False
+    )
+    percentage = (
+        contract.parse_thread_percentage(annotations[contract.POD_MPS_THREAD_PERCENTAGE])
+        if contract.POD_MPS_THREAD_PERCENTAGE in annotations
+        else None
+    )
+    return PodRequest(containers=tuple(found), mps=mps, thread_percentage=percentage)

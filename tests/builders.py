@@ -1,0 +1,64 @@
+"""Small builders for the Kubernetes bodies tests feed the core and the fakes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpushared import contract
+from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+
+GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
+
+
+def inventory(*sizes: int, unit: MemoryUnit = MemoryUnit.GIB, mps: bool = False) -> GpuInventory:
+    return GpuInventory(
+        unit=unit,
+        gpus=tuple(
+            GpuInfo(
+                index=i,
+                uuid=f"GPU-{i:08x}-0000-0000-0000-000000000000",
+                model="Fake GPU",
+                memory=size,
+                memory_mib=unit.to_mib(size),
+                mps_capable=mps,
+            )
+            for i, size in enumerate(sizes)
+        ),
+    )
+
+
+def container(name: str, amount: int | None = None, **extra: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"name": name, "image": "busybox", **extra}
+    if amount is not None:
+        body["resources"] = {"limits": {GPU_MEM: str(amount)}}
+    return body
+
+
+def pod(
+    name: str,
+    *amounts: int,
+    namespace: str = "default",
+    node: str | None = None,
+    annotations: dict[str, str] | None = None,
+    init: list[dict[str, Any]] | None = None,
+    phase: str = "Pending",
+    uid: str | None = None,
+) -> dict[str, Any]:
+    """A pod whose containers c0, c1, ... ask for ``amounts`` units of gpu-mem."""
+    spec: dict[str, Any] = {"containers": [container(f"c{i}", amount) for i, amount in enumerate(amounts)]}
+    if init:
+        spec["initContainers"] = init
+    if node:
+        spec["nodeName"] = node
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "uid": uid or f"uid-{namespace}-{name}",
+            "annotations": dict(annotations or {}),
+        },
+        "spec": spec,
+        "status": {"phase": phase},
+    }

@@ -1,0 +1,137 @@
+"""Choosing a GPU: Aliyun's best fit, spread, MPS separation, reasons and scores."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushared import contract
+from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.placement import BINPACK, SPREAD, bind_annotations, explain, judge, policy_named
+from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
+from tests.builders import inventory, pod
+
+
+def request(amount: int, *, mps: bool = False) -> PodRequest:
+    return PodRequest(containers=(ContainerRequest("c0", amount),), mps=mps)
+
+
+def used(ledger: Ledger, index: int, amount: int, *, mps: bool = False) -> None:
+    ledger.add(
+        Holding(uid=f"u{index}-{amount}-{mps}", namespace="d", name="x", gpus={index: amount}, mps=mps)
+    )
+
+
+def test_best_fit_example_from_the_seed() -> None:
+    """GPUs with 12207 / 8138 / 4069 / 16276 MiB free: a request of 8138 lands on the 8138 GPU."""
+    ledger = Ledger.build(inventory(12207, 8138, 4069, 16276, unit=MemoryUnit.MIB))
+    choice = BINPACK.choose(judge(ledger, request(8138)))
+    assert choice is not None and choice.gpu.index == 1
+
+
+def test_best_fit_ties_go_to_the_lowest_index() -> None:
+    ledger = Ledger.build(inventory(16, 16, 16))
+    used(ledger, 0, 8)
+    used(ledger, 2, 8)
+    choice = BINPACK.choose(judge(ledger, request(4)))
+    assert choice is not None and choice.gpu.index == 0
+
+
+def test_spread_takes_the_emptiest_gpu() -> None:
+    ledger = Ledger.build(inventory(16, 16, 16))
+    used(ledger, 0, 8)
+    choice = SPREAD.choose(judge(ledger, request(4)))
+    assert choice is not None and choice.gpu.index == 1
+
+
+def test_unhealthy_gpus_are_never_chosen_and_say_why() -> None:
+    inv = inventory(16, 16)
+    sick = GpuInventory(
+        unit=inv.unit, gpus=(GpuInfo(**{**inv.gpus[0].__dict__, "healthy": False}), inv.gpus[1])
+    )
+    verdicts = judge(Ledger.build(sick), request(4))
+    assert verdicts[0].reason == "GPU 0 is unhealthy"
+    choice = BINPACK.choose(verdicts)
+    assert choice is not None and choice.gpu.index == 1
+
+
+def test_reasons_a_person_understands() -> None:
+    ledger = Ledger.build(inventory(8, 16))
+    used(ledger, 0, 5)
+    used(ledger, 1, 13)
+    verdicts = judge(ledger, request(4))
+    assert BINPACK.choose(verdicts) is None
+    assert explain(verdicts) == "GPU 0 has 3 GiB free, pod needs 4 GiB; GPU 1 has 3 GiB free, pod needs 4 GiB"
+    assert explain([]) == "node has no GPUs"
+
+
+def test_mps_and_plain_pods_never_share_a_gpu() -> None:
+    ledger = Ledger.build(inventory(16, 16, 16, mps=True))
+    used(ledger, 0, 2, mps=True)
+    used(ledger, 1, 2)
+    plain = judge(ledger, request(2))
+    assert plain[0].reason == "GPU 0 serves MPS pods"
+    mps = judge(ledger, request(2, mps=True))
+    assert mps[1].reason == "GPU 1 is shared by pods without MPS"
+    assert BINPACK.choose(plain).gpu.index == 1  # type: ignore[union-attr]
+    assert BINPACK.choose(mps).gpu.index == 0  # type: ignore[union-attr]
+
+
+def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
+    assert judge(Ledger.build(inventory(16)), request(1, mps=True))[0].reason == "GPU 0 runs no MPS server"
+    ledger = Ledger.build(inventory(64, mps=True))
+    for i in range(3):
+        ledger.add(Holding(uid=str(i), namespace="d", name="x", gpus={0: 1}, mps=True))
+    assert (
+        judge(ledger, request(1, mps=True), max_mps_clients=3)[0].reason
+        == "GPU 0 has 3 MPS clients, the most it takes"
+    )
+
+
+def test_scores_are_0_to_10_and_follow_the_policy() -> None:
+    tight = Ledger.build(inventory(16))
+    used(tight, 0, 10)
+    roomy = Ledger.build(inventory(16))
+    req = request(4)
+    assert BINPACK.node_score(judge(tight, req), req) == 8  # 14/16 full after placement
+    assert BINPACK.node_score(judge(roomy, req), req) == 2
+    assert SPREAD.node_score(judge(roomy, req), req) == 7
+    assert SPREAD.node_score(judge(tight, req), req) == 1
+    assert BINPACK.node_score(judge(tight, request(7)), request(7)) == 0
+    full = request(16)
+    assert BINPACK.node_score(judge(roomy, full), full) == 10
+
+
+def test_policy_names() -> None:
+    assert policy_named("binpack") is BINPACK
+    with pytest.raises(ContractError, match="unknown placement policy; choose one of binpack, spread"):
+        policy_named("random")
+
+
+def test_bind_annotations_read_back_as_the_same_holding() -> None:
+    inv = inventory(8, 24)
+    body = pod(
+        "p", 3, 2, init=[{"name": "warm", "resources": {"limits": {contract.DEFAULT_RESOURCES.gpu_mem: "6"}}}]
+    )
+    req = pod_request(body)
+    annotations = bind_annotations(req, inv.gpus[1], unit=inv.unit, now_ns=1_700_000_000_123_456_789)
+    assert annotations[contract.ALIYUN_GPU_MEM_IDX] == "1"
+    assert annotations[contract.ALIYUN_GPU_MEM_DEV] == "24"
+    assert annotations[contract.ALIYUN_GPU_MEM_POD] == "6"
+    assert annotations[contract.ALIYUN_GPU_MEM_ASSIGNED] == "false"
+    assert annotations[contract.ALIYUN_GPU_MEM_ASSUME_TIME] == "1700000000123456789"
+    allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+    assert [(c.name, c.init, c.gpus[0].uuid, c.gpus[0].amount) for c in allocation.containers] == [
+        ("warm", True, inv.gpus[1].uuid, 6),
+        ("c0", False, inv.gpus[1].uuid, 3),
+        ("c1", False, inv.gpus[1].uuid, 2),
+    ]
+    body["metadata"]["annotations"] = annotations
+    holding = holding_from_pod(body, unit=inv.unit)
+    assert holding is not None and holding.gpus == {1: 6}
+
+
+def test_a_pod_without_gpu_memory_is_not_placed() -> None:
+    verdicts = judge(Ledger.build(inventory(8, 8)), PodRequest(containers=()))
+    assert BINPACK.choose(verdicts) is None
+    assert explain(verdicts) == "pod requests no GPU memory"

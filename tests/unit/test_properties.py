@@ -1,0 +1,179 @@
+"""Invariants of the core, checked by hypothesis over many generated nodes, pods and histories.
+
+- No sequence of placements and removals ever puts a GPU over capacity, places on an unhealthy GPU, or
+  mixes MPS and plain pods on one GPU.
+- What a placement writes into annotations reads back (through a fresh ledger, as after a restart) as
+  exactly the accounting the placement made.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from gpushared import contract
+from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
+from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge
+from gpushared.core.requests import ContainerRequest, peak, pod_request
+from tests.builders import GPU_MEM
+
+EXAMPLES = 300
+
+
+@st.composite
+def inventories(draw: st.DrawFn) -> GpuInventory:
+    unit = draw(st.sampled_from(MemoryUnit))
+    count = draw(st.integers(min_value=1, max_value=8))
+    high = 80 if unit is MemoryUnit.GIB else 81920
+    gpus = tuple(
+        GpuInfo(
+            index=i,
+            uuid=f"GPU-{i}",
+            model="m",
+            memory=(memory := draw(st.integers(min_value=1, max_value=high))),
+            memory_mib=unit.to_mib(memory),
+            healthy=draw(st.booleans() | st.just(True)),
+            mps_capable=draw(st.booleans()),
+        )
+        for i in range(count)
+    )
+    return GpuInventory(unit=unit, gpus=gpus)
+
+
+@st.composite
+def pod_bodies(draw: st.DrawFn, *, high: int = 40) -> dict[str, Any]:
+    def containers(prefix: str, *, init: bool) -> list[dict[str, Any]]:
+        found = []
+        for i in range(draw(st.integers(min_value=0 if init else 1, max_value=3))):
+            body: dict[str, Any] = {"name": f"{prefix}{i}"}
+            amount = draw(st.integers(min_value=0, max_value=high))
+            if amount:
+                body["resources"] = {"limits": {GPU_MEM: str(amount)}}
+            if init and draw(st.booleans()):
+                body["restartPolicy"] = "Always"
+            found.append(body)
+        return found
+
+    annotations = {contract.POD_MPS: "true"} if draw(st.booleans()) else {}
+    return {
+        "metadata": {"name": "p", "namespace": "d", "uid": "x", "annotations": annotations},
+        "spec": {"initContainers": containers("i", init=True), "containers": containers("c", init=False)},
+        "status": {"phase": "Pending"},
+    }
+
+
+@settings(max_examples=EXAMPLES)
+@given(inventory=inventories(), body=pod_bodies(), now=st.integers(min_value=0, max_value=2**63 - 1))
+def test_annotations_read_back_as_the_same_accounting(
+    inventory: GpuInventory, body: dict[str, Any], now: int
+) -> None:
+    request = pod_request(body)
+    gpu = inventory.gpus[now % len(inventory.gpus)]
+    body["metadata"]["annotations"].update(bind_annotations(request, gpu, unit=inventory.unit, now_ns=now))
+    body["spec"]["nodeName"] = "n1"
+    holding = holding_from_pod(body, unit=inventory.unit)
+    if request.total == 0 and not request.containers:
+        return
+    assert holding is not None
+    assert holding.gpus == {gpu.index: request.total}
+    assert holding.mps == request.mps
+    assert (holding.pending, holding.problem) == (0, None)
+    assert int(body["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_POD]) == request.total
+
+
+@settings(max_examples=EXAMPLES)
+@given(st.lists(st.tuples(st.integers(0, 50), st.sampled_from(["app", "init", "sidecar"])), max_size=8))
+def test_peak_is_bounded_by_the_largest_container_and_the_sum(spec: list[tuple[int, str]]) -> None:
+    # Kubernetes lists init containers first; keep that order.
+    ordered = sorted(spec, key=lambda c: c[1] == "app")
+    containers = [
+        ContainerRequest(f"c{i}", a, init=k != "app", sidecar=k == "sidecar")
+        for i, (a, k) in enumerate(ordered)
+    ]
+    total = peak(containers)
+    assert total <= sum(c.amount for c in containers)
+    assert all(total >= c.amount for c in containers)
+    assert total >= sum(c.amount for c in containers if not c.init or c.sidecar)
+
+
+@settings(max_examples=EXAMPLES)
+@given(st.integers(0, 10**6))
+def test_unit_conversion_round_trip(amount: int) -> None:
+    assert (
+        MemoryUnit.MIB.convert(MemoryUnit.GIB.convert(amount, to=MemoryUnit.MIB), to=MemoryUnit.GIB) == amount
+    )
+    assert MemoryUnit.GIB.to_mib(MemoryUnit.MIB.convert(amount, to=MemoryUnit.GIB)) >= amount
+
+
+class PlacementHistory(RuleBasedStateMachine):
+    """Pods arrive (placed by any policy when some GPU takes them) and leave, in any order."""
+
+    pods = Bundle("pods")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ledger: Ledger | None = None
+        self.bodies: dict[str, dict[str, Any]] = {}
+        self.serial = 0
+
+    @rule(inventory=inventories())
+    def start(self, inventory: GpuInventory) -> None:
+        if self.ledger is None:
+            self.ledger = Ledger.build(inventory)
+
+    @rule(target=pods, body=pod_bodies(high=48), policy=st.sampled_from(sorted(POLICIES)))
+    def place(self, body: dict[str, Any], policy: str) -> str:
+        if self.ledger is None:
+            return ""
+        self.serial += 1
+        uid = f"pod-{self.serial}"
+        body["metadata"].update(uid=uid, name=uid)
+        request = pod_request(body)
+        choice = POLICIES[policy].choose(judge(self.ledger, request))
+        if choice is None:
+            return ""
+        gpu = choice.gpu
+        body["metadata"]["annotations"].update(
+            bind_annotations(request, gpu, unit=self.ledger.unit, now_ns=self.serial)
+        )
+        self.ledger.add(holding_for(request, gpu, uid=uid, namespace="d", name=uid))
+        self.bodies[uid] = body
+        return uid
+
+    @rule(uid=consumes(pods))
+    def leave(self, uid: str) -> None:
+        if self.ledger is not None and uid:
+            self.ledger.remove(uid)
+            del self.bodies[uid]
+
+    @invariant()
+    def no_gpu_over_capacity_or_mixed(self) -> None:
+        if self.ledger is None:
+            return
+        for gpu in self.ledger.inventory.gpus:
+            assert self.ledger.used(gpu.index) <= gpu.memory
+            if not gpu.healthy:
+                assert self.ledger.used(gpu.index) == 0
+            if self.ledger.mode(gpu.index) is GpuMode.MPS:
+                assert gpu.mps_capable
+                assert all(h.mps for h in self.ledger.holdings() if gpu.index in h.gpus)
+            if self.ledger.mode(gpu.index) is GpuMode.SHARED:
+                assert not any(h.mps for h in self.ledger.holdings() if gpu.index in h.gpus)
+
+    @invariant()
+    def ledger_rebuilt_from_annotations_agrees(self) -> None:
+        if self.ledger is None:
+            return
+        holdings = [holding_from_pod(body, unit=self.ledger.unit) for body in self.bodies.values()]
+        rebuilt = Ledger.build(self.ledger.inventory, [h for h in holdings if h is not None])
+        for gpu in self.ledger.inventory.gpus:
+            assert rebuilt.used(gpu.index) == self.ledger.used(gpu.index)
+            assert rebuilt.mode(gpu.index) == self.ledger.mode(gpu.index)
+
+
+PlacementHistory.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
+TestPlacementHistory = PlacementHistory.TestCase

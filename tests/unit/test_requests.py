@@ -1,0 +1,109 @@
+"""A pod's GPU memory request, per container and at its peak, as Kubernetes counts it."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushared import contract
+from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
+from tests.builders import GPU_MEM, container, pod
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("4", 4), ("4k", 4000), ("1Ki", 1024), ("2e3", 2000), ("1.5k", 1500), ("0", 0), (7, 7), ("2000m", 2)],
+)
+def test_quantities(text: object, value: int) -> None:
+    assert parse_whole_quantity("q", text) == value
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("1.5", "whole numbers"),
+        ("500m", "whole numbers"),
+        ("4GB", "not a Kubernetes quantity"),
+        ("", "not a"),
+        ("-1", "must not be negative"),
+        (True, "expected a quantity"),
+        (None, "expected a quantity"),
+    ],
+)
+def test_bad_quantities(text: object, reason: str) -> None:
+    with pytest.raises(ContractError, match=reason):
+        parse_whole_quantity("limits[aliyun.com/gpu-mem]", text)
+
+
+def test_sum_of_app_containers_skipping_those_without_gpu_mem() -> None:
+    body = pod("p", 3, 5)
+    body["spec"]["containers"].append(container("sidecar"))
+    request = pod_request(body)
+    assert request.total == 8
+    assert [c.name for c in request.containers] == ["c0", "c1"]
+    assert request.app_sum == 8
+
+
+def test_init_container_larger_than_apps_sets_the_peak() -> None:
+    """Aliyun ignores init containers; Kubernetes takes max(init, sum(apps))."""
+    body = pod("p", 2, 2, init=[container("warmup", 6), container("small", 1)])
+    request = pod_request(body)
+    assert request.total == 6
+    assert request.app_sum == 4
+    assert request.containers[0] == ContainerRequest(name="warmup", amount=6, init=True)
+
+
+def test_sidecars_run_beside_later_init_containers_and_apps() -> None:
+    """KEP-753: restartable init containers add to everything started after them."""
+    body = pod("p", 4, init=[container("log", 1, restartPolicy="Always"), container("fetch", 5)])
+    assert pod_request(body).total == 6  # max(1 + 5, 1 + 4)
+    assert peak([ContainerRequest("s", 2, init=True, sidecar=True)]) == 2
+
+
+def test_request_without_limit_and_equal_request() -> None:
+    body = pod("p")
+    body["spec"]["containers"] = [
+        {"name": "a", "resources": {"requests": {GPU_MEM: "2"}}},
+        {"name": "b", "resources": {"requests": {GPU_MEM: "3"}, "limits": {GPU_MEM: "3"}}},
+    ]
+    assert pod_request(body).total == 5
+
+
+def test_request_different_from_limit_is_refused_with_the_container_named() -> None:
+    body = pod("p")
+    body["spec"]["containers"] = [
+        {"name": "main", "resources": {"requests": {GPU_MEM: "2"}, "limits": {GPU_MEM: "3"}}}
+    ]
+    with pytest.raises(ContractError, match=r"spec.containers\[0\]\(main\).resources\[aliyun.com/gpu-mem\]"):
+        pod_request(body)
+
+
+def test_fractional_limit_names_the_field() -> None:
+    body = pod("p")
+    body["spec"]["containers"] = [{"name": "main", "resources": {"limits": {GPU_MEM: "1.5"}}}]
+    with pytest.raises(
+        ContractError, match=r"spec.containers\[0\]\(main\).resources.limits\[aliyun.com/gpu-mem\]"
+    ):
+        pod_request(body)
+
+
+def test_other_domain() -> None:
+    body = pod("p")
+    body["spec"]["containers"] = [{"name": "main", "resources": {"limits": {"example.com/gpu-mem": "9"}}}]
+    assert pod_request(body).total == 0
+    assert pod_request(body, resources=ResourceNames(domain="example.com")).total == 9
+
+
+def test_mps_opt_in_and_thread_percentage() -> None:
+    body = pod("p", 2, annotations={contract.POD_MPS: "true", contract.POD_MPS_THREAD_PERCENTAGE: "30"})
+    assert pod_request(body) == PodRequest(
+        containers=(ContainerRequest("c0", 2),), mps=True, thread_percentage=30
+    )
+    body["metadata"]["annotations"][contract.POD_MPS] = "yes"
+    with pytest.raises(ContractError, match=r"gpushared\.io/mps: expected 'true' or 'false'"):
+        pod_request(body)
+
+
+def test_empty_pod() -> None:
+    assert pod_request({}).total == 0
