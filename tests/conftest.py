@@ -1,0 +1,29 @@
+"""Fixtures shared by every test: the fakes at the boundaries we cannot have (GPU, API server, kubelet)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.nvml import FakeNvml, build_library
+
+
+@pytest.fixture(scope="session")
+def fake_nvml_library(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_library(tmp_path_factory.mktemp("fake-nvml"))
+
+
+@pytest.fixture
+def fake_nvml(fake_nvml_library: Path, tmp_path: Path) -> Iterator[FakeNvml]:
+    """Four GPUs of different sizes, loaded into this process for the real pynvml."""
+    nvml = FakeNvml.with_sizes(tmp_path / "nvml.json", fake_nvml_library, 16384, 12288, 24576, 8192)
+    previous = os.environ.get("FAKE_NVML_CONFIG")
+    nvml.preload()
+    yield nvml
+    if previous is None:
+        os.environ.pop("FAKE_NVML_CONFIG", None)
+    else:
+        os.environ["FAKE_NVML_CONFIG"] = previous

@@ -1,0 +1,146 @@
+"""Build and drive the fake ``libnvidia-ml.so.1`` (``fake_nvml.c``) for tests and local clusters.
+
+The library is compiled on first use against the official ``nvml.h`` from the ``nvidia-nvml-dev`` wheel, so
+a signature that drifts from NVIDIA's header fails the build rather than a test. The GPUs it shows live in
+a JSON file that :class:`FakeNvml` rewrites atomically; the library notices and reloads on its next call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SOURCE = Path(__file__).with_name("nvml") / "fake_nvml.c"
+LIBRARY_NAME = "libnvidia-ml.so.1"
+
+
+def nvml_include_dir() -> Path:
+    """Where the nvidia-nvml-dev wheel put ``nvml.h`` (its folder name follows the CUDA major)."""
+    for entry in sys.path:
+        base = Path(entry) / "nvidia"
+        if base.is_dir():
+            for header in sorted(base.glob("*/include/nvml.h")):
+                return header.parent
+    raise FileNotFoundError("nvml.h not found: install the nvidia-nvml-dev wheel (it is in the dev extra)")
+
+
+def build_library(out_dir: Path) -> Path:
+    """Compile the fake into ``out_dir/libnvidia-ml.so.1`` unless an up-to-date copy is there."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target = out_dir / LIBRARY_NAME
+    if target.exists() and target.stat().st_mtime >= SOURCE.stat().st_mtime:
+        return target
+    compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if compiler is None:
+        raise FileNotFoundError("no C compiler: install gcc")
+    scratch = out_dir / f".{LIBRARY_NAME}.{os.getpid()}"
+    subprocess.run(
+        [
+            compiler,
+            "-shared",
+            "-fPIC",
+            "-O2",
+            "-Wall",
+            "-Wextra",
+            "-Werror",
+            "-Wno-unused-parameter",
+            f"-I{nvml_include_dir()}",
+            f"-Wl,-soname,{LIBRARY_NAME}",
+            "-o",
+            str(scratch),
+            str(SOURCE),
+            "-lpthread",
+        ],
+        check=True,
+    )
+    scratch.replace(target)
+    return target
+
+
+@dataclass
+class FakeGpu:
+    uuid: str
+    name: str = "NVIDIA Fake GPU"
+    memory_mib: int = 16384
+    used_mib: int = 0
+    minor: int | None = None
+    compute_capability: tuple[int, int] = (8, 0)
+    mig_mode: int = 0
+    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used MiB)
+    errors: dict[str, str] = field(default_factory=dict)  # NVML function -> error name
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        return {
+            "uuid": self.uuid,
+            "name": self.name,
+            "memoryMiB": self.memory_mib,
+            "usedMiB": self.used_mib,
+            "minor": index if self.minor is None else self.minor,
+            "computeCapability": list(self.compute_capability),
+            "migMode": self.mig_mode,
+            "processes": [{"pid": pid, "usedMiB": used} for pid, used in self.processes],
+            "errors": self.errors,
+        }
+
+
+class FakeNvml:
+    """The GPUs one fake library shows. Change attributes, then :meth:`write`; or use the helpers."""
+
+    def __init__(self, config_path: Path, library: Path, gpus: list[FakeGpu] | None = None) -> None:
+        self.config_path = config_path
+        self.library = library
+        self.gpus: list[FakeGpu] = list(gpus or [])
+        self.errors: dict[str, str] = {}
+        self.driver_version = "535.261.03"
+        self._events: list[dict[str, Any]] = []
+        self.write()
+
+    @classmethod
+    def with_sizes(cls, config_path: Path, library: Path, *sizes_mib: int) -> FakeNvml:
+        # UUIDs shaped like NVIDIA's, stable for a given config path, different between fakes.
+        tag = zlib.crc32(str(config_path).encode())
+        gpus = [
+            FakeGpu(uuid=f"GPU-{tag:08x}-fa4e-4000-8000-{i:012x}", memory_mib=size)
+            for i, size in enumerate(sizes_mib)
+        ]
+        return cls(config_path, library, gpus)
+
+    def write(self) -> None:
+        body = {
+            "driverVersion": self.driver_version,
+            "cudaDriverVersion": 12020,
+            "errors": self.errors,
+            "devices": [gpu.to_json(i) for i, gpu in enumerate(self.gpus)],
+            "events": self._events,
+        }
+        scratch = self.config_path.with_suffix(".tmp")
+        scratch.write_text(json.dumps(body, indent=1))
+        scratch.replace(self.config_path)  # atomic: the library never reads half a file
+
+    def xid(self, gpu: int, xid: int) -> None:
+        """Raise an XID critical error on GPU ``gpu`` (-1: all GPUs)."""
+        self._events.append({"id": len(self._events) + 1, "device": gpu, "type": "xid", "xid": xid})
+        self.write()
+
+    def env(self) -> dict[str, str]:
+        """Environment for a process that should load this fake through the real pynvml."""
+        previous = os.environ.get("LD_LIBRARY_PATH")
+        search = str(self.library.parent) + (f":{previous}" if previous else "")
+        return {"LD_LIBRARY_PATH": search, "FAKE_NVML_CONFIG": str(self.config_path)}
+
+    def preload(self) -> None:
+        """Make ``dlopen("libnvidia-ml.so.1")`` in this process find the fake.
+
+        glibc matches an already-loaded object by soname before it searches paths, so pynvml's own CDLL call
+        gets this library even though LD_LIBRARY_PATH was fixed when the process started.
+        """
+        os.environ["FAKE_NVML_CONFIG"] = str(self.config_path)
+        ctypes.CDLL(str(self.library), mode=ctypes.RTLD_GLOBAL)

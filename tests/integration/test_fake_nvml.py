@@ -1,0 +1,127 @@
+"""The fake libnvidia-ml.so.1 under the real pynvml: what our NVML adapter will see on a GPU node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pynvml
+import pytest
+
+from tests.fakes.nvml import FakeNvml
+
+
+@pytest.fixture
+def nvml(fake_nvml: FakeNvml) -> Iterator[FakeNvml]:
+    pynvml.nvmlInit()
+    yield fake_nvml
+    pynvml.nvmlShutdown()
+
+
+def test_count_memory_uuids_and_names(nvml: FakeNvml) -> None:
+    assert pynvml.nvmlDeviceGetCount() == 4
+    seen = []
+    for i in range(4):
+        handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        seen.append((pynvml.nvmlDeviceGetUUID(handle), memory.total // 2**20, memory.free // 2**20))
+        assert pynvml.nvmlDeviceGetIndex(handle) == i
+        assert pynvml.nvmlDeviceGetMinorNumber(handle) == i
+        assert pynvml.nvmlDeviceGetName(handle) == "NVIDIA Fake GPU"
+    assert seen == [(gpu.uuid, gpu.memory_mib, gpu.memory_mib) for gpu in nvml.gpus]
+    assert len({uuid for uuid, _, _ in seen}) == 4
+    assert all(uuid.startswith("GPU-") for uuid, _, _ in seen)
+    assert pynvml.nvmlSystemGetDriverVersion() == "535.261.03"
+
+
+def test_lookup_by_uuid_and_versioned_memory_info(nvml: FakeNvml) -> None:
+    handle = pynvml.nvmlDeviceGetHandleByUUID(nvml.gpus[2].uuid)
+    assert pynvml.nvmlDeviceGetIndex(handle) == 2
+    info = pynvml.nvmlDeviceGetMemoryInfo(handle, version=pynvml.nvmlMemory_v2)
+    assert info.total == 24576 * 2**20
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        pynvml.nvmlDeviceGetHandleByUUID("GPU-missing")
+    with pytest.raises(pynvml.NVMLError_InvalidArgument):
+        pynvml.nvmlDeviceGetHandleByIndex(4)
+
+
+def test_state_changes_are_seen_by_a_running_process(nvml: FakeNvml) -> None:
+    nvml.gpus[0].used_mib = 1000
+    nvml.gpus[0].processes = [(4242, 1000)]
+    nvml.gpus[1].mig_mode = 1
+    nvml.gpus.append(nvml.gpus[3].__class__(uuid="GPU-hotplug", memory_mib=40960))
+    nvml.write()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    assert pynvml.nvmlDeviceGetMemoryInfo(handle).used == 1000 * 2**20
+    processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    assert [(p.pid, p.usedGpuMemory) for p in processes] == [(4242, 1000 * 2**20)]
+    assert pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(2)) == []
+    assert pynvml.nvmlDeviceGetMigMode(pynvml.nvmlDeviceGetHandleByIndex(1)) == [1, 1]
+    assert pynvml.nvmlDeviceGetCount() == 5
+
+
+def test_injected_errors_surface_as_pynvml_exceptions(nvml: FakeNvml) -> None:
+    nvml.gpus[1].errors = {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}
+    nvml.write()
+    with pytest.raises(pynvml.nvmlExceptionClass(pynvml.NVML_ERROR_GPU_IS_LOST)):
+        pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(1))
+    assert pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total > 0
+    nvml.errors = {"nvmlDeviceGetCount_v2": "UNKNOWN"}
+    nvml.write()
+    with pytest.raises(pynvml.NVMLError_Unknown):
+        pynvml.nvmlDeviceGetCount()
+
+
+def test_init_failure_as_on_a_node_without_a_driver(fake_nvml: FakeNvml) -> None:
+    fake_nvml.errors = {"nvmlInitWithFlags": "DRIVER_NOT_LOADED"}
+    fake_nvml.write()
+    with pytest.raises(pynvml.NVMLError_DriverNotLoaded):
+        pynvml.nvmlInit()
+
+
+def test_xid_event_reaches_a_waiting_event_set(nvml: FakeNvml) -> None:
+    nvml.xid(0, 13)  # before registration: never replayed
+    events = pynvml.nvmlEventSetCreate()
+    for i in (1, 2):
+        pynvml.nvmlDeviceRegisterEvents(
+            pynvml.nvmlDeviceGetHandleByIndex(i), pynvml.nvmlEventTypeXidCriticalError, events
+        )
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        pynvml.nvmlEventSetWait(events, 50)
+    nvml.xid(0, 48)  # GPU 0 is not registered in this set
+    nvml.xid(2, 79)
+    started = time.monotonic()
+    data = pynvml.nvmlEventSetWait(events, 5000)
+    assert time.monotonic() - started < 1
+    assert data.eventType == pynvml.nvmlEventTypeXidCriticalError
+    assert data.eventData == 79
+    assert pynvml.nvmlDeviceGetUUID(data.device) == nvml.gpus[2].uuid
+    with pytest.raises(pynvml.NVMLError_Timeout):
+        pynvml.nvmlEventSetWait(events, 50)
+    pynvml.nvmlEventSetFree(events)
+
+
+def test_a_subprocess_finds_the_fake_through_its_environment(fake_nvml: FakeNvml) -> None:
+    script = (
+        "import json, pynvml; pynvml.nvmlInit(); h = pynvml.nvmlDeviceGetHandleByIndex(3);"
+        "print(json.dumps([pynvml.nvmlDeviceGetCount(), pynvml.nvmlDeviceGetUUID(h),"
+        " pynvml.nvmlDeviceGetMemoryInfo(h).total]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, **fake_nvml.env()},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert json.loads(out.stdout) == [4, fake_nvml.gpus[3].uuid, 8192 * 2**20]
+
+
+def test_a_half_written_config_keeps_the_last_good_state(nvml: FakeNvml) -> None:
+    assert pynvml.nvmlDeviceGetCount() == 4
+    nvml.config_path.write_text('{"devices": [')
+    assert pynvml.nvmlDeviceGetCount() == 4
