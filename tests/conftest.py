@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,3 +29,11 @@ def fake_nvml(fake_nvml_library: Path, tmp_path: Path) -> Iterator[FakeNvml]:
         os.environ.pop("FAKE_NVML_CONFIG", None)
     else:
         os.environ["FAKE_NVML_CONFIG"] = previous
+
+
+@pytest.fixture
+def plugin_dir() -> Iterator[Path]:
+    """A kubelet device-plugin directory. Short, because a unix socket path has at most 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="gps-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)

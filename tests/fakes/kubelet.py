@@ -1,0 +1,286 @@
+"""A fake kubelet device manager: the other end of the device-plugin protocol, over real unix sockets.
+
+It behaves as kubelet's device manager does (v1.20 through current):
+
+- serves ``Registration`` on ``<plugin dir>/kubelet.sock``; refuses versions other than v1beta1; after a
+  successful Register it dials ``<plugin dir>/<endpoint>`` and consumes ``ListAndWatch`` for that resource,
+  replacing an earlier endpoint of the same resource;
+- admits a pod container by container, init containers first: devices of init containers are reused by
+  the containers after them; the rest comes from healthy unallocated devices, steered by
+  ``GetPreferredAllocation`` when the plugin offers it (and only where the answer is usable), else taken
+  in arbitrary order, as Go's map iteration takes them; then one ``Allocate`` per container and, when the
+  plugin asks for it, ``PreStartContainer``;
+- on :meth:`restart` deletes every socket in the plugin directory and serves a fresh ``kubelet.sock``,
+  keeping its allocations (the real one keeps them in a checkpoint).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+VERSION = "v1beta1"
+HEALTHY = "Healthy"
+
+
+class AdmissionError(Exception):
+    """The pod cannot be admitted (kubelet reports UnexpectedAdmissionError on the pod)."""
+
+
+@dataclass
+class Endpoint:
+    resource: str
+    socket: Path
+    options: api_pb2.DevicePluginOptions
+    channel: grpc.Channel
+    stub: api_pb2_grpc.DevicePluginStub
+    devices: dict[str, str] = field(default_factory=dict)  # ID -> health
+    updates: int = 0
+    connected: bool = True
+
+
+@dataclass(frozen=True)
+class ContainerSpec:
+    name: str
+    count: int
+    init: bool = False
+
+
+@dataclass
+class ContainerAllocation:
+    name: str
+    device_ids: list[str]
+    response: api_pb2.ContainerAllocateResponse
+
+
+class FakeKubelet:
+    def __init__(self, plugin_dir: Path, *, seed: int | None = None) -> None:
+        self.plugin_dir = plugin_dir
+        self.endpoints: dict[str, Endpoint] = {}
+        self.allocated: dict[str, dict[str, set[str]]] = {}  # resource -> pod uid -> device IDs
+        self.registrations: list[api_pb2.RegisterRequest] = []
+        self.calls: list[tuple[str, object]] = []  # (rpc name, request) in the order made
+        self._rng = random.Random(seed)
+        self._lock = threading.Condition()
+        self._server: grpc.Server | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.plugin_dir / "kubelet.sock"
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    def start(self) -> FakeKubelet:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop(grace=None)
+            self._server = None
+        with self._lock:
+            for endpoint in self.endpoints.values():
+                endpoint.channel.close()
+            self.endpoints.clear()
+
+    def restart(self) -> None:
+        """As a kubelet restart looks to a plugin: its socket is deleted and kubelet.sock comes back."""
+        self.stop()
+        for path in self.plugin_dir.iterdir():
+            if path.is_socket():
+                path.unlink()
+        self.start()
+
+    def __enter__(self) -> FakeKubelet:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- registration and device lists -------------------------------------------------------------------
+
+    def _register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
+        self.registrations.append(request)
+        if request.version != VERSION:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"Unsupported plugin API version: {request.version}; supported versions are [{VERSION}]",
+            )
+        socket = self.plugin_dir / request.endpoint
+        channel = grpc.insecure_channel(f"unix://{socket}")
+        endpoint = Endpoint(
+            resource=request.resource_name,
+            socket=socket,
+            options=request.options,
+            channel=channel,
+            stub=api_pb2_grpc.DevicePluginStub(channel),
+        )
+        with self._lock:
+            old = self.endpoints.get(request.resource_name)
+            self.endpoints[request.resource_name] = endpoint
+        if old is not None:
+            old.channel.close()
+        threading.Thread(target=self._list_and_watch, args=(endpoint,), daemon=True).start()
+        return api_pb2.Empty()
+
+    def _list_and_watch(self, endpoint: Endpoint) -> None:
+        try:
+            for response in endpoint.stub.ListAndWatch(api_pb2.Empty()):
+                with self._lock:
+                    endpoint.devices = {d.ID: d.health for d in response.devices}
+                    endpoint.updates += 1
+                    self._lock.notify_all()
+        except grpc.RpcError:
+            pass
+        with self._lock:
+            endpoint.connected = False
+            self._lock.notify_all()
+
+    def devices(self, resource: str) -> dict[str, str]:
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            return dict(endpoint.devices) if endpoint else {}
+
+    def capacity(self, resource: str) -> int:
+        """What the node's allocatable would say: healthy devices of a connected endpoint."""
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            if endpoint is None or not endpoint.connected:
+                return 0
+            return sum(1 for health in endpoint.devices.values() if health == HEALTHY)
+
+    def wait_for(self, resource: str, *, capacity: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self.capacity(resource) != capacity:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"{resource}: capacity {self.capacity(resource)}, waited for {capacity}"
+                    )
+                self._lock.wait(remaining)
+
+    def wait_for_update(self, resource: str, *, after: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (endpoint := self.endpoints.get(resource)) is None or endpoint.updates <= after:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"{resource}: no ListAndWatch update after {after}")
+                self._lock.wait(remaining)
+
+    # --- admission ---------------------------------------------------------------------------------------
+
+    def admit(
+        self, pod_uid: str, resource: str, containers: Sequence[ContainerSpec]
+    ) -> list[ContainerAllocation]:
+        """Admit one pod: init containers first, then app containers, each in spec order."""
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+        if endpoint is None or not endpoint.connected:
+            raise AdmissionError(f"no endpoint for resource {resource}")
+        ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
+        reusable: set[str] = set()
+        results = []
+        for container in ordered:
+            if container.count == 0:
+                continue
+            chosen = self._devices_for(endpoint, pod_uid, container.count, reusable)
+            request = api_pb2.AllocateRequest(
+                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
+            )
+            self.calls.append(("Allocate", request))
+            try:
+                response = endpoint.stub.Allocate(request, timeout=10)
+            except grpc.RpcError as exc:
+                self._release(resource, pod_uid, set(chosen) - reusable)
+                raise AdmissionError(f"Allocate failed: {exc.code().name}: {exc.details()}") from exc
+            if len(response.container_responses) != 1:
+                raise AdmissionError(
+                    f"Allocate returned {len(response.container_responses)} responses for 1 container"
+                )
+            if endpoint.options.pre_start_required:
+                pre_start = api_pb2.PreStartContainerRequest(devices_ids=chosen)
+                self.calls.append(("PreStartContainer", pre_start))
+                endpoint.stub.PreStartContainer(pre_start, timeout=10)
+            if container.init:
+                reusable |= set(chosen)
+            else:
+                reusable -= set(chosen)
+            results.append(ContainerAllocation(container.name, chosen, response.container_responses[0]))
+        return results
+
+    def _devices_for(self, endpoint: Endpoint, pod_uid: str, count: int, reusable: set[str]) -> list[str]:
+        resource = endpoint.resource
+        with self._lock:
+            taken = (
+                set().union(*self.allocated.get(resource, {}).values())
+                if self.allocated.get(resource)
+                else set()
+            )
+            healthy = {d for d, health in endpoint.devices.items() if health == HEALTHY}
+            available = healthy - taken
+        chosen = sorted(reusable)[:count]
+        needed = count - len(chosen)
+        if needed > len(available):
+            raise AdmissionError(
+                f"requested number of devices unavailable for {resource}. Requested: {count}, "
+                f"Available: {len(available) + len(chosen)}"
+            )
+        if needed and endpoint.options.get_preferred_allocation_available:
+            request = api_pb2.PreferredAllocationRequest(
+                container_requests=[
+                    api_pb2.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=sorted(available | set(chosen)),
+                        must_include_deviceIDs=chosen,
+                        allocation_size=count,
+                    )
+                ]
+            )
+            self.calls.append(("GetPreferredAllocation", request))
+            response = endpoint.stub.GetPreferredAllocation(request, timeout=10)
+            preferred = [
+                d for d in response.container_responses[0].deviceIDs if d in available and d not in chosen
+            ]
+            taking = preferred[:needed]
+            chosen += taking
+            needed -= len(taking)
+        if needed:
+            pool = sorted(available - set(chosen))
+            self._rng.shuffle(pool)
+            chosen += pool[:needed]
+        with self._lock:
+            self.allocated.setdefault(resource, {}).setdefault(pod_uid, set()).update(chosen)
+        return chosen
+
+    def _release(self, resource: str, pod_uid: str, devices: set[str]) -> None:
+        with self._lock:
+            self.allocated.get(resource, {}).get(pod_uid, set()).difference_update(devices)
+
+    def remove_pod(self, pod_uid: str) -> None:
+        with self._lock:
+            for pods in self.allocated.values():
+                pods.pop(pod_uid, None)
+
+
+class _Registration(api_pb2_grpc.RegistrationServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    def Register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
+        return self.kubelet._register(request, context)

@@ -1,0 +1,189 @@
+"""The fake kubelet against a minimal device plugin over real unix sockets and the real grpc library."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from tests.fakes.kubelet import AdmissionError, ContainerSpec, FakeKubelet
+
+RESOURCE = "example.com/widget"
+
+
+class ToyPlugin(api_pb2_grpc.DevicePluginServicer):
+    """Just enough of a device plugin to exercise the kubelet side; prefers the lowest IDs."""
+
+    def __init__(
+        self, plugin_dir: Path, ids: list[str], *, preferred: bool = True, pre_start: bool = False
+    ) -> None:
+        self.plugin_dir = plugin_dir
+        self.health = dict.fromkeys(ids, "Healthy")
+        self.options = api_pb2.DevicePluginOptions(
+            get_preferred_allocation_available=preferred, pre_start_required=pre_start
+        )
+        self.updates: queue.Queue[None] = queue.Queue()
+        self.allocations: list[list[str]] = []
+        self.server: grpc.Server | None = None
+
+    def serve(self, endpoint: str = "toy.sock") -> None:
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self, self.server)
+        self.server.add_insecure_port(f"unix://{self.plugin_dir / endpoint}")
+        self.server.start()
+        self.register(endpoint)
+
+    def register(self, endpoint: str, version: str = "v1beta1") -> None:
+        with grpc.insecure_channel(f"unix://{self.plugin_dir / 'kubelet.sock'}") as channel:
+            api_pb2_grpc.RegistrationStub(channel).Register(
+                api_pb2.RegisterRequest(
+                    version=version, endpoint=endpoint, resource_name=RESOURCE, options=self.options
+                ),
+                timeout=5,
+            )
+
+    def set_health(self, device: str, health: str) -> None:
+        self.health[device] = health
+        self.updates.put(None)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=None)
+
+    def GetDevicePluginOptions(self, request, context):  # type: ignore[no-untyped-def]
+        return self.options
+
+    def ListAndWatch(self, request, context) -> Iterator[api_pb2.ListAndWatchResponse]:  # type: ignore[no-untyped-def]
+        while context.is_active():
+            yield api_pb2.ListAndWatchResponse(
+                devices=[api_pb2.Device(ID=i, health=h) for i, h in sorted(self.health.items())]
+            )
+            while context.is_active():
+                try:
+                    self.updates.get(timeout=0.1)
+                    break
+                except queue.Empty:
+                    continue
+
+    def GetPreferredAllocation(self, request, context):  # type: ignore[no-untyped-def]
+        responses = []
+        for r in request.container_requests:
+            picked = list(r.must_include_deviceIDs)
+            picked += [d for d in sorted(r.available_deviceIDs) if d not in picked][
+                : r.allocation_size - len(picked)
+            ]
+            responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=picked))
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request, context):  # type: ignore[no-untyped-def]
+        responses = []
+        for r in request.container_requests:
+            self.allocations.append(list(r.devices_ids))
+            responses.append(
+                api_pb2.ContainerAllocateResponse(envs={"WIDGETS": ",".join(sorted(r.devices_ids))})
+            )
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+    def PreStartContainer(self, request, context):  # type: ignore[no-untyped-def]
+        return api_pb2.PreStartContainerResponse()
+
+
+@pytest.fixture
+def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
+    with FakeKubelet(plugin_dir, seed=7) as k:
+        yield k
+
+
+def widgets(n: int) -> list[str]:
+    return [f"w{i}" for i in range(n)]
+
+
+def test_registration_dials_back_and_consumes_list_and_watch(kubelet: FakeKubelet, plugin_dir: Path) -> None:
+    plugin = ToyPlugin(plugin_dir, widgets(4))
+    plugin.serve()
+    kubelet.wait_for(RESOURCE, capacity=4)
+    assert kubelet.registrations[0].endpoint == "toy.sock"
+    assert kubelet.registrations[0].options.get_preferred_allocation_available
+    before = kubelet.endpoints[RESOURCE].updates
+    plugin.set_health("w1", "Unhealthy")
+    kubelet.wait_for_update(RESOURCE, after=before)
+    assert kubelet.capacity(RESOURCE) == 3
+    assert kubelet.devices(RESOURCE)["w1"] == "Unhealthy"
+    plugin.stop()
+
+
+def test_wrong_version_is_refused(kubelet: FakeKubelet, plugin_dir: Path) -> None:
+    plugin = ToyPlugin(plugin_dir, widgets(1))
+    with pytest.raises(grpc.RpcError) as info:
+        plugin.register("toy.sock", version="v1alpha")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "Unsupported plugin API version" in (info.value.details() or "")
+
+
+def test_one_allocate_per_container_steered_by_the_preferred_allocation(
+    kubelet: FakeKubelet, plugin_dir: Path
+) -> None:
+    plugin = ToyPlugin(plugin_dir, widgets(8), pre_start=True)
+    plugin.serve()
+    kubelet.wait_for(RESOURCE, capacity=8)
+    result = kubelet.admit("pod-a", RESOURCE, [ContainerSpec("a", 2), ContainerSpec("b", 3)])
+    assert [(r.name, sorted(r.device_ids)) for r in result] == [
+        ("a", ["w0", "w1"]),
+        ("b", ["w2", "w3", "w4"]),
+    ]
+    assert result[1].response.envs["WIDGETS"] == "w2,w3,w4"
+    names = [name for name, _ in kubelet.calls]
+    assert names == ["GetPreferredAllocation", "Allocate", "PreStartContainer"] * 2
+    assert plugin.allocations == [["w0", "w1"], ["w2", "w3", "w4"]]
+    second = kubelet.admit("pod-b", RESOURCE, [ContainerSpec("c", 3)])
+    assert sorted(second[0].device_ids) == ["w5", "w6", "w7"]
+    with pytest.raises(AdmissionError, match="Requested: 1, Available: 0"):
+        kubelet.admit("pod-c", RESOURCE, [ContainerSpec("d", 1)])
+    kubelet.remove_pod("pod-a")
+    assert len(kubelet.admit("pod-c", RESOURCE, [ContainerSpec("d", 5)])[0].device_ids) == 5
+    plugin.stop()
+
+
+def test_init_container_devices_are_reused(kubelet: FakeKubelet, plugin_dir: Path) -> None:
+    plugin = ToyPlugin(plugin_dir, widgets(4), preferred=False)
+    plugin.serve()
+    kubelet.wait_for(RESOURCE, capacity=4)
+    result = kubelet.admit("p", RESOURCE, [ContainerSpec("app", 3), ContainerSpec("init", 2, init=True)])
+    init, app = result
+    assert init.name == "init"
+    assert set(init.device_ids) <= set(app.device_ids)
+    assert len(kubelet.allocated[RESOURCE]["p"]) == 3
+    plugin.stop()
+
+
+def test_without_preference_devices_come_in_arbitrary_order(plugin_dir: Path) -> None:
+    orders = set()
+    for seed in range(5):
+        with FakeKubelet(plugin_dir, seed=seed) as kubelet:
+            plugin = ToyPlugin(plugin_dir, widgets(16), preferred=False)
+            plugin.serve(f"toy{seed}.sock")
+            kubelet.wait_for(RESOURCE, capacity=16)
+            orders.add(tuple(kubelet.admit("p", RESOURCE, [ContainerSpec("a", 4)])[0].device_ids))
+            plugin.stop()
+    assert len(orders) > 1
+
+
+def test_restart_deletes_plugin_sockets_and_drops_capacity(kubelet: FakeKubelet, plugin_dir: Path) -> None:
+    plugin = ToyPlugin(plugin_dir, widgets(2))
+    plugin.serve()
+    kubelet.wait_for(RESOURCE, capacity=2)
+    kubelet.admit("p", RESOURCE, [ContainerSpec("a", 1)])
+    kubelet.restart()
+    assert not (plugin_dir / "toy.sock").exists()
+    assert kubelet.socket.exists()
+    assert kubelet.capacity(RESOURCE) == 0
+    plugin.stop()
+    plugin.serve()  # what a well-behaved plugin does when its socket vanished
+    kubelet.wait_for(RESOURCE, capacity=2)
+    assert kubelet.allocated[RESOURCE]["p"]  # allocations survive, as kubelet's checkpoint keeps them
+    plugin.stop()
