@@ -32,8 +32,15 @@ def fake_nvml(fake_nvml_library: Path, tmp_path: Path) -> Iterator[FakeNvml]:
 
 
 @pytest.fixture
-def plugin_dir() -> Iterator[Path]:
-    """A kubelet device-plugin directory. Short, because a unix socket path has at most 107 bytes."""
+def kubelet_root() -> Iterator[Path]:
+    """Plays /var/lib/kubelet. Short, because a unix socket path has at most 107 bytes."""
     path = Path(tempfile.mkdtemp(prefix="gps-", dir="/tmp"))
     yield path
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def plugin_dir(kubelet_root: Path) -> Path:
+    path = kubelet_root / "device-plugins"
+    path.mkdir()
+    return path

@@ -11,7 +11,11 @@ It behaves as kubelet's device manager does (v1.20 through current):
   in arbitrary order, as Go's map iteration takes them; then one ``Allocate`` per container and, when the
   plugin asks for it, ``PreStartContainer``;
 - on :meth:`restart` deletes every socket in the plugin directory and serves a fresh ``kubelet.sock``,
-  keeping its allocations (the real one keeps them in a checkpoint).
+  keeping its allocations (the real one keeps them in a checkpoint);
+- serves the PodResources ``List`` on ``<root>/pod-resources/kubelet.sock`` from its pod manager, which,
+  as in kubelet's HandlePodAdditions, gets each pod just before that pod's admission: during a pod's
+  Allocate calls it lists the pods admitted before it, with their devices, and that pod, without devices
+  for the containers not yet allocated. Rejected pods stay listed, as they do in the real pod manager.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from pathlib import Path
 
 import grpc
 
+from gpushared.deviceplugin.podresources.v1 import api_pb2 as podresources_pb2
+from gpushared.deviceplugin.podresources.v1 import api_pb2_grpc as podresources_grpc
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 VERSION = "v1beta1"
@@ -49,6 +55,23 @@ class Endpoint:
 
 
 @dataclass(frozen=True)
+class PodRef:
+    uid: str
+    name: str
+    namespace: str = "default"
+
+
+@dataclass
+class ManagedPod:
+    """A pod in the kubelet's pod manager: its app containers and the devices each got, per resource."""
+
+    ref: PodRef
+    app_containers: list[str]
+    devices: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # container -> resource -> IDs
+    rejected: bool = False
+
+
+@dataclass(frozen=True)
 class ContainerSpec:
     name: str
     count: int
@@ -63,8 +86,12 @@ class ContainerAllocation:
 
 
 class FakeKubelet:
-    def __init__(self, plugin_dir: Path, *, seed: int | None = None) -> None:
-        self.plugin_dir = plugin_dir
+    """``root`` plays /var/lib/kubelet: plugins in ``root/device-plugins``, PodResources beside it."""
+
+    def __init__(self, root: Path, *, seed: int | None = None) -> None:
+        self.root = root
+        self.plugin_dir = root / "device-plugins"
+        self.pods: dict[str, ManagedPod] = {}  # the pod manager, by pod UID
         self.endpoints: dict[str, Endpoint] = {}
         self.allocated: dict[str, dict[str, set[str]]] = {}  # resource -> pod uid -> device IDs
         self.registrations: list[api_pb2.RegisterRequest] = []
@@ -72,10 +99,15 @@ class FakeKubelet:
         self._rng = random.Random(seed)
         self._lock = threading.Condition()
         self._server: grpc.Server | None = None
+        self._pod_resources: grpc.Server | None = None
 
     @property
     def socket(self) -> Path:
         return self.plugin_dir / "kubelet.sock"
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        return self.root / "pod-resources" / "kubelet.sock"
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -87,12 +119,23 @@ class FakeKubelet:
         server.add_insecure_port(f"unix://{self.socket}")
         server.start()
         self._server = server
+        if self._pod_resources is None:
+            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+            self.pod_resources_socket.unlink(missing_ok=True)
+            lister = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+            podresources_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), lister)
+            lister.add_insecure_port(f"unix://{self.pod_resources_socket}")
+            lister.start()
+            self._pod_resources = lister
         return self
 
     def stop(self) -> None:
         if self._server is not None:
             self._server.stop(grace=None)
             self._server = None
+        if self._pod_resources is not None:
+            self._pod_resources.stop(grace=None)
+            self._pod_resources = None
         with self._lock:
             for endpoint in self.endpoints.values():
                 endpoint.channel.close()
@@ -187,13 +230,28 @@ class FakeKubelet:
     # --- admission ---------------------------------------------------------------------------------------
 
     def admit(
-        self, pod_uid: str, resource: str, containers: Sequence[ContainerSpec]
+        self, pod: PodRef, resource: str, containers: Sequence[ContainerSpec]
     ) -> list[ContainerAllocation]:
-        """Admit one pod: init containers first, then app containers, each in spec order."""
+        """Admit one pod: into the pod manager first, then init containers, then app containers, in spec order.
+
+        A failure leaves the pod in the pod manager as rejected, with whatever it was given so far."""
+        managed = ManagedPod(ref=pod, app_containers=[c.name for c in containers if not c.init])
+        with self._lock:
+            self.pods[pod.uid] = managed
+        try:
+            return self._admit(managed, resource, containers)
+        except AdmissionError:
+            managed.rejected = True
+            raise
+
+    def _admit(
+        self, managed: ManagedPod, resource: str, containers: Sequence[ContainerSpec]
+    ) -> list[ContainerAllocation]:
         with self._lock:
             endpoint = self.endpoints.get(resource)
         if endpoint is None or not endpoint.connected:
             raise AdmissionError(f"no endpoint for resource {resource}")
+        pod_uid = managed.ref.uid
         ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
         reusable: set[str] = set()
         results = []
@@ -214,6 +272,8 @@ class FakeKubelet:
                 raise AdmissionError(
                     f"Allocate returned {len(response.container_responses)} responses for 1 container"
                 )
+            with self._lock:  # kubelet records the devices only once Allocate has answered
+                managed.devices.setdefault(container.name, {})[resource] = list(chosen)
             if endpoint.options.pre_start_required:
                 pre_start = api_pb2.PreStartContainerRequest(devices_ids=chosen)
                 self.calls.append(("PreStartContainer", pre_start))
@@ -224,6 +284,28 @@ class FakeKubelet:
                 reusable -= set(chosen)
             results.append(ContainerAllocation(container.name, chosen, response.container_responses[0]))
         return results
+
+    def list_pod_resources(self) -> podresources_pb2.ListPodResourcesResponse:
+        with self._lock:
+            return podresources_pb2.ListPodResourcesResponse(
+                pod_resources=[
+                    podresources_pb2.PodResources(
+                        name=pod.ref.name,
+                        namespace=pod.ref.namespace,
+                        containers=[
+                            podresources_pb2.ContainerResources(
+                                name=name,
+                                devices=[
+                                    podresources_pb2.ContainerDevices(resource_name=r, device_ids=ids)
+                                    for r, ids in sorted(pod.devices.get(name, {}).items())
+                                ],
+                            )
+                            for name in pod.app_containers
+                        ],
+                    )
+                    for pod in self.pods.values()
+                ]
+            )
 
     def _devices_for(self, endpoint: Endpoint, pod_uid: str, count: int, reusable: set[str]) -> list[str]:
         resource = endpoint.resource
@@ -274,6 +356,7 @@ class FakeKubelet:
 
     def remove_pod(self, pod_uid: str) -> None:
         with self._lock:
+            self.pods.pop(pod_uid, None)
             for pods in self.allocated.values():
                 pods.pop(pod_uid, None)
 
@@ -284,3 +367,13 @@ class _Registration(api_pb2_grpc.RegistrationServicer):
 
     def Register(self, request: api_pb2.RegisterRequest, context: grpc.ServicerContext) -> api_pb2.Empty:
         return self.kubelet._register(request, context)
+
+
+class _PodResources(podresources_grpc.PodResourcesListerServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    def List(
+        self, request: podresources_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
+    ) -> podresources_pb2.ListPodResourcesResponse:
+        return self.kubelet.list_pod_resources()

@@ -11,7 +11,9 @@ import grpc
 import pytest
 
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
-from tests.fakes.kubelet import AdmissionError, ContainerSpec, FakeKubelet
+from gpushared.deviceplugin.podresources.v1 import api_pb2 as podresources_pb2
+from gpushared.deviceplugin.podresources.v1 import api_pb2_grpc as podresources_grpc
+from tests.fakes.kubelet import AdmissionError, ContainerSpec, FakeKubelet, PodRef
 
 RESOURCE = "example.com/widget"
 
@@ -94,8 +96,8 @@ class ToyPlugin(api_pb2_grpc.DevicePluginServicer):
 
 
 @pytest.fixture
-def kubelet(plugin_dir: Path) -> Iterator[FakeKubelet]:
-    with FakeKubelet(plugin_dir, seed=7) as k:
+def kubelet(kubelet_root: Path, plugin_dir: Path) -> Iterator[FakeKubelet]:
+    with FakeKubelet(kubelet_root, seed=7) as k:
         yield k
 
 
@@ -131,7 +133,7 @@ def test_one_allocate_per_container_steered_by_the_preferred_allocation(
     plugin = ToyPlugin(plugin_dir, widgets(8), pre_start=True)
     plugin.serve()
     kubelet.wait_for(RESOURCE, capacity=8)
-    result = kubelet.admit("pod-a", RESOURCE, [ContainerSpec("a", 2), ContainerSpec("b", 3)])
+    result = kubelet.admit(PodRef("pod-a", "pod-a"), RESOURCE, [ContainerSpec("a", 2), ContainerSpec("b", 3)])
     assert [(r.name, sorted(r.device_ids)) for r in result] == [
         ("a", ["w0", "w1"]),
         ("b", ["w2", "w3", "w4"]),
@@ -140,12 +142,12 @@ def test_one_allocate_per_container_steered_by_the_preferred_allocation(
     names = [name for name, _ in kubelet.calls]
     assert names == ["GetPreferredAllocation", "Allocate", "PreStartContainer"] * 2
     assert plugin.allocations == [["w0", "w1"], ["w2", "w3", "w4"]]
-    second = kubelet.admit("pod-b", RESOURCE, [ContainerSpec("c", 3)])
+    second = kubelet.admit(PodRef("pod-b", "pod-b"), RESOURCE, [ContainerSpec("c", 3)])
     assert sorted(second[0].device_ids) == ["w5", "w6", "w7"]
     with pytest.raises(AdmissionError, match="Requested: 1, Available: 0"):
-        kubelet.admit("pod-c", RESOURCE, [ContainerSpec("d", 1)])
+        kubelet.admit(PodRef("pod-c", "pod-c"), RESOURCE, [ContainerSpec("d", 1)])
     kubelet.remove_pod("pod-a")
-    assert len(kubelet.admit("pod-c", RESOURCE, [ContainerSpec("d", 5)])[0].device_ids) == 5
+    assert len(kubelet.admit(PodRef("pod-c", "pod-c"), RESOURCE, [ContainerSpec("d", 5)])[0].device_ids) == 5
     plugin.stop()
 
 
@@ -153,7 +155,9 @@ def test_init_container_devices_are_reused(kubelet: FakeKubelet, plugin_dir: Pat
     plugin = ToyPlugin(plugin_dir, widgets(4), preferred=False)
     plugin.serve()
     kubelet.wait_for(RESOURCE, capacity=4)
-    result = kubelet.admit("p", RESOURCE, [ContainerSpec("app", 3), ContainerSpec("init", 2, init=True)])
+    result = kubelet.admit(
+        PodRef("p", "p"), RESOURCE, [ContainerSpec("app", 3), ContainerSpec("init", 2, init=True)]
+    )
     init, app = result
     assert init.name == "init"
     assert set(init.device_ids) <= set(app.device_ids)
@@ -161,14 +165,16 @@ def test_init_container_devices_are_reused(kubelet: FakeKubelet, plugin_dir: Pat
     plugin.stop()
 
 
-def test_without_preference_devices_come_in_arbitrary_order(plugin_dir: Path) -> None:
+def test_without_preference_devices_come_in_arbitrary_order(kubelet_root: Path, plugin_dir: Path) -> None:
     orders = set()
     for seed in range(5):
-        with FakeKubelet(plugin_dir, seed=seed) as kubelet:
+        with FakeKubelet(kubelet_root, seed=seed) as kubelet:
             plugin = ToyPlugin(plugin_dir, widgets(16), preferred=False)
             plugin.serve(f"toy{seed}.sock")
             kubelet.wait_for(RESOURCE, capacity=16)
-            orders.add(tuple(kubelet.admit("p", RESOURCE, [ContainerSpec("a", 4)])[0].device_ids))
+            orders.add(
+                tuple(kubelet.admit(PodRef("p", "p"), RESOURCE, [ContainerSpec("a", 4)])[0].device_ids)
+            )
             plugin.stop()
     assert len(orders) > 1
 
@@ -177,7 +183,7 @@ def test_restart_deletes_plugin_sockets_and_drops_capacity(kubelet: FakeKubelet,
     plugin = ToyPlugin(plugin_dir, widgets(2))
     plugin.serve()
     kubelet.wait_for(RESOURCE, capacity=2)
-    kubelet.admit("p", RESOURCE, [ContainerSpec("a", 1)])
+    kubelet.admit(PodRef("p", "p"), RESOURCE, [ContainerSpec("a", 1)])
     kubelet.restart()
     assert not (plugin_dir / "toy.sock").exists()
     assert kubelet.socket.exists()
@@ -186,4 +192,46 @@ def test_restart_deletes_plugin_sockets_and_drops_capacity(kubelet: FakeKubelet,
     plugin.serve()  # what a well-behaved plugin does when its socket vanished
     kubelet.wait_for(RESOURCE, capacity=2)
     assert kubelet.allocated[RESOURCE]["p"]  # allocations survive, as kubelet's checkpoint keeps them
+    plugin.stop()
+
+
+def list_pods(kubelet: FakeKubelet) -> dict[str, dict[str, list[str]]]:
+    with grpc.insecure_channel(f"unix://{kubelet.pod_resources_socket}") as channel:
+        response = podresources_grpc.PodResourcesListerStub(channel).List(
+            podresources_pb2.ListPodResourcesRequest()
+        )
+    return {
+        f"{p.namespace}/{p.name}": {
+            c.name: [i for d in c.devices for i in d.device_ids] for c in p.containers
+        }
+        for p in response.pod_resources
+    }
+
+
+def test_pod_resources_show_the_pod_under_admission_without_its_devices(
+    kubelet: FakeKubelet, plugin_dir: Path
+) -> None:
+    """What the real kubelet's pod manager shows: each pod is added just before its own admission."""
+    seen: list[dict[str, dict[str, list[str]]]] = []
+
+    class Recording(ToyPlugin):
+        def Allocate(self, request, context):  # type: ignore[no-untyped-def]
+            seen.append(list_pods(kubelet))
+            return super().Allocate(request, context)
+
+    plugin = Recording(plugin_dir, widgets(6), preferred=False)
+    plugin.serve()
+    kubelet.wait_for(RESOURCE, capacity=6)
+    kubelet.admit(PodRef("u1", "first"), RESOURCE, [ContainerSpec("a", 1), ContainerSpec("b", 2)])
+    kubelet.admit(PodRef("u2", "second"), RESOURCE, [ContainerSpec("c", 1), ContainerSpec("i", 1, init=True)])
+    first_a, first_b, second_i, second_c = seen
+    assert first_a == {"default/first": {"a": [], "b": []}}
+    assert len(first_b["default/first"]["a"]) == 1 and first_b["default/first"]["b"] == []
+    assert second_i["default/second"] == {"c": []}  # init containers are not listed
+    assert len(second_i["default/first"]["b"]) == 2
+    assert second_c["default/second"] == {"c": []}
+    assert len(list_pods(kubelet)["default/second"]["c"]) == 1
+    with pytest.raises(AdmissionError):
+        kubelet.admit(PodRef("u3", "third"), RESOURCE, [ContainerSpec("d", 9)])
+    assert list_pods(kubelet)["default/third"] == {"d": []}  # rejected pods stay in the pod manager
     plugin.stop()
