@@ -232,7 +232,7 @@ class FakeKubelet:
     def admit(
         self, pod: PodRef, resource: str, containers: Sequence[ContainerSpec]
     ) -> list[ContainerAllocation]:
-        """Admit one pod: into the pod manager first, then init containers, then app containers, in spec order.
+        """Admit one pod: into the pod manager first, then init containers, then app containers.
 
         A failure leaves the pod in the pod manager as rejected, with whatever it was given so far."""
         managed = ManagedPod(ref=pod, app_containers=[c.name for c in containers if not c.init])
