@@ -210,9 +210,7 @@ class GpuInventory:
     def __post_init__(self) -> None:
         indices = [gpu.index for gpu in self.gpus]
         if indices != sorted(set(indices)):
-            raise ContractError(
-                key=NODE_INVENTORY, value=indices, reason="GPU indices must be unique, ascending"
-            )
+            raise ContractError(key=NODE_INVENTORY, value=indices, reason="GPU indices must be unique, ascending")
         uuids = [gpu.uuid for gpu in self.gpus]
         if len(set(uuids)) != len(uuids):
             raise ContractError(key=NODE_INVENTORY, value=uuids, reason="GPU UUIDs must be unique")
@@ -330,9 +328,7 @@ def format_allocation(allocation: Allocation) -> str:
             "version": CONTRACT_VERSION,
             "unit": allocation.unit.value,
             "initContainers": [
-                {"name": c.name, "sidecar": c.sidecar, "gpus": shares(c)}
-                for c in allocation.containers
-                if c.init
+                {"name": c.name, "sidecar": c.sidecar, "gpus": shares(c)} for c in allocation.containers if c.init
             ],
             "containers": [{"name": c.name, "gpus": shares(c)} for c in allocation.containers if not c.init],
         },
@@ -359,9 +355,7 @@ def parse_allocation(text: str) -> Allocation:
             parsed.append(
                 ContainerShares(
                     name=_require_str(key, f"{where}.name", entry.get("name")),
-                    gpus=tuple(
-                        _parse_share(key, f"{where}.gpus[{i}]", share) for i, share in enumerate(gpus)
-                    ),
+                    gpus=tuple(_parse_share(key, f"{where}.gpus[{i}]", share) for i, share in enumerate(gpus)),
                     init=init,
                     sidecar=init and _require_bool(key, f"{where}.sidecar", entry.get("sidecar", False)),
                 )

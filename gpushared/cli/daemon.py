@@ -1,10 +1,30 @@
-"""``gpushared``: the node daemon (device plugin, GPU inventory, MPS)."""
+"""``gpushared``: the node daemon (device plugin, GPU inventory), and ``gpushared status``."""
 
 from __future__ import annotations
+
+import json
+import logging
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
 
 import click
 
 from gpushared import __version__
+from gpushared.daemon import config as config_module
+
+CONFIG_HELP = f"YAML configuration (default {config_module.DEFAULT_PATH}); GPUSHARED_* variables override it."
+
+
+def _load(config_path: Path | None, flags: dict[str, Any]) -> config_module.Config:
+    try:
+        return config_module.load(
+            config_path or config_module.DEFAULT_PATH, flags=flags, required=config_path is not None
+        )
+    except config_module.ConfigError as exc:
+        raise click.ClickException(f"bad configuration: {exc}") from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -20,6 +40,70 @@ def version() -> None:
 
 
 @main.command()
-def serve() -> None:
-    """Run the device plugin (not yet: the node daemon arrives with issue #3)."""
-    raise click.ClickException("not yet: the node daemon is being built (issue #3)")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help=CONFIG_HELP)
+@click.option("--node-name", help="This machine's Node name (default: the hostname).")
+@click.option("--kubeconfig", type=click.Path(path_type=Path), help="Kubeconfig of the node's identity.")
+@click.option("--memory-unit", type=click.Choice(["GiB", "MiB"]), help="One gpu-mem unit.")
+@click.option("--kubelet-dir", type=click.Path(path_type=Path), help="The kubelet's root (device-plugins/ inside).")
+@click.option("--log-level", type=click.Choice(config_module.LOG_LEVELS), help="Log verbosity.")
+@click.option("--metrics-address", help="Where metrics and status listen (default 127.0.0.1).")
+@click.option("--metrics-port", type=int, help="Metrics and status port; 0 turns them off.")
+def serve(config_path: Path | None, **flags: Any) -> None:
+    """Run the daemon until SIGTERM; SIGHUP re-reads the configuration."""
+    from gpushared.daemon.service import FatalError, Service
+    from gpushared.nvml.backend import NvmlBackend
+
+    config = _load(config_path, flags)
+    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    service = Service(config, backend=NvmlBackend(), config_path=config_path)
+    service.install_signals()
+    try:
+        service.run()
+    except FatalError as exc:
+        logging.getLogger("gpushared").critical("%s", exc)
+        raise SystemExit(2) from None
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help=CONFIG_HELP)
+@click.option("--json", "as_json", is_flag=True, help="Print the daemon's status as JSON.")
+def status(config_path: Path | None, as_json: bool) -> None:
+    """Show the running daemon's GPUs, their health and who holds them."""
+    config = _load(config_path, {})
+    host = "127.0.0.1" if config.metrics_address in ("0.0.0.0", "::") else config.metrics_address
+    url = f"http://{host}:{config.metrics_port}/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            body = json.load(response)
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"the daemon does not answer at {url}: {exc}") from None
+    if as_json:
+        click.echo(json.dumps(body, indent=2))
+        return
+    click.echo(render_status(body))
+
+
+def render_status(body: dict[str, Any]) -> str:
+    unit = body["unit"]
+    lines = [
+        f"node {body['node']}  resource {body['resource']}  kubelet: "
+        + ("registered" if body["registered"] else "NOT registered")
+        + ("" if body["nvml"] else "  NVML: unavailable"),
+        "",
+        f"{'GPU':<4}{'UUID':<42}{'MODEL':<24}{'USED/TOTAL (' + unit + ')':<20}HEALTH",
+    ]
+    for gpu in body["gpus"]:
+        health = "healthy" if gpu["healthy"] else f"UNHEALTHY ({gpu['problem']})"
+        used = f"{gpu['used']}/{gpu['memory']}"
+        lines.append(f"{gpu['index']:<4}{gpu['uuid']:<42}{gpu['model'][:23]:<24}{used:<20}{health}")
+    if body["pods"]:
+        lines += ["", f"{'POD':<40}{'GPU(' + unit + ')':<16}{'ASSIGNED':<10}CONTAINERS"]
+        for pod in body["pods"]:
+            gpus = ", ".join(f"{i}:{a}" for i, a in pod["gpus"].items()) or f"pending:{pod['pending']}"
+            containers = ", ".join(f"{c}->GPU {i}" for c, i in pod["containers"].items())
+            lines.append(
+                f"{pod['namespace'] + '/' + pod['name']:<40}{gpus:<16}{str(pod['assigned']).lower():<10}{containers}"
+            )
+            if pod.get("problem"):
+                lines.append(f"    problem: {pod['problem']}")
+    return "\n".join(lines)

@@ -105,9 +105,7 @@ def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) 
         return holds_per_gpu(allocation, unit=unit)
     if contract.ALIYUN_FRAMEWORK_ALLOCATION in annotations:
         held: dict[int, int] = {}
-        for gpus in contract.parse_framework_allocation(
-            annotations[contract.ALIYUN_FRAMEWORK_ALLOCATION]
-        ).values():
+        for gpus in contract.parse_framework_allocation(annotations[contract.ALIYUN_FRAMEWORK_ALLOCATION]).values():
             for index, amount in gpus.items():
                 held[index] = held.get(index, 0) + amount
         return held
@@ -153,9 +151,7 @@ def inventory_from_node(
     if resources.gpu_mem not in capacity:
         return None
     total = parse_whole_quantity(f"status.capacity[{resources.gpu_mem}]", capacity[resources.gpu_mem])
-    count = parse_whole_quantity(
-        f"status.capacity[{resources.gpu_count}]", capacity.get(resources.gpu_count, "0")
-    )
+    count = parse_whole_quantity(f"status.capacity[{resources.gpu_count}]", capacity.get(resources.gpu_count, "0"))
     if total <= 0 or count <= 0:
         return None
     per_gpu = total // count

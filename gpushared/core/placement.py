@@ -125,9 +125,7 @@ def allocation_for(request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUn
     )
 
 
-def bind_annotations(
-    request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUnit, now_ns: int
-) -> dict[str, str]:
+def bind_annotations(request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUnit, now_ns: int) -> dict[str, str]:
     """The pod annotations the extender writes at bind: Aliyun's, for tools and nodes that still read
     them, and our per-container allocation, which the node daemon trusts.
 

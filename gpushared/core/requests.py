@@ -71,14 +71,8 @@ def container_amount(container: Container, *, resource: str, where: str) -> int:
     limits = resources.get("limits") or {}
     requests = resources.get("requests") or {}
     key = f"{where}.resources"
-    limit = (
-        parse_whole_quantity(f"{key}.limits[{resource}]", limits[resource]) if resource in limits else None
-    )
-    request = (
-        parse_whole_quantity(f"{key}.requests[{resource}]", requests[resource])
-        if resource in requests
-        else None
-    )
+    limit = parse_whole_quantity(f"{key}.limits[{resource}]", limits[resource]) if resource in limits else None
+    request = parse_whole_quantity(f"{key}.requests[{resource}]", requests[resource]) if resource in requests else None
     if limit is not None and request is not None and limit != request:
         raise ContractError(
             key=f"{key}[{resource}]",
@@ -104,9 +98,7 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
             found.append(ContainerRequest(name=name, amount=amount, init=True, sidecar=sidecar))
     for position, container in enumerate(spec.get("containers") or []):
         name = container.get("name", f"#{position}")
-        amount = container_amount(
-            container, resource=resources.gpu_mem, where=f"spec.containers[{position}]({name})"
-        )
+        amount = container_amount(container, resource=resources.gpu_mem, where=f"spec.containers[{position}]({name})")
         if amount:
             found.append(ContainerRequest(name=name, amount=amount))
     annotations = (pod.get("metadata") or {}).get("annotations") or {}

@@ -260,9 +260,7 @@ class FakeApiServer:
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         plural = _plural_of(obj)
-        namespace = (
-            (obj.get("metadata") or {}).get("namespace", "default") if RESOURCES[plural].namespaced else ""
-        )
+        namespace = (obj.get("metadata") or {}).get("namespace", "default") if RESOURCES[plural].namespaced else ""
         return self._create(RESOURCES[plural], namespace, copy.deepcopy(obj))
 
     def get(self, plural: str, name: str, namespace: str = "") -> dict[str, Any] | None:
@@ -387,9 +385,7 @@ class FakeApiServer:
                 _check_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
             if new == old:
                 return copy.deepcopy(old)  # a no-op write does not bump resourceVersion
-            return self._commit(
-                resource, "MODIFIED", (resource.plural, namespace, name), new, copy.deepcopy(old)
-            )
+            return self._commit(resource, "MODIFIED", (resource.plural, namespace, name), new, copy.deepcopy(old))
 
     def _patch(
         self,
@@ -427,22 +423,16 @@ class FakeApiServer:
             if not isinstance(patched, dict):
                 raise ApiError(422, "Invalid", "the patch did not produce an object")
             wanted_rv = (patched.get("metadata") or {}).get("resourceVersion")
-            return self._update(
-                resource, namespace, name, patched, subresource=subresource, precondition_rv=wanted_rv
-            )
+            return self._update(resource, namespace, name, patched, subresource=subresource, precondition_rv=wanted_rv)
 
-    def _delete(
-        self, resource: Resource, namespace: str, name: str, options: dict[str, Any]
-    ) -> dict[str, Any]:
+    def _delete(self, resource: Resource, namespace: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
         with self._lock:
             old = self._current(resource, namespace, name)
             preconditions = options.get("preconditions") or {}
             if preconditions.get("uid") not in (None, old["metadata"]["uid"]):
                 raise _uid_conflict(preconditions["uid"], old["metadata"]["uid"])
             if preconditions.get("resourceVersion") not in (None, old["metadata"]["resourceVersion"]):
-                raise ApiError(
-                    409, "Conflict", "Precondition failed: resourceVersion in precondition does not match"
-                )
+                raise ApiError(409, "Conflict", "Precondition failed: resourceVersion in precondition does not match")
             key = (resource.plural, namespace, name)
             grace = options.get("gracePeriodSeconds")
             if resource.plural == "pods" and (old.get("spec") or {}).get("nodeName"):
@@ -474,16 +464,12 @@ class FakeApiServer:
             if pod["metadata"].get("deletionTimestamp"):
                 raise ApiError(409, "Conflict", f"pod {name} is being deleted, cannot be assigned to a host")
             if (pod.get("spec") or {}).get("nodeName"):
-                raise ApiError(
-                    409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"'
-                )
+                raise ApiError(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
             bound = copy.deepcopy(pod)
             bound["spec"]["nodeName"] = target
             if meta.get("annotations"):
                 bound["metadata"].setdefault("annotations", {}).update(meta["annotations"])
-            conditions = [
-                c for c in bound["status"].get("conditions") or [] if c.get("type") != "PodScheduled"
-            ]
+            conditions = [c for c in bound["status"].get("conditions") or [] if c.get("type") != "PodScheduled"]
             conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()})
             bound["status"]["conditions"] = conditions
             self._commit(pods, "MODIFIED", ("pods", namespace, name), bound, copy.deepcopy(pod))
@@ -499,10 +485,7 @@ class FakeApiServer:
             items = [
                 copy.deepcopy(obj)
                 for (plural, ns, _), obj in sorted(self._objects.items())
-                if plural == resource.plural
-                and (namespace is None or ns == namespace)
-                and fields(obj)
-                and labels(obj)
+                if plural == resource.plural and (namespace is None or ns == namespace) and fields(obj) and labels(obj)
             ]
             rv = str(self._current_rv)
         meta: dict[str, Any] = {"resourceVersion": rv}
@@ -624,9 +607,7 @@ def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
     """kube-apiserver lets an update change only images, activeDeadlineSeconds and tolerations of a pod."""
     comparable_old = copy.deepcopy(old)
     for field_name in ("containers", "initContainers"):
-        for old_c, new_c in zip(
-            comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False
-        ):
+        for old_c, new_c in zip(comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False):
             if "image" in new_c:
                 old_c["image"] = new_c["image"]
     for mutable in ("activeDeadlineSeconds", "tolerations"):
@@ -716,9 +697,7 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             body = self.rfile.read(length) if length else b""
             with server._lock:
                 server.requests.append(Request(method, parts.path, query))
-                fault = next(
-                    (f for f in server.faults if f.matches(method, parts.path, watching=watching)), None
-                )
+                fault = next((f for f in server.faults if f.matches(method, parts.path, watching=watching)), None)
                 if fault is not None:
                     fault.hits += 1
             if fault is not None:
@@ -730,9 +709,7 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     return
                 if fault.status is not None:
                     if watching and fault.status == 410:
-                        self._stream(
-                            iter([{"type": "ERROR", "object": status_body(410, "Expired", fault.message)}])
-                        )
+                        self._stream(iter([{"type": "ERROR", "object": status_body(410, "Expired", fault.message)}]))
                     else:
                         self._send(
                             fault.status,
@@ -754,9 +731,7 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 return
             self._send(code, payload)
 
-        def _dispatch(
-            self, method: str, path: str, query: dict[str, str], body: bytes
-        ) -> tuple[int, dict[str, Any]]:
+        def _dispatch(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
             resource, namespace, name, sub = _route(path)
             scope = namespace if resource.namespaced else ""
             if sub in {"bindings", "binding"}:

@@ -213,9 +213,7 @@ class FakeKubelet:
             while self.capacity(resource) != capacity:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    raise TimeoutError(
-                        f"{resource}: capacity {self.capacity(resource)}, waited for {capacity}"
-                    )
+                    raise TimeoutError(f"{resource}: capacity {self.capacity(resource)}, waited for {capacity}")
                 self._lock.wait(remaining)
 
     def wait_for_update(self, resource: str, *, after: int, timeout: float = 10) -> None:
@@ -229,9 +227,7 @@ class FakeKubelet:
 
     # --- admission ---------------------------------------------------------------------------------------
 
-    def admit(
-        self, pod: PodRef, resource: str, containers: Sequence[ContainerSpec]
-    ) -> list[ContainerAllocation]:
+    def admit(self, pod: PodRef, resource: str, containers: Sequence[ContainerSpec]) -> list[ContainerAllocation]:
         """Admit one pod: into the pod manager first, then init containers, then app containers.
 
         A failure leaves the pod in the pod manager as rejected, with whatever it was given so far."""
@@ -259,9 +255,7 @@ class FakeKubelet:
             if container.count == 0:
                 continue
             chosen = self._devices_for(endpoint, pod_uid, container.count, reusable)
-            request = api_pb2.AllocateRequest(
-                container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)]
-            )
+            request = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)])
             self.calls.append(("Allocate", request))
             try:
                 response = endpoint.stub.Allocate(request, timeout=10)
@@ -269,9 +263,7 @@ class FakeKubelet:
                 self._release(resource, pod_uid, set(chosen) - reusable)
                 raise AdmissionError(f"Allocate failed: {exc.code().name}: {exc.details()}") from exc
             if len(response.container_responses) != 1:
-                raise AdmissionError(
-                    f"Allocate returned {len(response.container_responses)} responses for 1 container"
-                )
+                raise AdmissionError(f"Allocate returned {len(response.container_responses)} responses for 1 container")
             with self._lock:  # kubelet records the devices only once Allocate has answered
                 managed.devices.setdefault(container.name, {})[resource] = list(chosen)
             if endpoint.options.pre_start_required:
@@ -310,11 +302,7 @@ class FakeKubelet:
     def _devices_for(self, endpoint: Endpoint, pod_uid: str, count: int, reusable: set[str]) -> list[str]:
         resource = endpoint.resource
         with self._lock:
-            taken = (
-                set().union(*self.allocated.get(resource, {}).values())
-                if self.allocated.get(resource)
-                else set()
-            )
+            taken = set().union(*self.allocated.get(resource, {}).values()) if self.allocated.get(resource) else set()
             healthy = {d for d, health in endpoint.devices.items() if health == HEALTHY}
             available = healthy - taken
         chosen = sorted(reusable)[:count]
@@ -336,9 +324,7 @@ class FakeKubelet:
             )
             self.calls.append(("GetPreferredAllocation", request))
             response = endpoint.stub.GetPreferredAllocation(request, timeout=10)
-            preferred = [
-                d for d in response.container_responses[0].deviceIDs if d in available and d not in chosen
-            ]
+            preferred = [d for d in response.container_responses[0].deviceIDs if d in available and d not in chosen]
             taking = preferred[:needed]
             chosen += taking
             needed -= len(taking)

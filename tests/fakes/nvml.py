@@ -108,8 +108,7 @@ class FakeNvml:
         # UUIDs shaped like NVIDIA's, stable for a given config path, different between fakes.
         tag = zlib.crc32(str(config_path).encode())
         gpus = [
-            FakeGpu(uuid=f"GPU-{tag:08x}-fa4e-4000-8000-{i:012x}", memory_mib=size)
-            for i, size in enumerate(sizes_mib)
+            FakeGpu(uuid=f"GPU-{tag:08x}-fa4e-4000-8000-{i:012x}", memory_mib=size) for i, size in enumerate(sizes_mib)
         ]
         return cls(config_path, library, gpus)
 

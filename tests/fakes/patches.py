@@ -92,9 +92,7 @@ def _merge_keyed_list(current: list[Any], patch: list[Any], key: str) -> list[An
     result = [copy.deepcopy(item) for item in current]
     for item in patch:
         if not isinstance(item, dict) or key not in item:
-            raise PatchError(
-                f"map in a list merged on {key!r} does not contain the merge key {key!r}", status=400
-            )
+            raise PatchError(f"map in a list merged on {key!r} does not contain the merge key {key!r}", status=400)
         position = next(
             (i for i, old in enumerate(result) if isinstance(old, dict) and old.get(key) == item[key]), None
         )

@@ -99,9 +99,7 @@ def test_three_patch_formats(core: client.CoreV1Api) -> None:
     body["spec"]["containers"].append({"name": "side", "image": "busybox"})
     core.create_namespaced_pod("default", body)
     # Strategic merge (the client's default for dict bodies): containers merge by name.
-    core.patch_namespaced_pod(
-        "a", "default", {"spec": {"containers": [{"name": "side", "image": "busybox:2"}]}}
-    )
+    core.patch_namespaced_pod("a", "default", {"spec": {"containers": [{"name": "side", "image": "busybox:2"}]}})
     images = [c.image for c in core.read_namespaced_pod("a", "default").spec.containers]
     assert images == ["busybox", "busybox:2"]
     # Merge patch: a list replaces, null deletes.
@@ -204,9 +202,7 @@ def test_events(core: client.CoreV1Api) -> None:
         "source": {"component": "gpushared"},
     }
     core.create_namespaced_event("default", event)
-    found = core.list_namespaced_event(
-        "default", field_selector="involvedObject.name=a,reason=GpuAllocationFailed"
-    )
+    found = core.list_namespaced_event("default", field_selector="involvedObject.name=a,reason=GpuAllocationFailed")
     assert [(e.reason, e.message, e.metadata.name.startswith("a.")) for e in found.items] == [
         ("GpuAllocationFailed", "no GPU", True)
     ]
@@ -270,9 +266,7 @@ def test_watch_from_a_compacted_version_is_410_gone(core: client.CoreV1Api, api:
     assert [n.metadata.name for n in relisted.items] == ["n1"]
     core.create_node(node("n2"))
     assert watch_events(
-        watch.Watch().stream(
-            core.list_node, resource_version=relisted.metadata.resource_version, timeout_seconds=2
-        ),
+        watch.Watch().stream(core.list_node, resource_version=relisted.metadata.resource_version, timeout_seconds=2),
         1,
     ) == [("ADDED", "n2")]
 
@@ -350,9 +344,7 @@ def test_graceful_deletion_of_a_bound_pod(core: client.CoreV1Api, api: FakeApiSe
     terminating = core.read_namespaced_pod("a", "default")
     assert terminating.metadata.deletion_timestamp is not None
     assert terminating.metadata.deletion_grace_period_seconds == 30
-    core.delete_namespaced_pod(
-        "a", "default", grace_period_seconds=0
-    )  # what the kubelet does when it stopped
+    core.delete_namespaced_pod("a", "default", grace_period_seconds=0)  # what the kubelet does when it stopped
     assert api.get("pods", "a", "default") is None
 
 

@@ -21,9 +21,7 @@ RESOURCE = "example.com/widget"
 class ToyPlugin(api_pb2_grpc.DevicePluginServicer):
     """Just enough of a device plugin to exercise the kubelet side; prefers the lowest IDs."""
 
-    def __init__(
-        self, plugin_dir: Path, ids: list[str], *, preferred: bool = True, pre_start: bool = False
-    ) -> None:
+    def __init__(self, plugin_dir: Path, ids: list[str], *, preferred: bool = True, pre_start: bool = False) -> None:
         self.plugin_dir = plugin_dir
         self.health = dict.fromkeys(ids, "Healthy")
         self.options = api_pb2.DevicePluginOptions(
@@ -76,9 +74,7 @@ class ToyPlugin(api_pb2_grpc.DevicePluginServicer):
         responses = []
         for r in request.container_requests:
             picked = list(r.must_include_deviceIDs)
-            picked += [d for d in sorted(r.available_deviceIDs) if d not in picked][
-                : r.allocation_size - len(picked)
-            ]
+            picked += [d for d in sorted(r.available_deviceIDs) if d not in picked][: r.allocation_size - len(picked)]
             responses.append(api_pb2.ContainerPreferredAllocationResponse(deviceIDs=picked))
         return api_pb2.PreferredAllocationResponse(container_responses=responses)
 
@@ -86,9 +82,7 @@ class ToyPlugin(api_pb2_grpc.DevicePluginServicer):
         responses = []
         for r in request.container_requests:
             self.allocations.append(list(r.devices_ids))
-            responses.append(
-                api_pb2.ContainerAllocateResponse(envs={"WIDGETS": ",".join(sorted(r.devices_ids))})
-            )
+            responses.append(api_pb2.ContainerAllocateResponse(envs={"WIDGETS": ",".join(sorted(r.devices_ids))}))
         return api_pb2.AllocateResponse(container_responses=responses)
 
     def PreStartContainer(self, request, context):  # type: ignore[no-untyped-def]
@@ -127,9 +121,7 @@ def test_wrong_version_is_refused(kubelet: FakeKubelet, plugin_dir: Path) -> Non
     assert "Unsupported plugin API version" in (info.value.details() or "")
 
 
-def test_one_allocate_per_container_steered_by_the_preferred_allocation(
-    kubelet: FakeKubelet, plugin_dir: Path
-) -> None:
+def test_one_allocate_per_container_steered_by_the_preferred_allocation(kubelet: FakeKubelet, plugin_dir: Path) -> None:
     plugin = ToyPlugin(plugin_dir, widgets(8), pre_start=True)
     plugin.serve()
     kubelet.wait_for(RESOURCE, capacity=8)
@@ -155,9 +147,7 @@ def test_init_container_devices_are_reused(kubelet: FakeKubelet, plugin_dir: Pat
     plugin = ToyPlugin(plugin_dir, widgets(4), preferred=False)
     plugin.serve()
     kubelet.wait_for(RESOURCE, capacity=4)
-    result = kubelet.admit(
-        PodRef("p", "p"), RESOURCE, [ContainerSpec("app", 3), ContainerSpec("init", 2, init=True)]
-    )
+    result = kubelet.admit(PodRef("p", "p"), RESOURCE, [ContainerSpec("app", 3), ContainerSpec("init", 2, init=True)])
     init, app = result
     assert init.name == "init"
     assert set(init.device_ids) <= set(app.device_ids)
@@ -172,9 +162,7 @@ def test_without_preference_devices_come_in_arbitrary_order(kubelet_root: Path, 
             plugin = ToyPlugin(plugin_dir, widgets(16), preferred=False)
             plugin.serve(f"toy{seed}.sock")
             kubelet.wait_for(RESOURCE, capacity=16)
-            orders.add(
-                tuple(kubelet.admit(PodRef("p", "p"), RESOURCE, [ContainerSpec("a", 4)])[0].device_ids)
-            )
+            orders.add(tuple(kubelet.admit(PodRef("p", "p"), RESOURCE, [ContainerSpec("a", 4)])[0].device_ids))
             plugin.stop()
     assert len(orders) > 1
 
@@ -197,20 +185,14 @@ def test_restart_deletes_plugin_sockets_and_drops_capacity(kubelet: FakeKubelet,
 
 def list_pods(kubelet: FakeKubelet) -> dict[str, dict[str, list[str]]]:
     with grpc.insecure_channel(f"unix://{kubelet.pod_resources_socket}") as channel:
-        response = podresources_grpc.PodResourcesListerStub(channel).List(
-            podresources_pb2.ListPodResourcesRequest()
-        )
+        response = podresources_grpc.PodResourcesListerStub(channel).List(podresources_pb2.ListPodResourcesRequest())
     return {
-        f"{p.namespace}/{p.name}": {
-            c.name: [i for d in c.devices for i in d.device_ids] for c in p.containers
-        }
+        f"{p.namespace}/{p.name}": {c.name: [i for d in c.devices for i in d.device_ids] for c in p.containers}
         for p in response.pod_resources
     }
 
 
-def test_pod_resources_show_the_pod_under_admission_without_its_devices(
-    kubelet: FakeKubelet, plugin_dir: Path
-) -> None:
+def test_pod_resources_show_the_pod_under_admission_without_its_devices(kubelet: FakeKubelet, plugin_dir: Path) -> None:
     """What the real kubelet's pod manager shows: each pod is added just before its own admission."""
     seen: list[dict[str, dict[str, list[str]]]] = []
 

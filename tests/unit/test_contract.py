@@ -137,9 +137,7 @@ ALLOCATION = Allocation(
     unit=MemoryUnit.MIB,
     containers=(
         ContainerShares(name="fetch", gpus=(GpuShare(index=2, uuid="GPU-c", amount=512),), init=True),
-        ContainerShares(
-            name="proxy", gpus=(GpuShare(index=2, uuid="GPU-c", amount=256),), init=True, sidecar=True
-        ),
+        ContainerShares(name="proxy", gpus=(GpuShare(index=2, uuid="GPU-c", amount=256),), init=True, sidecar=True),
         ContainerShares(name="main", gpus=(GpuShare(index=2, uuid="GPU-c", amount=4096),)),
         ContainerShares(name="side", gpus=(GpuShare(index=2, uuid="GPU-c", amount=1024),)),
     ),

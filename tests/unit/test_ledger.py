@@ -45,15 +45,10 @@ def test_pod_that_bypassed_the_extender_is_pending_on_the_node() -> None:
 
 
 def test_malformed_index_is_held_as_pending_with_the_reason() -> None:
-    holding = holding_from_pod(
-        pod("a", 3, annotations={contract.ALIYUN_GPU_MEM_IDX: "one"}), unit=MemoryUnit.GIB
-    )
+    holding = holding_from_pod(pod("a", 3, annotations={contract.ALIYUN_GPU_MEM_IDX: "one"}), unit=MemoryUnit.GIB)
     assert holding is not None
     assert holding.pending == 3
-    assert (
-        holding.problem is not None
-        and "ALIYUN_COM_GPU_MEM_IDX: expected a decimal integer" in holding.problem
-    )
+    assert holding.problem is not None and "ALIYUN_COM_GPU_MEM_IDX: expected a decimal integer" in holding.problem
 
 
 def test_allocation_annotation_is_trusted_over_aliyuns_and_converted_to_the_node_unit() -> None:
@@ -155,9 +150,7 @@ def test_inventory_annotation_wins_over_capacity() -> None:
     ("total", "count", "unit", "per_gpu"),
     [("64", "4", MemoryUnit.GIB, 16), ("32560", "2", MemoryUnit.MIB, 16280)],
 )
-def test_aliyun_node_falls_back_to_capacity_over_count(
-    total: str, count: str, unit: MemoryUnit, per_gpu: int
-) -> None:
+def test_aliyun_node_falls_back_to_capacity_over_count(total: str, count: str, unit: MemoryUnit, per_gpu: int) -> None:
     node = {
         "metadata": {"name": "n1"},
         "status": {"capacity": {GPU_MEM: total, contract.DEFAULT_RESOURCES.gpu_count: count}},

@@ -17,9 +17,7 @@ def request(amount: int, *, mps: bool = False) -> PodRequest:
 
 
 def used(ledger: Ledger, index: int, amount: int, *, mps: bool = False) -> None:
-    ledger.add(
-        Holding(uid=f"u{index}-{amount}-{mps}", namespace="d", name="x", gpus={index: amount}, mps=mps)
-    )
+    ledger.add(Holding(uid=f"u{index}-{amount}-{mps}", namespace="d", name="x", gpus={index: amount}, mps=mps))
 
 
 def test_best_fit_example_from_the_seed() -> None:
@@ -46,9 +44,7 @@ def test_spread_takes_the_emptiest_gpu() -> None:
 
 def test_unhealthy_gpus_are_never_chosen_and_say_why() -> None:
     inv = inventory(16, 16)
-    sick = GpuInventory(
-        unit=inv.unit, gpus=(GpuInfo(**{**inv.gpus[0].__dict__, "healthy": False}), inv.gpus[1])
-    )
+    sick = GpuInventory(unit=inv.unit, gpus=(GpuInfo(**{**inv.gpus[0].__dict__, "healthy": False}), inv.gpus[1]))
     verdicts = judge(Ledger.build(sick), request(4))
     assert verdicts[0].reason == "GPU 0 is unhealthy"
     choice = BINPACK.choose(verdicts)
@@ -83,8 +79,7 @@ def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
     for i in range(3):
         ledger.add(Holding(uid=str(i), namespace="d", name="x", gpus={0: 1}, mps=True))
     assert (
-        judge(ledger, request(1, mps=True), max_mps_clients=3)[0].reason
-        == "GPU 0 has 3 MPS clients, the most it takes"
+        judge(ledger, request(1, mps=True), max_mps_clients=3)[0].reason == "GPU 0 has 3 MPS clients, the most it takes"
     )
 
 
@@ -110,9 +105,7 @@ def test_policy_names() -> None:
 
 def test_bind_annotations_read_back_as_the_same_holding() -> None:
     inv = inventory(8, 24)
-    body = pod(
-        "p", 3, 2, init=[{"name": "warm", "resources": {"limits": {contract.DEFAULT_RESOURCES.gpu_mem: "6"}}}]
-    )
+    body = pod("p", 3, 2, init=[{"name": "warm", "resources": {"limits": {contract.DEFAULT_RESOURCES.gpu_mem: "6"}}}])
     req = pod_request(body)
     annotations = bind_annotations(req, inv.gpus[1], unit=inv.unit, now_ns=1_700_000_000_123_456_789)
     assert annotations[contract.ALIYUN_GPU_MEM_IDX] == "1"

@@ -68,9 +68,7 @@ def pod_bodies(draw: st.DrawFn, *, high: int = 40) -> dict[str, Any]:
 
 @settings(max_examples=EXAMPLES)
 @given(inventory=inventories(), body=pod_bodies(), now=st.integers(min_value=0, max_value=2**63 - 1))
-def test_annotations_read_back_as_the_same_accounting(
-    inventory: GpuInventory, body: dict[str, Any], now: int
-) -> None:
+def test_annotations_read_back_as_the_same_accounting(inventory: GpuInventory, body: dict[str, Any], now: int) -> None:
     request = pod_request(body)
     gpu = inventory.gpus[now % len(inventory.gpus)]
     body["metadata"]["annotations"].update(bind_annotations(request, gpu, unit=inventory.unit, now_ns=now))
@@ -91,8 +89,7 @@ def test_peak_is_bounded_by_the_largest_container_and_the_sum(spec: list[tuple[i
     # Kubernetes lists init containers first; keep that order.
     ordered = sorted(spec, key=lambda c: c[1] == "app")
     containers = [
-        ContainerRequest(f"c{i}", a, init=k != "app", sidecar=k == "sidecar")
-        for i, (a, k) in enumerate(ordered)
+        ContainerRequest(f"c{i}", a, init=k != "app", sidecar=k == "sidecar") for i, (a, k) in enumerate(ordered)
     ]
     total = peak(containers)
     assert total <= sum(c.amount for c in containers)
@@ -103,9 +100,7 @@ def test_peak_is_bounded_by_the_largest_container_and_the_sum(spec: list[tuple[i
 @settings(max_examples=EXAMPLES)
 @given(st.integers(0, 10**6))
 def test_unit_conversion_round_trip(amount: int) -> None:
-    assert (
-        MemoryUnit.MIB.convert(MemoryUnit.GIB.convert(amount, to=MemoryUnit.MIB), to=MemoryUnit.GIB) == amount
-    )
+    assert MemoryUnit.MIB.convert(MemoryUnit.GIB.convert(amount, to=MemoryUnit.MIB), to=MemoryUnit.GIB) == amount
     assert MemoryUnit.GIB.to_mib(MemoryUnit.MIB.convert(amount, to=MemoryUnit.GIB)) >= amount
 
 

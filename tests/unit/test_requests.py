@@ -72,9 +72,7 @@ def test_request_without_limit_and_equal_request() -> None:
 
 def test_request_different_from_limit_is_refused_with_the_container_named() -> None:
     body = pod("p")
-    body["spec"]["containers"] = [
-        {"name": "main", "resources": {"requests": {GPU_MEM: "2"}, "limits": {GPU_MEM: "3"}}}
-    ]
+    body["spec"]["containers"] = [{"name": "main", "resources": {"requests": {GPU_MEM: "2"}, "limits": {GPU_MEM: "3"}}}]
     with pytest.raises(ContractError, match=r"spec.containers\[0\]\(main\).resources\[aliyun.com/gpu-mem\]"):
         pod_request(body)
 
@@ -82,9 +80,7 @@ def test_request_different_from_limit_is_refused_with_the_container_named() -> N
 def test_fractional_limit_names_the_field() -> None:
     body = pod("p")
     body["spec"]["containers"] = [{"name": "main", "resources": {"limits": {GPU_MEM: "1.5"}}}]
-    with pytest.raises(
-        ContractError, match=r"spec.containers\[0\]\(main\).resources.limits\[aliyun.com/gpu-mem\]"
-    ):
+    with pytest.raises(ContractError, match=r"spec.containers\[0\]\(main\).resources.limits\[aliyun.com/gpu-mem\]"):
         pod_request(body)
 
 
@@ -97,9 +93,7 @@ def test_other_domain() -> None:
 
 def test_mps_opt_in_and_thread_percentage() -> None:
     body = pod("p", 2, annotations={contract.POD_MPS: "true", contract.POD_MPS_THREAD_PERCENTAGE: "30"})
-    assert pod_request(body) == PodRequest(
-        containers=(ContainerRequest("c0", 2),), mps=True, thread_percentage=30
-    )
+    assert pod_request(body) == PodRequest(containers=(ContainerRequest("c0", 2),), mps=True, thread_percentage=30)
     body["metadata"]["annotations"][contract.POD_MPS] = "yes"
     with pytest.raises(ContractError, match=r"gpushared\.io/mps: expected 'true' or 'false'"):
         pod_request(body)

@@ -1,0 +1,197 @@
+"""The daemon's configuration: YAML file, then ``GPUSHARED_*`` environment, then command-line flags.
+
+Every option is declared once in :data:`OPTIONS` with its YAML key, environment name, type and check, so
+the three sources cannot drift apart, and a bad value fails at start naming the key and the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpushared.contract import ContractError, MemoryUnit
+
+DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
+DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class ConfigError(Exception):
+    def __init__(self, *, key: str, reason: str, source: str) -> None:
+        super().__init__(f"{source}: {key}: {reason}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Config:
+    node_name: str
+    kubeconfig: Path
+    resource_domain: str
+    memory_unit: MemoryUnit
+    kubelet_dir: Path
+    log_level: str
+    metrics_address: str
+    metrics_port: int
+    health_enabled: bool
+    ignored_xids: tuple[int, ...]
+    recover_after: float
+
+    @property
+    def plugin_dir(self) -> Path:
+        return self.kubelet_dir / "device-plugins"
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        return self.kubelet_dir / "pod-resources" / "kubelet.sock"
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("must be a non-empty string")
+    return value
+
+
+def _port(value: Any) -> int:
+    number = _integer(value)
+    if not 0 <= number <= 65535:
+        raise ValueError("must be a port number, 0-65535 (0: no metrics)")
+    return number
+
+
+def _integer(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("must be an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError("must be an integer") from None
+
+
+def _seconds(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError("must be a number of seconds") from None
+    if number < 0:
+        raise ValueError("must not be negative")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.lower() in ("true", "1", "yes")
+    raise ValueError("must be true or false")
+
+
+def _unit(value: Any) -> MemoryUnit:
+    try:
+        return MemoryUnit.parse(value)
+    except ContractError:
+        raise ValueError("must be GiB or MiB") from None
+
+
+def _level(value: Any) -> str:
+    if not isinstance(value, str) or value.lower() not in LOG_LEVELS:
+        raise ValueError(f"must be one of {', '.join(LOG_LEVELS)}")
+    return value.lower()
+
+
+def _xids(value: Any) -> tuple[int, ...]:
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple):
+        raise ValueError("must be a list of XID numbers")
+    return tuple(sorted({_integer(str(x).strip()) for x in items if str(x).strip()}))
+
+
+@dataclass(frozen=True)
+class Option:
+    field: str
+    key: str  # dotted YAML path
+    parse: Callable[[Any], Any]
+    default: Callable[[], Any]
+
+    @property
+    def env(self) -> str:
+        return "GPUSHARED_" + self.key.replace(".", "_").replace("-", "_").upper()
+
+
+OPTIONS = (
+    Option("node_name", "nodeName", _text, socket.gethostname),
+    Option("kubeconfig", "kubeconfig", lambda v: Path(_text(v)), lambda: Path("/etc/gpushared/kubeconfig")),
+    Option("resource_domain", "resourceDomain", _text, lambda: "aliyun.com"),
+    Option("memory_unit", "memoryUnit", _unit, lambda: MemoryUnit.GIB),
+    Option("kubelet_dir", "kubeletDir", lambda v: Path(_text(v)), lambda: Path("/var/lib/kubelet")),
+    Option("log_level", "logLevel", _level, lambda: "info"),
+    Option("metrics_address", "metrics.address", _text, lambda: "127.0.0.1"),
+    Option("metrics_port", "metrics.port", _port, lambda: 9400),
+    Option("health_enabled", "health.enabled", _boolean, lambda: True),
+    Option("ignored_xids", "health.ignoredXids", _xids, lambda: DEFAULT_IGNORED_XIDS),
+    Option("recover_after", "health.recoverAfterSeconds", _seconds, lambda: 300.0),
+)
+assert {o.field for o in OPTIONS} == {f.name for f in fields(Config)}
+
+
+def load(
+    path: Path = DEFAULT_PATH,
+    *,
+    env: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+    required: bool = False,
+) -> Config:
+    """The effective configuration. A missing file is fine unless ``required`` (it was named on purpose)."""
+    env = os.environ if env is None else env
+    document: dict[str, Any] = {}
+    if path.exists():
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(key="(file)", reason=f"not valid YAML: {exc}", source=str(path)) from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(key="(file)", reason="must be a mapping of options", source=str(path))
+        document = loaded
+    elif required:
+        raise ConfigError(key="(file)", reason="no such file", source=str(path))
+    _reject_unknown(document, source=str(path))
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        raw, source = _lookup(document, option.key), str(path)
+        if option.env in env:
+            raw, source = env[option.env], f"environment {option.env}"
+        if flags and flags.get(option.field) is not None:
+            raw, source = flags[option.field], "command line"
+        if raw is None:
+            values[option.field] = option.default()
+            continue
+        try:
+            values[option.field] = option.parse(raw)
+        except ValueError as exc:
+            raise ConfigError(key=option.key, reason=f"{exc} (got {raw!r})", source=source) from None
+    return Config(**values)
+
+
+def _lookup(document: dict[str, Any], key: str) -> Any:
+    node: Any = document
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _reject_unknown(document: dict[str, Any], *, source: str, prefix: str = "") -> None:
+    """A misspelt key would silently fall back to its default: refuse it instead."""
+    known = {o.key for o in OPTIONS}
+    for key, value in document.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and any(k.startswith(dotted + ".") for k in known):
+            _reject_unknown(value, source=source, prefix=dotted + ".")
+        elif dotted not in known:
+            raise ConfigError(key=dotted, reason="unknown option", source=source)

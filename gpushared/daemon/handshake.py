@@ -1,0 +1,185 @@
+"""Which pod's container an Allocate call is for, though the kubelet does not say.
+
+Kubelet calls GetPreferredAllocation and Allocate once per container with device IDs and a count, never a
+pod. Aliyun's plugin guessed by request size and oldest assume time, so two equal pods bound at once could
+swap GPUs. We use what the kubelet does show: it adds a pod to its pod manager just before admitting it,
+admits pods one at a time, and records a container's devices only after Allocate has answered. So during
+an admission, the kubelet's PodResources ``List`` holds exactly one of our GPU pods that still lacks
+devices: the one being admitted. Its next GPU container, in kubelet's order (init containers, then app
+containers, each in spec order), is the one asking. See docs/design.md, "The Allocate handshake".
+
+This module is the decision, over data the manager gathers; it does no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushared import contract
+from gpushared.contract import ContractError, MemoryUnit, ResourceNames
+from gpushared.core.ledger import holds_gpu_memory
+from gpushared.core.requests import pod_request
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One GPU container of a pod and where the extender put it."""
+
+    container: str
+    init: bool
+    amount: int
+    index: int
+    uuid: str | None  # None for pods placed by Aliyun's extender, which records only the index
+
+
+@dataclass
+class Candidate:
+    """A pod on this node that has GPU containers still waiting for devices."""
+
+    pod: Mapping[str, Any]
+    slots: list[Slot] | None  # None: nothing records a GPU choice for it
+    next: Slot | None
+    problem: str | None = None
+
+    @property
+    def key(self) -> str:
+        meta = self.pod.get("metadata") or {}
+        return f"{meta.get('namespace')}/{meta.get('name')}"
+
+    @property
+    def assume_time(self) -> int:
+        text = ((self.pod.get("metadata") or {}).get("annotations") or {}).get(contract.ALIYUN_GPU_MEM_ASSUME_TIME, "")
+        return int(text) if text.isdigit() else 0
+
+
+class Unidentified(Exception):
+    """No single container can be named; ``pod`` is the pod the message concerns, when there is one."""
+
+    def __init__(self, message: str, *, pod: Mapping[str, Any] | None = None, retry: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.pod = pod
+        self.retry = retry
+
+
+def slots_of(pod: Mapping[str, Any], *, unit: MemoryUnit, resources: ResourceNames) -> list[Slot] | None:
+    """The pod's GPU containers in kubelet's order, or None when no GPU choice is recorded."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if contract.POD_ALLOCATION in annotations:
+        allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+        slots = []
+        for container in sorted(allocation.containers, key=lambda c: not c.init):  # stable: spec order kept
+            if len(container.gpus) != 1:
+                raise ContractError(
+                    key=contract.POD_ALLOCATION,
+                    value=container.name,
+                    reason="a container on several GPUs needs gpu-count support, which this node lacks",
+                )
+            share = container.gpus[0]
+            amount = allocation.unit.convert(share.amount, to=unit)
+            slots.append(Slot(container.name, container.init, amount, share.index, share.uuid))
+        return slots
+    if contract.ALIYUN_GPU_MEM_IDX in annotations:
+        index = contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, annotations[contract.ALIYUN_GPU_MEM_IDX])
+        request = pod_request(pod, resources=resources)  # type: ignore[arg-type]
+        ordered = [c for c in request.containers if c.init] + [c for c in request.containers if not c.init]
+        return [Slot(c.name, c.init, c.amount, index, None) for c in ordered]
+    return None
+
+
+def candidate(
+    pod: Mapping[str, Any],
+    *,
+    listed: Mapping[str, Sequence[str]] | None,
+    served: set[str],
+    unit: MemoryUnit,
+    resources: ResourceNames,
+) -> Candidate | None:
+    """``pod`` as a candidate for the call, or None when it cannot be the pod being admitted.
+
+    ``listed`` is the pod's app containers with the devices kubelet gave them (PodResources); ``served`` the
+    containers this daemon answered Allocate for (init containers are not in PodResources).
+    """
+    if not holds_gpu_memory(pod):  # type: ignore[arg-type]
+        return None
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true":
+        return None
+    try:
+        request = pod_request(pod, resources=resources)  # type: ignore[arg-type]
+    except ContractError as exc:
+        return Candidate(pod=pod, slots=None, next=None, problem=str(exc))
+    if request.total == 0:
+        return None
+    try:
+        slots = slots_of(pod, unit=unit, resources=resources)
+    except ContractError as exc:
+        return Candidate(pod=pod, slots=None, next=None, problem=str(exc))
+    if slots is None:
+        gpu_apps = [c.name for c in request.containers if not c.init]
+        if listed is not None and gpu_apps and all(listed.get(name) for name in gpu_apps):
+            return None  # already running: it was admitted some other way
+        return Candidate(pod=pod, slots=None, next=None)
+    apps_started = any(listed.get(s.container) for s in slots if not s.init) if listed is not None else False
+
+    def done(slot: Slot) -> bool:
+        if slot.container in served:
+            return True
+        if slot.init:
+            return apps_started
+        return bool(listed.get(slot.container)) if listed is not None else False
+
+    waiting = [s for s in slots if not done(s)]
+    if not waiting:
+        return None
+    return Candidate(pod=pod, slots=slots, next=waiting[0])
+
+
+@dataclass
+class Decision:
+    chosen: Candidate
+    ambiguous_but_equivalent: list[str] = field(default_factory=list)
+
+
+def identify(size: int, candidates: Sequence[Candidate], *, unit: MemoryUnit, node: str) -> Decision:
+    """The candidate whose next container asks for ``size`` units; raises :class:`Unidentified`."""
+    matching = [c for c in candidates if c.next is not None and c.next.amount == size]
+    if len(matching) == 1:
+        return Decision(chosen=matching[0])
+    if len(matching) > 1:
+        places = {(c.next.index, c.next.uuid) for c in matching if c.next is not None}
+        if len(places) == 1:
+            # Every candidate goes to the same GPU with the same amount: whichever it is, the GPU is right.
+            ordered = sorted(matching, key=lambda c: (c.assume_time, c.key))
+            return Decision(chosen=ordered[0], ambiguous_but_equivalent=[c.key for c in ordered[1:]])
+        names = ", ".join(sorted(c.key for c in matching))
+        raise Unidentified(
+            f"cannot tell which of pods {names} (equal {size} {unit.value} requests on different GPUs) the kubelet "
+            "is admitting: more than one is waiting in the kubelet's pod manager",
+            retry=True,
+        )
+    unplaced = [c for c in candidates if c.slots is None]
+    if len(unplaced) == 1 or (unplaced and len(candidates) == len(unplaced)):
+        pod = unplaced[0]
+        why = pod.problem or (
+            "it has no GPU assignment: it was not scheduled through gpushared-extender "
+            f"(no {contract.POD_ALLOCATION} or {contract.ALIYUN_GPU_MEM_IDX} annotation); check that kube-scheduler "
+            "is configured with the extender for this resource"
+        )
+        raise Unidentified(f"pod {pod.key} cannot get {size} {unit.value} of GPU memory: {why}", pod=pod.pod)
+    waiting = [c for c in candidates if c.next is not None]
+    if len(waiting) == 1:
+        slot = waiting[0].next
+        assert slot is not None
+        raise Unidentified(
+            f"pod {waiting[0].key}: kubelet asks for {size} {unit.value} but container {slot.container!r} was "
+            f"assigned {slot.amount} {unit.value} on GPU {slot.index}; the pod's annotations do not match its spec",
+            pod=waiting[0].pod,
+        )
+    raise Unidentified(
+        f"no pod on node {node} is waiting for {size} {unit.value} of GPU memory "
+        f"({len(waiting)} pods are waiting for other amounts)",
+        retry=True,
+    )

@@ -1,0 +1,71 @@
+"""Which GPUs are healthy: XID and ECC events take a GPU out, a quiet period brings it back.
+
+NVIDIA's plugin never lets a GPU recover, so one stray XID costs a node its GPU until a restart. Here a
+GPU is unhealthy for ``recover_after`` seconds after its last critical event. Application XIDs (a kernel
+of one pod faulting, 13, 31, 43, 45, 68, 109 by default) say nothing about the GPU and are ignored. When
+NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Mark:
+    reason: str
+    since: float
+
+
+class Health:
+    def __init__(
+        self, *, ignored_xids: Iterable[int], recover_after: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.ignored = frozenset(ignored_xids)
+        self.recover_after = recover_after
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._marks: dict[str, Mark] = {}  # GPU UUID -> last critical event
+        self._backend_down: Mark | None = None
+        self._backend_back: float | None = None
+
+    def event(self, uuid: str | None, *, kind: str, xid: int, all_uuids: Iterable[str]) -> bool:
+        """Record an event; False when it is ignored. ``uuid`` None means the driver could not say which GPU."""
+        if kind == "xid" and xid in self.ignored:
+            return False
+        now = self.clock()
+        reason = f"XID {xid}" if kind == "xid" else {"dbe": "double-bit ECC error", "sbe": "single-bit ECC error"}[kind]
+        with self._lock:
+            for target in [uuid] if uuid else list(all_uuids):
+                self._marks[target] = Mark(reason=reason, since=now)
+        return True
+
+    def backend_failed(self, reason: str) -> None:
+        with self._lock:
+            if self._backend_down is None:
+                self._backend_down = Mark(reason=f"NVML failed: {reason}", since=self.clock())
+            self._backend_back = None
+
+    def backend_ok(self) -> None:
+        with self._lock:
+            if self._backend_down is not None and self._backend_back is None:
+                self._backend_back = self.clock()
+
+    def problem(self, uuid: str) -> str | None:
+        """Why the GPU is unhealthy now, or None."""
+        now = self.clock()
+        with self._lock:
+            if self._backend_down is not None:
+                if self._backend_back is None or now - self._backend_back < self.recover_after:
+                    return self._backend_down.reason
+                self._backend_down = self._backend_back = None
+            mark = self._marks.get(uuid)
+            if mark is None:
+                return None
+            if now - mark.since >= self.recover_after:
+                del self._marks[uuid]
+                return None
+            return mark.reason

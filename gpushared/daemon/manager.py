@@ -1,0 +1,425 @@
+"""The resource manager: owns the node's GPUs, their health, the devices kubelet sees, and Allocate.
+
+The gRPC server asks it for devices and allocations (it implements ``DeviceManager``); the service loop
+feeds it GPU readings and tells it to publish the inventory. Everything it writes to the API server on
+the Allocate path (the ASSIGNED flag, Events) goes through a background queue, so an Allocate answer never
+waits for the API server.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gpushared import contract
+from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.core.ledger import Ledger, holding_from_pod
+from gpushared.daemon import devices as device_ids
+from gpushared.daemon import handshake
+from gpushared.daemon.health import Health
+from gpushared.daemon.metrics import Metrics
+from gpushared.deviceplugin.podresources.client import PodDevices, list_pod_devices
+from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation
+from gpushared.kube.api import Api, KubeError
+from gpushared.kube.podwatch import PodWatch
+from gpushared.nvml.backend import GpuDevice
+
+log = logging.getLogger(__name__)
+
+COMPONENT = "gpushared"
+EVENT_FAILED = "GPUAllocationFailed"
+EVENT_ALLOCATED = "GPUAllocated"
+
+
+def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health) -> GpuInventory:
+    return GpuInventory(
+        unit=unit,
+        gpus=tuple(
+            GpuInfo(
+                index=g.index,
+                uuid=g.uuid,
+                model=g.model,
+                memory=unit.from_mib(g.memory_mib),
+                memory_mib=g.memory_mib,
+                healthy=health.problem(g.uuid) is None,
+                mps_capable=False,
+            )
+            for g in gpus
+        ),
+    )
+
+
+@dataclass
+class Served:
+    """What this daemon answered Allocate with, per pod, for status and for finishing the pod."""
+
+    namespace: str
+    name: str
+    containers: dict[str, int] = field(default_factory=dict)  # container -> GPU index
+    assigned: bool = False
+
+
+class Manager:
+    def __init__(
+        self,
+        *,
+        node: str,
+        resources: ResourceNames,
+        unit: MemoryUnit,
+        api: Api | None,
+        pods: PodWatch | None,
+        pod_resources_socket: Any,
+        health: Health,
+        metrics: Metrics,
+        clock: Callable[[], int] = time.time_ns,
+    ) -> None:
+        self.node = node
+        self.resources = resources
+        self.resource_name = resources.gpu_mem
+        self.unit = unit
+        self.api = api
+        self.pods = pods
+        self.pod_resources_socket = pod_resources_socket
+        self.health = health
+        self.metrics = metrics
+        self.clock = clock
+        self._lock = threading.Condition()
+        self._gpus: list[GpuDevice] = []
+        self._inventory = GpuInventory(unit=unit, gpus=())
+        self._version = 0
+        self._devices: list[tuple[str, bool]] = []
+        self._allocate_lock = threading.Lock()
+        self.served: dict[str, Served] = {}  # pod UID -> what we gave it
+        self._outbox: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="api-writes", daemon=True)
+        self._writer.start()
+
+    # --- inventory and devices -----------------------------------------------------------------------------
+
+    @property
+    def inventory(self) -> GpuInventory:
+        with self._lock:
+            return self._inventory
+
+    def refresh(self, gpus: Sequence[GpuDevice]) -> bool:
+        """Take a GPU reading (or re-read health); True when what kubelet or the cluster sees changed."""
+        inventory = inventory_of(gpus, unit=self.unit, health=self.health)
+        with self._lock:
+            if inventory == self._inventory:
+                return False
+            self._gpus = list(gpus)
+            self._inventory = inventory
+            self._devices = device_ids.device_list(inventory, {g.index: g.healthy for g in inventory.gpus})
+            self._version += 1
+            self._lock.notify_all()
+        for gpu in inventory.gpus:
+            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(gpu.memory)
+            self.metrics.gpu_healthy.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(1 if gpu.healthy else 0)
+        return True
+
+    def recheck_health(self) -> bool:
+        with self._lock:
+            gpus = list(self._gpus)
+        return self.refresh(gpus)
+
+    def devices(self) -> tuple[int, list[tuple[str, bool]]]:
+        with self._lock:
+            return self._version, list(self._devices)
+
+    def wait_for_change(self, version: int, timeout: float) -> None:
+        with self._lock:
+            self._lock.wait_for(lambda: self._version != version, timeout)
+
+    def ledger(self) -> Ledger:
+        """This node's accounting from the pods the watch has seen."""
+        ledger = Ledger.build(self.inventory)
+        for pod in self.pods.pods() if self.pods is not None else []:
+            holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)  # type: ignore[arg-type]
+            if holding is not None:
+                ledger.add(holding)
+        return ledger
+
+    # --- the handshake ----------------------------------------------------------------------------------------
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
+        """Devices on the GPU the admitted pod's annotations name; empty when the pod cannot be named."""
+        try:
+            slot = self._identify(size).chosen.next
+        except (handshake.Unidentified, AllocationRefused) as exc:
+            log.info("GetPreferredAllocation for %d: no preference (%s)", size, exc)
+            return []
+        assert slot is not None
+        on_gpu = [d for d in must_include if device_ids.gpu_of(d) == slot.index]
+        on_gpu += [d for d in sorted(available, key=_natural) if device_ids.gpu_of(d) == slot.index and d not in on_gpu]
+        return on_gpu[:size] if len(on_gpu) >= size else []
+
+    def allocate(self, devices: Sequence[str]) -> ContainerAllocation:
+        started = time.perf_counter()
+        try:
+            with self._allocate_lock:
+                result = self._allocate(devices)
+        except AllocationRefused as exc:
+            self.metrics.allocate_failures.inc()
+            log.warning("Allocate %d devices refused: %s", len(devices), exc.message)
+            raise
+        finally:
+            self.metrics.allocate_seconds.observe(time.perf_counter() - started)
+        return result
+
+    def _allocate(self, devices: Sequence[str]) -> ContainerAllocation:
+        inventory = self.inventory
+        unit = self.unit.value
+        gpus = {device_ids.gpu_of(d) for d in devices}
+        if not devices or None in gpus or len(gpus) != 1:
+            raise AllocationRefused(f"devices {sorted(devices)[:8]} are not {unit} units of one GPU of this node")
+        (index,) = gpus
+        decision = self._identify(len(devices))
+        chosen = decision.chosen
+        slot = chosen.next
+        assert slot is not None
+        assert index is not None
+        pod = chosen.pod
+        if slot.index != index:
+            self._refuse(
+                pod,
+                f"pod {chosen.key} container {slot.container!r} was placed on GPU {slot.index}, but the kubelet "
+                f"gave it devices of GPU {index} (it did not take gpushared's preferred allocation)",
+            )
+        gpu = inventory.by_index(index)
+        if gpu is None:
+            self._refuse(pod, f"pod {chosen.key} was placed on GPU {index}, which node {self.node} does not have")
+        assert gpu is not None
+        if slot.uuid is not None and slot.uuid != gpu.uuid:
+            self._refuse(
+                pod,
+                f"pod {chosen.key} was placed on GPU {index} with UUID {slot.uuid}, but GPU {index} of node "
+                f"{self.node} is now {gpu.uuid}: the GPUs changed since it was scheduled; delete the pod",
+            )
+        ledger = self.ledger()
+        used = ledger.used(index)
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        if ledger.holding(uid) is None:
+            used += slot.amount
+        if used > gpu.memory:
+            self._refuse(
+                pod,
+                f"pod {chosen.key} would bring GPU {index} to {used} {unit} of {gpu.memory} {unit}: "
+                "it does not fit; was it scheduled by another scheduler?",
+            )
+        if decision.ambiguous_but_equivalent:
+            log.info(
+                "Allocate: %s and %s wait for the same %d %s on GPU %d; either is right",
+                chosen.key,
+                ", ".join(decision.ambiguous_but_equivalent),
+                slot.amount,
+                unit,
+                index,
+            )
+        annotations = (pod.get("metadata") or {}).get("annotations") or {}
+        app_sum = sum(s.amount for s in chosen.slots or [] if not s.init)
+        pod_total = annotations.get(contract.ALIYUN_GPU_MEM_POD, str(app_sum))
+        envs = {
+            contract.ENV_NVIDIA_VISIBLE_DEVICES: gpu.uuid,
+            contract.ENV_GPU_MEM_IDX: str(index),
+            contract.ENV_GPU_MEM_POD: pod_total,
+            contract.ENV_GPU_MEM_CONTAINER: str(slot.amount),
+            contract.ENV_GPU_MEM_DEV: str(gpu.memory),
+        }
+        self._record(pod, slot, index, chosen.slots or [])
+        log.info(
+            "Allocate: pod %s container %r gets %d %s on GPU %d (%s)",
+            chosen.key,
+            slot.container,
+            slot.amount,
+            unit,
+            index,
+            gpu.uuid,
+        )
+        return ContainerAllocation(envs=envs)
+
+    def _identify(self, size: int) -> handshake.Decision:
+        attempts = 3
+        for attempt in range(attempts):
+            try:
+                return handshake.identify(size, self._candidates(), unit=self.unit, node=self.node)
+            except handshake.Unidentified as exc:
+                if exc.retry and attempt < attempts - 1:
+                    time.sleep(0.1)  # a rejected pod's status, a just-bound pod's watch event: let them land
+                    continue
+                self._refuse(exc.pod, exc.message)
+        raise AssertionError("unreachable")
+
+    def _candidates(self) -> list[handshake.Candidate]:
+        try:
+            listing: list[PodDevices] | None = list_pod_devices(self.pod_resources_socket, resource=self.resource_name)
+        except grpc.RpcError as exc:
+            log.warning("kubelet PodResources unavailable (%s): matching by annotations alone", exc.code())
+            listing = None
+        found = []
+        if listing is not None:
+            for entry in listing:
+                pod = self._pod(entry.namespace, entry.name, listed=entry.containers)
+                if pod is None:
+                    continue
+                uid = (pod.get("metadata") or {}).get("uid", "")
+                served = set(self.served[uid].containers) if uid in self.served else set()
+                option = handshake.candidate(
+                    pod, listed=entry.containers, served=served, unit=self.unit, resources=self.resources
+                )
+                if option is not None:
+                    found.append(option)
+            return found
+        for pod in self.pods.pods() if self.pods is not None else []:
+            uid = (pod.get("metadata") or {}).get("uid", "")
+            served = set(self.served[uid].containers) if uid in self.served else set()
+            option = handshake.candidate(pod, listed=None, served=served, unit=self.unit, resources=self.resources)
+            if option is not None and option.slots is not None:
+                found.append(option)
+        return found
+
+    def _pod(self, namespace: str, name: str, *, listed: dict[str, list[str]]) -> dict[str, Any] | None:
+        """The pod's body from the watch; fetched (one pod, by name) only when it may be the one admitted."""
+        pod = self.pods.find(namespace, name) if self.pods is not None else None
+        if pod is not None or self.api is None:
+            return pod
+        if listed and all(listed.values()):
+            return None  # every app container has devices: not being admitted
+        try:
+            pod = self.api.get_pod(namespace, name)
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise AllocationRefused(
+                f"cannot read pod {namespace}/{name} to find its GPU: {exc}", retryable=True
+            ) from exc
+        if (pod.get("spec") or {}).get("nodeName") != self.node:
+            return None
+        if self.pods is not None:
+            self.pods.remember(pod)
+        return pod
+
+    def _refuse(self, pod: Any, message: str) -> None:
+        if pod is not None:
+            self._later(lambda: self._event(pod, EVENT_FAILED, message, warning=True))
+        raise AllocationRefused(message)
+
+    def _record(self, pod: Any, slot: handshake.Slot, index: int, slots: Sequence[handshake.Slot]) -> None:
+        meta = pod.get("metadata") or {}
+        uid = meta.get("uid", "")
+        served = self.served.setdefault(uid, Served(namespace=meta.get("namespace", ""), name=meta.get("name", "")))
+        served.containers[slot.container] = index
+        self.metrics.allocations.inc()
+        if all(s.container in served.containers for s in slots) and not served.assigned:
+            served.assigned = True
+            placed = ", ".join(f"{c} on GPU {i}" for c, i in served.containers.items())
+            self._later(lambda: self._mark_assigned(pod))
+            self._later(lambda: self._event(pod, EVENT_ALLOCATED, f"GPU memory allocated: {placed}", warning=False))
+
+    # --- writes, off the Allocate path ---------------------------------------------------------------------------
+
+    def _later(self, write: Callable[[], None]) -> None:
+        self._outbox.put(write)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until queued API writes are done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._outbox.unfinished_tasks == 0:
+                return True
+            time.sleep(0.01)
+        return False
+
+    def _write_loop(self) -> None:
+        while True:
+            write = self._outbox.get()
+            try:
+                for attempt in range(6):
+                    try:
+                        write()
+                        break
+                    except KubeError as exc:
+                        log.warning("API write failed (%s); attempt %d", exc, attempt + 1)
+                        time.sleep(min(0.2 * 2**attempt, 5.0))
+            except Exception:
+                log.exception("API write failed")
+            finally:
+                self._outbox.task_done()
+
+    def _mark_assigned(self, pod: Any) -> None:
+        if self.api is None:
+            return
+        meta = pod.get("metadata") or {}
+        patch = {
+            "metadata": {
+                "annotations": {
+                    contract.ALIYUN_GPU_MEM_ASSIGNED: contract.format_bool(True),
+                    contract.ALIYUN_GPU_MEM_ASSUME_TIME: str(self.clock()),
+                }
+            }
+        }
+        try:
+            updated = self.api.patch_pod(meta.get("namespace", ""), meta.get("name", ""), patch)
+        except KubeError as exc:
+            if exc.status == 404:
+                return  # deleted meanwhile
+            raise
+        if self.pods is not None:
+            self.pods.remember(updated)
+
+    def _event(self, pod: Any, reason: str, message: str, *, warning: bool) -> None:
+        if self.api is None:
+            return
+        try:
+            self.api.pod_event(pod, reason=reason, message=message, warning=warning, component=COMPONENT)
+        except KubeError as exc:
+            if exc.status in (403, 404, 409, 422):
+                log.warning("event on pod not written: %s", exc)
+                return
+            raise
+
+    # --- status ------------------------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        inventory = self.inventory
+        ledger = self.ledger()
+        return {
+            "node": self.node,
+            "resource": self.resource_name,
+            "unit": self.unit.value,
+            "gpus": [
+                {
+                    "index": gpu.index,
+                    "uuid": gpu.uuid,
+                    "model": gpu.model,
+                    "memory": gpu.memory,
+                    "used": ledger.used(gpu.index),
+                    "healthy": gpu.healthy,
+                    "problem": self.health.problem(gpu.uuid),
+                }
+                for gpu in inventory.gpus
+            ],
+            "pods": [
+                {
+                    "namespace": h.namespace,
+                    "name": h.name,
+                    "gpus": {str(k): v for k, v in sorted(h.gpus.items())},
+                    "pending": h.pending,
+                    "assigned": h.assigned,
+                    "containers": self.served[h.uid].containers if h.uid in self.served else {},
+                    "problem": h.problem,
+                }
+                for h in sorted(ledger.holdings(), key=lambda h: (h.namespace, h.name))
+            ],
+        }
+
+
+def _natural(device: str) -> tuple[int, int]:
+    head, _, tail = device.partition("-")
+    return (int(head) if head.isdigit() else -1, int(tail) if tail.isdigit() else -1)

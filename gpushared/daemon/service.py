@@ -1,0 +1,393 @@
+"""The daemon's main loop: GPUs in, kubelet registration kept alive, inventory out, systemd told.
+
+One loop, ticking twice a second, does everything that must keep happening; the systemd watchdog is fed
+from it and nowhere else, so a loop that hangs (on NVML, on a lock) stops the pings and systemd restarts
+the daemon. Work that may block for long — gRPC calls from the kubelet, the pod watch, GPU events, API
+writes — runs on threads of its own and never holds the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import grpc
+import sdnotify
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gpushared import __version__, contract
+from gpushared.contract import ResourceNames
+from gpushared.daemon import config as config_module
+from gpushared.daemon.config import Config
+from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
+from gpushared.daemon.health import Health
+from gpushared.daemon.manager import Manager, inventory_of
+from gpushared.daemon.metrics import Metrics
+from gpushared.deviceplugin.server import PluginServer
+from gpushared.kube.api import Api, KubeError, connect
+from gpushared.kube.podwatch import PodWatch
+from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
+
+log = logging.getLogger(__name__)
+
+TICK = 0.5
+ENDPOINT = "gpushared.sock"
+
+
+class FatalError(Exception):
+    """Stop with this message: retrying cannot help (bad node name, device list too large)."""
+
+
+class Notifier:
+    """sd_notify, and the watchdog interval systemd asked for (sdnotify does not read WATCHDOG_USEC)."""
+
+    def __init__(self) -> None:
+        self.enabled = bool(os.environ.get("NOTIFY_SOCKET"))
+        self._notifier = sdnotify.SystemdNotifier() if self.enabled else None
+        usec = os.environ.get("WATCHDOG_USEC", "")
+        pid = os.environ.get("WATCHDOG_PID", "")
+        mine = not pid or pid == str(os.getpid())
+        self.watchdog_interval = int(usec) / 2e6 if usec.isdigit() and int(usec) > 0 and mine else None
+        self._last_ping = 0.0
+        self._status = ""
+
+    def send(self, message: str) -> None:
+        if self._notifier is not None:
+            self._notifier.notify(message)
+
+    def status(self, text: str) -> None:
+        if text != self._status:
+            self._status = text
+            self.send(f"STATUS={text}")
+            log.info("status: %s", text)
+
+    def ping_if_due(self) -> None:
+        if self.watchdog_interval is None:
+            return
+        now = time.monotonic()
+        if now - self._last_ping >= self.watchdog_interval:
+            self._last_ping = now
+            self.send("WATCHDOG=1")
+
+
+class Service:
+    def __init__(self, config: Config, *, backend: GpuBackend, config_path: Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.backend = backend
+        self.resources = ResourceNames(domain=config.resource_domain)
+        self.metrics = Metrics()
+        self.health = Health(ignored_xids=config.ignored_xids, recover_after=config.recover_after)
+        self.notifier = Notifier()
+        self._stop = threading.Event()
+        self._reload = threading.Event()
+        self._backend_ok = False
+        self._gpus: list[GpuDevice] = []
+        self.api: Api | None = None
+        self.pods: PodWatch | None = None
+        self.manager: Manager | None = None
+        self.plugin: PluginServer | None = None
+        self._kubelet_inode: int | None = None
+        self._registered = False
+        self._ready_sent = False
+        self._node_checked = False
+        self._published: str | None = None
+        self._published_count: int | None = None
+        self._http: ThreadingHTTPServer | None = None
+        self._mig_refused: set[str] = set()
+
+    # --- lifecycle ---------------------------------------------------------------------------------------------
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def request_reload(self, *_: object) -> None:
+        self._reload.set()
+
+    def install_signals(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        signal.signal(signal.SIGHUP, self.request_reload)
+
+    def run(self) -> None:
+        self.notifier.send(f"MAINPID={os.getpid()}")
+        self.notifier.status("starting")
+        try:
+            self._start()
+            while not self._stop.is_set():
+                self._tick()
+                self._stop.wait(TICK)
+        finally:
+            self.notifier.send("STOPPING=1")
+            self._shutdown()
+
+    def _start(self) -> None:
+        self._read_gpus()
+        if self._gpus:
+            try:
+                check_message_size(inventory_of(self._gpus, unit=self.config.memory_unit, health=self.health))
+            except DeviceListTooLarge as exc:
+                raise FatalError(str(exc)) from None
+        try:
+            self.api = Api(connect(self.config.kubeconfig))
+        except KubeError as exc:
+            raise FatalError(str(exc)) from None
+        except Exception as exc:  # a kubeconfig that does not parse
+            raise FatalError(f"kubeconfig {self.config.kubeconfig}: {exc}") from None
+        self.pods = PodWatch(self.api, self.config.node_name)
+        self.pods.start()
+        self.manager = Manager(
+            node=self.config.node_name,
+            resources=self.resources,
+            unit=self.config.memory_unit,
+            api=self.api,
+            pods=self.pods,
+            pod_resources_socket=self.config.pod_resources_socket,
+            health=self.health,
+            metrics=self.metrics,
+        )
+        self.manager.refresh(self._gpus)
+        self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
+        if self.config.health_enabled:
+            threading.Thread(target=self._watch_events, name="gpu-events", daemon=True).start()
+        self._serve_http()
+
+    def _shutdown(self) -> None:
+        if self.plugin is not None:
+            self.plugin.stop()
+        if self.pods is not None:
+            self.pods.stop()
+        if self.manager is not None:
+            self.manager.flush(timeout=3.0)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+        self.backend.stop()
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self.notifier.ping_if_due()
+        if self._reload.is_set():
+            self._reload.clear()
+            self._apply_reload()
+        assert self.manager is not None
+        self._read_gpus()
+        changed = self.manager.refresh(self._gpus) if self._backend_ok else self.manager.recheck_health()
+        self._keep_registered()
+        self._check_node()
+        if changed or self._published is None:
+            self._publish()
+        self._report()
+
+    def _read_gpus(self) -> None:
+        try:
+            if not self._backend_ok:
+                self.backend.start()
+            gpus = self.backend.devices()
+        except GpuBackendError as exc:
+            if self._backend_ok or not self._gpus:
+                log.error("GPUs unreadable: %s; every GPU is unhealthy until NVML answers", exc)
+            self._backend_ok = False
+            self.health.backend_failed(str(exc))
+            return
+        self._backend_ok = True
+        self.health.backend_ok()
+        usable = []
+        for gpu in gpus:
+            if gpu.mig_enabled:
+                if gpu.uuid not in self._mig_refused:
+                    self._mig_refused.add(gpu.uuid)
+                    log.error(
+                        "GPU %d (%s) has MIG enabled: gpushared cannot share it by memory; it is not advertised "
+                        "(disable MIG with nvidia-smi -i %d -mig 0, or serve it with NVIDIA's MIG device plugin)",
+                        gpu.index,
+                        gpu.uuid,
+                        gpu.index,
+                    )
+                continue
+            usable.append(gpu)
+        self._gpus = usable
+
+    def _keep_registered(self) -> None:
+        """(Re-)register when kubelet.sock is new (kubelet restarted) or our socket is gone (kubelet deleted it)."""
+        assert self.plugin is not None
+        kubelet = self.plugin.kubelet_socket
+        try:
+            inode: int | None = kubelet.stat().st_ino
+        except FileNotFoundError:
+            inode = None
+        ours_gone = self._registered and not self.plugin.socket.exists()
+        if self._registered and inode == self._kubelet_inode and not ours_gone:
+            return
+        if inode is None:
+            if self._registered:
+                log.warning("kubelet socket %s is gone; waiting for the kubelet", kubelet)
+            self._registered = False
+            return
+        if self._registered:
+            log.info("kubelet restarted or our socket vanished: registering again")
+        self.plugin.stop()
+        self.plugin.start()
+        try:
+            self.plugin.register()
+        except grpc.RpcError as exc:
+            log.warning("registration with the kubelet failed: %s %s", exc.code(), exc.details())
+            self._registered = False
+            return
+        self._registered = True
+        self._kubelet_inode = inode
+        self.metrics.registrations.inc()
+        log.info("registered %s with the kubelet at %s", self.resources.gpu_mem, kubelet)
+        if not self._ready_sent:
+            self._ready_sent = True
+            self.notifier.send("READY=1")
+
+    def _check_node(self) -> None:
+        if self._node_checked or self.api is None:
+            return
+        try:
+            self.api.get_node(self.config.node_name)
+        except KubeError as exc:
+            if exc.status == 404:
+                raise FatalError(
+                    f"node {self.config.node_name!r} does not exist in the cluster: set nodeName in the config "
+                    "to this machine's Node name"
+                ) from None
+            log.warning("cannot check node %s yet: %s", self.config.node_name, exc)
+            return
+        self._node_checked = True
+
+    def _publish(self) -> None:
+        """The inventory annotation and Aliyun's gpu-count capacity, patched only when they changed."""
+        if self.api is None or self.manager is None or not self._node_checked:
+            return
+        inventory = self.manager.inventory
+        text = contract.format_inventory(inventory)
+        count = len(inventory.gpus)
+        patch: dict[str, Any] = {}
+        if text != self._published:
+            patch["metadata"] = {"annotations": {contract.NODE_INVENTORY: text}}
+        if count != self._published_count:
+            patch["status"] = {"capacity": {self.resources.gpu_count: str(count)}}
+        if not patch:
+            return
+        try:
+            self.api.patch_node_status(self.config.node_name, patch)
+        except KubeError as exc:
+            log.warning("publishing the GPU inventory failed: %s; retrying", exc)
+            self._published = None
+            return
+        self._published, self._published_count = text, count
+
+    def _report(self) -> None:
+        assert self.manager is not None
+        inventory = self.manager.inventory
+        unhealthy = [g.index for g in inventory.gpus if not g.healthy]
+        if not self._backend_ok and not inventory.gpus:
+            text = "no GPUs: NVML unavailable; waiting"
+        elif not inventory.gpus:
+            text = "no GPUs found; waiting"
+        elif not self._registered:
+            text = f"{len(inventory.gpus)} GPUs; waiting for the kubelet at {self.config.plugin_dir}"
+        else:
+            text = f"serving {len(inventory.gpus)} GPUs, {inventory.total} {inventory.unit.value}"
+            if unhealthy:
+                text += f"; unhealthy: {', '.join(map(str, unhealthy))}"
+        self.notifier.status(text)
+        ledger = self.manager.ledger()
+        for gpu in inventory.gpus:
+            self.metrics.gpu_used.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(ledger.used(gpu.index))
+
+    def _apply_reload(self) -> None:
+        """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""
+        path = self.config_path or config_module.DEFAULT_PATH
+        try:
+            fresh = config_module.load(path)
+        except config_module.ConfigError as exc:
+            log.error("reload refused, keeping the running configuration: %s", exc)
+            return
+        logging.getLogger().setLevel(fresh.log_level.upper())
+        self.health.ignored = frozenset(fresh.ignored_xids)
+        self.health.recover_after = fresh.recover_after
+        live = {"log_level", "ignored_xids", "recover_after"}
+        later = [
+            name for name in vars(fresh) if name not in live and getattr(fresh, name) != getattr(self.config, name)
+        ]
+        if later:
+            log.warning("reload: %s change only after a restart", ", ".join(sorted(later)))
+        log.info("configuration reloaded from %s", path)
+
+    # --- GPU events ------------------------------------------------------------------------------------------
+
+    def _watch_events(self) -> None:
+        while not self._stop.is_set():
+            if not self._backend_ok:
+                self._stop.wait(1.0)
+                continue
+            try:
+                event = self.backend.wait_event(1000)
+            except GpuBackendError as exc:
+                log.error("GPU event wait failed: %s", exc)
+                self.health.backend_failed(str(exc))
+                self._stop.wait(1.0)
+                continue
+            if event is None:
+                continue
+            self.metrics.gpu_events.labels(kind=event.kind, xid=str(event.xid)).inc()
+            counted = self.health.event(
+                event.uuid, kind=event.kind, xid=event.xid, all_uuids=[g.uuid for g in self._gpus]
+            )
+            target = event.uuid or "all GPUs"
+            if counted:
+                log.error("%s on %s: unhealthy for %.0fs", event.kind.upper(), target, self.health.recover_after)
+            else:
+                log.info("XID %d on %s ignored (application error)", event.xid, target)
+
+    # --- status and metrics -----------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        assert self.manager is not None
+        return {
+            "version": __version__,
+            "registered": self._registered,
+            "kubelet": str(self.config.plugin_dir),
+            "nvml": self._backend_ok,
+            **self.manager.status(),
+        }
+
+    def _serve_http(self) -> None:
+        if self.config.metrics_port == 0:
+            return
+        service = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    body, kind = generate_latest(service.metrics.registry), CONTENT_TYPE_LATEST
+                elif self.path == "/status":
+                    body, kind = json.dumps(service.status()).encode(), "application/json"
+                elif self.path == "/healthz":
+                    body, kind = b"ok\n", "text/plain"
+                else:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._http = ThreadingHTTPServer((self.config.metrics_address, self.config.metrics_port), Handler)
+        self._http.daemon_threads = True
+        threading.Thread(target=self._http.serve_forever, name="http", daemon=True).start()

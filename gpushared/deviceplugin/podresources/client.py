@@ -1,0 +1,36 @@
+"""Which devices the kubelet gave to which pods, read from its PodResources socket."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from gpushared.deviceplugin.podresources.v1 import api_pb2, api_pb2_grpc
+
+
+@dataclass(frozen=True)
+class PodDevices:
+    """One pod in the kubelet's pod manager: app container name -> device IDs of one resource."""
+
+    namespace: str
+    name: str
+    containers: dict[str, list[str]]
+
+
+def list_pod_devices(socket: Path, *, resource: str, timeout: float = 2.0) -> list[PodDevices]:
+    """Raises grpc.RpcError when the kubelet does not answer."""
+    with grpc.insecure_channel(f"unix://{socket}") as channel:
+        response = api_pb2_grpc.PodResourcesListerStub(channel).List(api_pb2.ListPodResourcesRequest(), timeout=timeout)
+    return [
+        PodDevices(
+            namespace=pod.namespace,
+            name=pod.name,
+            containers={
+                c.name: [i for d in c.devices if d.resource_name == resource for i in d.device_ids]
+                for c in pod.containers
+            },
+        )
+        for pod in response.pod_resources
+    ]

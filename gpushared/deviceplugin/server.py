@@ -1,0 +1,198 @@
+"""The device-plugin gRPC server: speaks kubelet's v1beta1 protocol and nothing else.
+
+What devices exist, which to prefer and what a container gets are decided by a :class:`DeviceManager`;
+this module turns its answers into protocol messages and its refusals into gRPC statuses, serves them on
+a unix socket only root can open, and registers that socket with the kubelet.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import grpc
+
+from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+#: kubelet's default gRPC receive limit; a bigger ListAndWatch message is dropped by the kubelet.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Mount:
+    container_path: str
+    host_path: str
+    read_only: bool = False
+
+
+@dataclass(frozen=True)
+class ContainerAllocation:
+    envs: dict[str, str]
+    mounts: Sequence[Mount] = field(default_factory=tuple)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+
+class AllocationRefused(Exception):
+    """The manager will not give these devices to a container; ``message`` says why, for the pod's events.
+
+    ``retryable`` marks a passing condition (the API server is unreachable) as UNAVAILABLE rather than
+    FAILED_PRECONDITION.
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retryable = retryable
+
+
+class DeviceManager(Protocol):
+    resource_name: str
+
+    def devices(self) -> tuple[int, list[tuple[str, bool]]]:
+        """(version, [(device ID, healthy)]); the version changes whenever the list does."""
+        ...
+
+    def wait_for_change(self, version: int, timeout: float) -> None: ...
+
+    def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]: ...
+
+    def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation: ...
+
+
+def list_message(devices: Sequence[tuple[str, bool]]) -> api_pb2.ListAndWatchResponse:
+    return api_pb2.ListAndWatchResponse(
+        devices=[api_pb2.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i, ok in devices]
+    )
+
+
+class _Servicer(api_pb2_grpc.DevicePluginServicer):
+    def __init__(self, manager: DeviceManager, stopping: list[bool]) -> None:
+        self.manager = manager
+        self.stopping = stopping
+
+    def GetDevicePluginOptions(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> api_pb2.DevicePluginOptions:
+        return OPTIONS
+
+    def ListAndWatch(
+        self, request: api_pb2.Empty, context: grpc.ServicerContext
+    ) -> Iterator[api_pb2.ListAndWatchResponse]:
+        version, devices = self.manager.devices()
+        yield list_message(devices)
+        while context.is_active() and not self.stopping[0]:
+            self.manager.wait_for_change(version, timeout=1.0)
+            current, devices = self.manager.devices()
+            if current != version:
+                version = current
+                yield list_message(devices)
+
+    def GetPreferredAllocation(
+        self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreferredAllocationResponse:
+        responses = [
+            api_pb2.ContainerPreferredAllocationResponse(
+                deviceIDs=self.manager.preferred(
+                    list(r.available_deviceIDs), list(r.must_include_deviceIDs), r.allocation_size
+                )
+            )
+            for r in request.container_requests
+        ]
+        return api_pb2.PreferredAllocationResponse(container_responses=responses)
+
+    def Allocate(self, request: api_pb2.AllocateRequest, context: grpc.ServicerContext) -> api_pb2.AllocateResponse:
+        responses = []
+        for container in request.container_requests:
+            try:
+                given = self.manager.allocate(list(container.devices_ids))
+            except AllocationRefused as exc:
+                code = grpc.StatusCode.UNAVAILABLE if exc.retryable else grpc.StatusCode.FAILED_PRECONDITION
+                context.abort(code, exc.message)
+            responses.append(
+                api_pb2.ContainerAllocateResponse(
+                    envs=given.envs,
+                    mounts=[
+                        api_pb2.Mount(container_path=m.container_path, host_path=m.host_path, read_only=m.read_only)
+                        for m in given.mounts
+                    ],
+                    annotations=given.annotations,
+                )
+            )
+        return api_pb2.AllocateResponse(container_responses=responses)
+
+    def PreStartContainer(
+        self, request: api_pb2.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> api_pb2.PreStartContainerResponse:
+        return api_pb2.PreStartContainerResponse()
+
+
+OPTIONS = api_pb2.DevicePluginOptions(pre_start_required=False, get_preferred_allocation_available=True)
+
+
+class PluginServer:
+    """One device plugin on ``plugin_dir/endpoint``; :meth:`start` serves, :meth:`register` tells kubelet."""
+
+    def __init__(self, manager: DeviceManager, *, plugin_dir: Path, endpoint: str) -> None:
+        self.manager = manager
+        self.plugin_dir = plugin_dir
+        self.endpoint = endpoint
+        self._server: grpc.Server | None = None
+        self._stopping = [False]
+
+    @property
+    def socket(self) -> Path:
+        return self.plugin_dir / self.endpoint
+
+    @property
+    def kubelet_socket(self) -> Path:
+        return self.plugin_dir / KUBELET_SOCKET
+
+    def start(self) -> None:
+        self.plugin_dir.mkdir(parents=True, exist_ok=True)
+        self.socket.unlink(missing_ok=True)
+        self._stopping = [False]
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="device-plugin"),
+            options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
+        )
+        api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self.manager, self._stopping), server)
+        # Only root may talk to the plugin: Allocate hands out GPUs.
+        previous = os.umask(0o177)
+        try:
+            server.add_insecure_port(f"unix://{self.socket}")
+            server.start()
+        finally:
+            os.umask(previous)
+        os.chmod(self.socket, 0o600)
+        self._server = server
+
+    def register(self, *, timeout: float = 5.0) -> None:
+        """Register with the kubelet; raises grpc.RpcError when it is not there or refuses."""
+        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            api_pb2_grpc.RegistrationStub(channel).Register(
+                api_pb2.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=self.endpoint,
+                    resource_name=self.manager.resource_name,
+                    options=OPTIONS,
+                ),
+                timeout=timeout,
+            )
+
+    def stop(self) -> None:
+        self._stopping[0] = True
+        if self._server is not None:
+            self._server.stop(grace=1.0).wait(2.0)
+            self._server = None
+        self.socket.unlink(missing_ok=True)

@@ -1,0 +1,114 @@
+"""The Kubernetes calls gpushared makes, returning the API server's JSON as plain dicts.
+
+Bodies stay dicts (never the client's model classes) so the pure core reads them directly and nothing
+is lost to the models' field filtering. Every call has a timeout: a component must never hang on a slow
+API server.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any, cast
+
+import kubernetes
+from kubernetes.client.exceptions import ApiException
+
+REQUEST_TIMEOUT = 10.0
+
+
+class KubeError(Exception):
+    """An API call failed; ``status`` is the HTTP status, or None when the server was not reached."""
+
+    def __init__(self, message: str, *, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def connect(kubeconfig: Path | None) -> kubernetes.client.ApiClient:
+    """A client from ``kubeconfig`` when that file exists, else the pod's in-cluster credentials."""
+    config = kubernetes.client.Configuration()
+    loaders = cast(Any, kubernetes.config)  # untyped module
+    if kubeconfig is not None and kubeconfig.exists():
+        loaders.load_kube_config(config_file=str(kubeconfig), client_configuration=config)
+    elif "KUBERNETES_SERVICE_HOST" in os.environ:
+        loaders.load_incluster_config(client_configuration=config)
+    else:
+        raise KubeError(f"no kubeconfig at {kubeconfig} and not running in a pod: cannot reach the API server")
+    return kubernetes.client.ApiClient(config)
+
+
+class Api:
+    """The few calls gpushared makes, as dicts in and dicts out."""
+
+    def __init__(self, client: kubernetes.client.ApiClient) -> None:
+        self.client = client
+        self.core = kubernetes.client.CoreV1Api(client)
+
+    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+        except ApiException as exc:
+            raise KubeError(f"{what}: {exc.status} {_reason(exc)}", status=exc.status) from exc
+        except Exception as exc:  # urllib3 and socket errors: the server was not reached
+            raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
+        return json.loads(response.data or b"null")
+
+    def get_node(self, name: str) -> dict[str, Any]:
+        return self._call(f"get node {name}", self.core.read_node, name)  # type: ignore[no-any-return]
+
+    def patch_node_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """Patch through /status: capacity lives there, and the main resource ignores status changes."""
+        return self._call(f"patch node {name} status", self.core.patch_node_status, name, patch)  # type: ignore[no-any-return]
+
+    def list_pods_on_node(self, node: str) -> dict[str, Any]:
+        return self._call(  # type: ignore[no-any-return]
+            f"list pods on node {node}", self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
+        )
+
+    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._call(f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace)  # type: ignore[no-any-return]
+
+    def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        """A strategic-merge patch; put ``metadata.resourceVersion`` in it to make it conditional."""
+        return self._call(f"patch pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace, patch)  # type: ignore[no-any-return]
+
+    def pod_event(self, pod: dict[str, Any], *, reason: str, message: str, warning: bool, component: str) -> None:
+        meta = pod.get("metadata") or {}
+        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": meta.get("name"),
+                "namespace": meta.get("namespace"),
+                "uid": meta.get("uid"),
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "reason": reason,
+            "message": message,
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": component, "host": (pod.get("spec") or {}).get("nodeName", "")},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self._call(
+            f"event on pod {meta.get('namespace')}/{meta.get('name')}",
+            self.core.create_namespaced_event,
+            meta.get("namespace"),
+            event,
+        )
+
+
+def _reason(exc: ApiException) -> str:
+    try:
+        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.reason)

@@ -1,0 +1,148 @@
+"""GPU discovery and health events, behind an interface the daemon can run without a GPU.
+
+The daemon needs four things from the driver: the GPUs (index, UUID, model, memory, MIG mode), whether it
+can serve MPS on them, and critical events (XIDs, ECC). :class:`NvmlBackend` gets them from pynvml; on a
+machine without NVIDIA's library the same code runs against the fake ``libnvidia-ml.so.1`` of the tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Protocol
+
+import pynvml
+
+
+class GpuBackendError(Exception):
+    """NVML failed: the driver is missing, a GPU is lost, or a call is not supported."""
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str
+    model: str
+    memory_mib: int
+    mig_enabled: bool
+    compute_capability: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class GpuEvent:
+    """A critical event; ``uuid`` is None when the driver could not attribute it to one GPU."""
+
+    uuid: str | None
+    kind: str  # "xid", "sbe", "dbe"
+    xid: int
+
+
+class GpuBackend(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def devices(self) -> list[GpuDevice]: ...
+    def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
+    def driver_version(self) -> str: ...
+
+
+_EVENT_KINDS = {
+    pynvml.nvmlEventTypeXidCriticalError: "xid",
+    pynvml.nvmlEventTypeSingleBitEccError: "sbe",
+    pynvml.nvmlEventTypeDoubleBitEccError: "dbe",
+}
+
+
+class NvmlBackend:
+    """pynvml, with every NVML error turned into :class:`GpuBackendError` carrying NVML's own words."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: object | None = None
+        self._started = False
+
+    def start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            try:
+                pynvml.nvmlInit()
+            except pynvml.NVMLError as exc:
+                raise GpuBackendError(
+                    f"NVML could not start: {exc} (is the NVIDIA driver installed and loaded?)"
+                ) from exc
+            self._started = True
+            self._events = None
+
+    def stop(self) -> None:
+        with self._lock:
+            if not self._started:
+                return
+            if self._events is not None:
+                with contextlib.suppress(pynvml.NVMLError):
+                    pynvml.nvmlEventSetFree(self._events)
+            self._events = None
+            self._started = False
+            with contextlib.suppress(pynvml.NVMLError):
+                pynvml.nvmlShutdown()
+
+    def driver_version(self) -> str:
+        try:
+            return str(pynvml.nvmlSystemGetDriverVersion())
+        except pynvml.NVMLError as exc:
+            raise GpuBackendError(f"nvmlSystemGetDriverVersion: {exc}") from exc
+
+    def devices(self) -> list[GpuDevice]:
+        try:
+            found = []
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                found.append(
+                    GpuDevice(
+                        index=index,
+                        uuid=str(pynvml.nvmlDeviceGetUUID(handle)),
+                        model=str(pynvml.nvmlDeviceGetName(handle)),
+                        memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // 2**20,
+                        mig_enabled=_mig_enabled(handle),
+                        compute_capability=_capability(handle),
+                    )
+                )
+            return found
+        except pynvml.NVMLError as exc:
+            raise GpuBackendError(f"reading GPUs: {exc}") from exc
+
+    def wait_event(self, timeout_ms: int) -> GpuEvent | None:
+        """The next critical event, or None after ``timeout_ms``. Registers on first use."""
+        try:
+            if self._events is None:
+                self._events = self._register()
+            data = pynvml.nvmlEventSetWait(self._events, timeout_ms)
+        except pynvml.NVMLError_Timeout:
+            return None
+        except pynvml.NVMLError as exc:
+            self._events = None
+            raise GpuBackendError(f"waiting for GPU events: {exc}") from exc
+        uuid = str(pynvml.nvmlDeviceGetUUID(data.device)) if data.device else None
+        return GpuEvent(uuid=uuid, kind=_EVENT_KINDS.get(data.eventType, "xid"), xid=int(data.eventData))
+
+    def _register(self) -> object:
+        events = pynvml.nvmlEventSetCreate()
+        wanted = sum(_EVENT_KINDS)
+        for index in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
+            pynvml.nvmlDeviceRegisterEvents(handle, wanted & supported, events)
+        return events
+
+
+def _mig_enabled(handle: object) -> bool:
+    try:
+        current, _pending = pynvml.nvmlDeviceGetMigMode(handle)
+    except pynvml.NVMLError_NotSupported:
+        return False
+    return bool(current)
+
+
+def _capability(handle: object) -> tuple[int, int]:
+    major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+    return int(major), int(minor)
