@@ -107,3 +107,7 @@ def render_status(body: dict[str, Any]) -> str:
             if pod.get("problem"):
                 lines.append(f"    problem: {pod['problem']}")
     return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -176,22 +176,12 @@ class Manager:
     def _allocate(self, devices: Sequence[str]) -> ContainerAllocation:
         inventory = self.inventory
         unit = self.unit.value
-        gpus = {device_ids.gpu_of(d) for d in devices}
-        if not devices or None in gpus or len(gpus) != 1:
-            raise AllocationRefused(f"devices {sorted(devices)[:8]} are not {unit} units of one GPU of this node")
-        (index,) = gpus
         decision = self._identify(len(devices))
         chosen = decision.chosen
         slot = chosen.next
         assert slot is not None
-        assert index is not None
         pod = chosen.pod
-        if slot.index != index:
-            self._refuse(
-                pod,
-                f"pod {chosen.key} container {slot.container!r} was placed on GPU {slot.index}, but the kubelet "
-                f"gave it devices of GPU {index} (it did not take gpushared's preferred allocation)",
-            )
+        index = slot.index
         gpu = inventory.by_index(index)
         if gpu is None:
             self._refuse(pod, f"pod {chosen.key} was placed on GPU {index}, which node {self.node} does not have")
@@ -204,14 +194,20 @@ class Manager:
             )
         ledger = self.ledger()
         used = ledger.used(index)
-        uid = (pod.get("metadata") or {}).get("uid", "")
-        if ledger.holding(uid) is None:
+        if ledger.holding((pod.get("metadata") or {}).get("uid", "")) is None:
             used += slot.amount
         if used > gpu.memory:
             self._refuse(
                 pod,
                 f"pod {chosen.key} would bring GPU {index} to {used} {unit} of {gpu.memory} {unit}: "
                 "it does not fit; was it scheduled by another scheduler?",
+            )
+        given = {device_ids.gpu_of(d) for d in devices}
+        if given != {index}:
+            self._refuse(
+                pod,
+                f"pod {chosen.key} container {slot.container!r} was placed on GPU {index}, but the kubelet gave it "
+                f"devices {sorted(devices)[:8]} (it did not take gpushared's preferred allocation)",
             )
         if decision.ambiguous_but_equivalent:
             log.info(

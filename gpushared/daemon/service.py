@@ -126,7 +126,9 @@ class Service:
                 self._stop.wait(TICK)
         finally:
             self.notifier.send("STOPPING=1")
+            self.notifier.status("stopping")
             self._shutdown()
+            log.info("stopped")
 
     def _start(self) -> None:
         self._read_gpus()

@@ -6,8 +6,10 @@ API servers. One list and one watch per node cost the API server almost nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import socket
 import threading
 import time
 from typing import Any, cast
@@ -38,8 +40,10 @@ class PodWatch:
         self._stop.set()
         response = self._response
         if response is not None:
-            response.close()
-        self._thread.join(timeout=5)
+            # Closing the response would wait for the reader's lock; shutting the socket ends the read.
+            with contextlib.suppress(Exception):
+                response.connection.sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2)
 
     @property
     def synced(self) -> bool:
@@ -85,6 +89,8 @@ class PodWatch:
                 log.info("pod watch on node %s expired; listing again", self.node)
                 continue
             except Exception as exc:  # a cut stream, a bad chunk: relist
+                if self._stop.is_set():
+                    return
                 log.warning("pod watch on node %s broke (%s: %s); listing again", self.node, type(exc).__name__, exc)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, 30.0)

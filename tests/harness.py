@@ -1,0 +1,186 @@
+"""Run the real ``gpushared serve`` process against the fakes: API server, kubelet, NVML, systemd."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpushared import contract
+from gpushared.contract import GpuInventory
+from gpushared.core.placement import bind_annotations
+from gpushared.core.requests import pod_request
+from tests.builders import pod
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kubelet import ContainerAllocation, ContainerSpec, FakeKubelet, PodRef
+from tests.fakes.nvml import FakeNvml
+from tests.fakes.systemd import NotifySocket
+
+NODE = "node-1"
+GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Daemon:
+    """One ``gpushared serve`` process and the world around it."""
+
+    api: FakeApiServer
+    kubelet: FakeKubelet
+    nvml: FakeNvml
+    notify: NotifySocket
+    workdir: Path
+    config: dict[str, Any] = field(default_factory=dict)
+    process: subprocess.Popen[str] | None = None
+    metrics_port: int = 0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def config_path(self) -> Path:
+        return self.workdir / "config.yaml"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "daemon.log"
+
+    def write_config(self, **overrides: Any) -> None:
+        kubeconfig = self.workdir / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+        self.metrics_port = self.metrics_port or free_port()
+        body = {
+            "nodeName": NODE,
+            "kubeconfig": str(kubeconfig),
+            "kubeletDir": str(self.kubelet.root),
+            "logLevel": "debug",
+            "metrics": {"address": "127.0.0.1", "port": self.metrics_port},
+            "health": {"recoverAfterSeconds": 2},
+        }
+        body.update(self.config)
+        body.update(overrides)
+        self.config_path.write_text(yaml.safe_dump(body))
+
+    def start(self, *args: str, watchdog_usec: int = 400_000) -> None:
+        if not self.config_path.exists():
+            self.write_config()
+        env = {
+            **os.environ,
+            **self.nvml.env(),
+            "NOTIFY_SOCKET": str(self.notify.path),
+            "WATCHDOG_USEC": str(watchdog_usec),
+            "PYTHONUNBUFFERED": "1",
+            **self.extra_env,
+        }
+        log = self.log_path.open("a")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gpushared.cli.daemon", "serve", "--config", str(self.config_path), *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 10) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+
+    def wait_exit(self, timeout: float = 15) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout)
+
+    def status(self) -> dict[str, Any]:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/status", timeout=5) as response:
+            return json.load(response)  # type: ignore[no-any-return]
+
+    # --- the cluster side ---------------------------------------------------------------------------------
+
+    def inventory(self) -> GpuInventory:
+        node = self.api.get("nodes", NODE)
+        assert node is not None
+        return contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY])
+
+    def place(
+        self, name: str, *amounts: int, gpu: int, init: list[dict[str, Any]] | None = None, **kw: Any
+    ) -> dict[str, Any]:
+        """A pod as the extender leaves it: annotated for GPU ``gpu`` and bound to the node."""
+        body = pod(name, *amounts, init=init, **kw)
+        inventory = self.inventory()
+        request = pod_request(body)
+        body["metadata"]["annotations"].update(
+            bind_annotations(request, inventory.gpus[gpu], unit=inventory.unit, now_ns=time.time_ns())
+        )
+        body["spec"]["nodeName"] = NODE
+        return self.api.create(body)
+
+    def unplaced(self, name: str, *amounts: int) -> dict[str, Any]:
+        body = pod(name, *amounts)
+        body["spec"]["nodeName"] = NODE
+        return self.api.create(body)
+
+    def admit(self, body: dict[str, Any]) -> list[ContainerAllocation]:
+        meta = body["metadata"]
+        containers = [
+            ContainerSpec(c["name"], _amount(c), init=True) for c in body["spec"].get("initContainers") or []
+        ] + [ContainerSpec(c["name"], _amount(c)) for c in body["spec"]["containers"]]
+        current = self.api.get("pods", meta["name"], meta["namespace"])
+        assert current is not None
+        return self.kubelet.admit(
+            PodRef(current["metadata"]["uid"], meta["name"], meta["namespace"]), GPU_MEM, containers
+        )
+
+    def events(self, name: str) -> list[tuple[str, str]]:
+        return [(e["reason"], e["message"]) for e in self.api.objects("events") if e["involvedObject"]["name"] == name]
+
+
+def _amount(container: dict[str, Any]) -> int:
+    return int(((container.get("resources") or {}).get("limits") or {}).get(GPU_MEM, 0))
+
+
+def wait_until(condition: Any, *, timeout: float = 10, interval: float = 0.05, message: str = "") -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting: {message}")
+        time.sleep(interval)
+
+
+def node_body(name: str = NODE) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"gpushare": "true"}},
+        "status": {},
+    }
+
+
+def uuids(allocations: Iterable[ContainerAllocation]) -> list[str]:
+    return [a.response.envs["NVIDIA_VISIBLE_DEVICES"] for a in allocations]

@@ -1,0 +1,30 @@
+"""The node-daemon world: fake API server with a Node, fake kubelet, fake NVML (4 GPUs), systemd socket."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kubelet import FakeKubelet
+from tests.fakes.nvml import FakeNvml
+from tests.fakes.systemd import NotifySocket
+from tests.harness import Daemon, node_body
+
+#: Four GPUs of different sizes, MiB: 16, 12, 24 and 8 GiB.
+SIZES = (16384, 12288, 24576, 8192)
+
+
+@pytest.fixture
+def daemon(kubelet_root: Path, plugin_dir: Path, fake_nvml_library: Path, tmp_path: Path) -> Iterator[Daemon]:
+    with FakeApiServer() as api, FakeKubelet(kubelet_root, seed=1) as kubelet:
+        api.create(node_body())
+        notify = NotifySocket(kubelet_root / "notify.sock")
+        nvml = FakeNvml.with_sizes(tmp_path / "nvml.json", fake_nvml_library, *SIZES)
+        world = Daemon(api=api, kubelet=kubelet, nvml=nvml, notify=notify, workdir=tmp_path)
+        yield world
+        if world.process is not None and world.process.poll() is None:
+            world.stop()
+        notify.close()

@@ -1,0 +1,321 @@
+"""The node daemon as a process, over real sockets: kubelet gRPC, API server HTTP, NVML, sd_notify."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpushared import contract
+from tests.fakes.apiserver import Fault
+from tests.fakes.kubelet import AdmissionError
+from tests.harness import GPU_MEM, NODE, Daemon, uuids, wait_until
+
+TOTAL_UNITS = 16 + 12 + 24 + 8
+
+
+def started(daemon: Daemon) -> Daemon:
+    daemon.start()
+    daemon.notify.wait_for("READY=1")
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+    wait_until(
+        lambda: (
+            contract.NODE_INVENTORY in (daemon.api.get("nodes", NODE) or {}).get("metadata", {}).get("annotations", {})
+        ),
+        message="inventory",
+    )
+    return daemon
+
+
+def test_registers_advertises_per_gpu_sizes_and_publishes_the_inventory(daemon: Daemon) -> None:
+    started(daemon)
+    registration = daemon.kubelet.registrations[-1]
+    assert (registration.version, registration.resource_name) == ("v1beta1", GPU_MEM)
+    assert registration.options.get_preferred_allocation_available
+    devices = daemon.kubelet.devices(GPU_MEM)
+    assert sum(1 for d in devices if d.startswith("2-")) == 24  # each GPU its own size
+    assert max(len(d) for d in devices) <= 5
+    inventory = daemon.inventory()
+    assert inventory.unit is contract.MemoryUnit.GIB
+    assert [(g.index, g.uuid, g.memory, g.memory_mib, g.healthy) for g in inventory.gpus] == [
+        (i, gpu.uuid, gpu.memory_mib // 1024, gpu.memory_mib, True) for i, gpu in enumerate(daemon.nvml.gpus)
+    ]
+    node = daemon.api.get("nodes", NODE)
+    assert node["status"]["capacity"]["aliyun.com/gpu-count"] == "4"  # type: ignore[index]
+    socket = daemon.kubelet.plugin_dir / "gpushared.sock"
+    assert socket.stat().st_mode & 0o777 == 0o600
+    daemon.notify.wait_for("STATUS=serving 4 GPUs, 60 GiB")
+
+
+def test_registers_again_after_a_kubelet_restart(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.kubelet.restart()
+    assert daemon.kubelet.capacity(GPU_MEM) == 0
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+    assert len(daemon.kubelet.registrations) == 2
+
+
+def test_registers_again_when_its_socket_is_deleted(daemon: Daemon) -> None:
+    started(daemon)
+    (daemon.kubelet.plugin_dir / "gpushared.sock").unlink()
+    wait_until(lambda: len(daemon.kubelet.registrations) == 2, message="re-registration")
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+
+
+def test_xid_withdraws_a_gpu_and_it_recovers_after_the_quiet_period(daemon: Daemon) -> None:
+    started(daemon)
+    before = daemon.kubelet.endpoints[GPU_MEM].updates
+    daemon.nvml.xid(1, 13)  # an application error: ignored
+    time.sleep(1.0)
+    assert daemon.kubelet.capacity(GPU_MEM) == TOTAL_UNITS
+    daemon.nvml.xid(1, 79)  # fallen off the bus
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS - 12)
+    assert daemon.kubelet.endpoints[GPU_MEM].updates > before
+    assert daemon.kubelet.devices(GPU_MEM)["1-0"] == "Unhealthy"
+    wait_until(lambda: not daemon.inventory().gpus[1].healthy, message="inventory marks GPU 1")
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS, timeout=10)  # recoverAfterSeconds: 2
+    wait_until(lambda: daemon.inventory().gpus[1].healthy, message="inventory recovers GPU 1")
+
+
+def test_nvml_failing_marks_every_gpu_unhealthy_instead_of_crashing(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.nvml.errors = {"nvmlDeviceGetCount_v2": "GPU_IS_LOST"}
+    daemon.nvml.write()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=0)
+    assert daemon.process is not None and daemon.process.poll() is None
+    daemon.nvml.errors = {}
+    daemon.nvml.write()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS, timeout=10)
+
+
+def test_allocate_a_single_container_pod(daemon: Daemon) -> None:
+    started(daemon)
+    body = daemon.place("one", 4, gpu=1)
+    (allocation,) = daemon.admit(body)
+    gpu = daemon.nvml.gpus[1]
+    assert allocation.response.envs == {
+        "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+        "ALIYUN_COM_GPU_MEM_IDX": "1",
+        "ALIYUN_COM_GPU_MEM_POD": "4",
+        "ALIYUN_COM_GPU_MEM_CONTAINER": "4",
+        "ALIYUN_COM_GPU_MEM_DEV": "12",
+    }
+    assert all(d.startswith("1-") for d in allocation.device_ids)
+    pod = wait_until(
+        lambda: (
+            (p := daemon.api.get("pods", "one", "default"))
+            and p["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED] == "true"
+            and p
+        ),
+        message="ASSIGNED=true",
+    )
+    assert int(pod["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSUME_TIME]) > 0
+    wait_until(lambda: ("GPUAllocated", "GPU memory allocated: c0 on GPU 1") in daemon.events("one"), message="event")
+
+
+def test_allocate_a_multi_container_pod_with_an_init_container(daemon: Daemon) -> None:
+    started(daemon)
+    init = [{"name": "warm", "image": "busybox", "resources": {"limits": {GPU_MEM: "5"}}}]
+    body = daemon.place("multi", 3, 2, gpu=2, init=init)
+    allocations = daemon.admit(body)
+    assert [a.name for a in allocations] == ["warm", "c0", "c1"]
+    assert set(uuids(allocations)) == {daemon.nvml.gpus[2].uuid}
+    assert [a.response.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] for a in allocations] == ["5", "3", "2"]
+    wait_until(
+        lambda: (
+            daemon.api.get("pods", "multi", "default")["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED]  # type: ignore[index]
+            == "true"
+        ),
+        message="ASSIGNED after the last container",
+    )
+
+
+def test_equal_pods_admitted_in_any_order_each_get_the_gpu_their_annotation_names(daemon: Daemon) -> None:
+    """Aliyun's failure: equal requests bound at once and admitted out of order swap GPUs."""
+    started(daemon)
+    bodies = [daemon.place(f"eq-{i}", 2, gpu=i % 4) for i in range(8)]
+    order = list(range(8))
+    random.Random(42).shuffle(order)
+    for i in order:
+        (allocation,) = daemon.admit(bodies[i])
+        assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == daemon.nvml.gpus[i % 4].uuid, f"eq-{i}"
+        assert allocation.response.envs["ALIYUN_COM_GPU_MEM_IDX"] == str(i % 4)
+        assert {d.split("-")[0] for d in allocation.device_ids} == {str(i % 4)}
+    wait_until(
+        lambda: all(
+            daemon.api.get("pods", f"eq-{i}", "default")["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED]  # type: ignore[index]
+            == "true"
+            for i in range(8)
+        ),
+        message="all assigned",
+    )
+    status = daemon.status()
+    assert [g["used"] for g in status["gpus"]] == [4, 4, 4, 4]
+
+
+def test_a_pod_the_extender_did_not_place_gets_an_error_and_an_event(daemon: Daemon) -> None:
+    started(daemon)
+    body = daemon.unplaced("rogue", 3)
+    with pytest.raises(AdmissionError) as info:
+        daemon.admit(body)
+    message = str(info.value)
+    assert "FAILED_PRECONDITION" in message
+    assert "pod default/rogue cannot get 3 GiB of GPU memory" in message
+    assert "not scheduled through gpushared-extender" in message
+    assert "no-gpu-has" not in message
+    wait_until(
+        lambda: any(r == "GPUAllocationFailed" and "gpushared-extender" in m for r, m in daemon.events("rogue")),
+        message="event",
+    )
+
+
+def test_a_pod_that_does_not_fit_its_gpu_is_refused(daemon: Daemon) -> None:
+    started(daemon)
+    first = daemon.place("big", 6, gpu=3)
+    daemon.admit(first)
+    second = daemon.place("too-much", 4, gpu=3)  # GPU 3 has 8 GiB; 6 are taken
+    with pytest.raises(AdmissionError, match=r"would bring GPU 3 to 10 GiB of 8 GiB: it does not fit"):
+        daemon.admit(second)
+    wait_until(lambda: any("does not fit" in m for _, m in daemon.events("too-much")), message="event")
+
+
+def test_a_gpu_that_changed_since_scheduling_is_refused(daemon: Daemon) -> None:
+    started(daemon)
+    body = daemon.place("moved", 2, gpu=0)
+    daemon.nvml.gpus[0].uuid = "GPU-replaced-0000"
+    daemon.nvml.write()
+    wait_until(lambda: daemon.inventory().gpus[0].uuid == "GPU-replaced-0000", message="inventory follows")
+    with pytest.raises(AdmissionError, match="the GPUs changed since it was scheduled"):
+        daemon.admit(body)
+
+
+def test_pod_lookups_are_scoped_to_the_node(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.admit(daemon.place("scoped", 1, gpu=0))
+    pod_lists = [r for r in daemon.api.requests if r.method == "GET" and r.path.endswith("/pods")]
+    assert pod_lists
+    assert all(r.query.get("fieldSelector") == f"spec.nodeName={NODE}" for r in pod_lists)
+
+
+def test_api_server_down_at_start_and_during_allocate(daemon: Daemon) -> None:
+    outage = daemon.api.inject(Fault(status=503, times=None, message="etcd is down"))
+    daemon.start()
+    daemon.notify.wait_for("READY=1")  # the kubelet side does not need the API server
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+    daemon.api.faults.remove(outage)
+    wait_until(
+        lambda: contract.NODE_INVENTORY in daemon.api.get("nodes", NODE)["metadata"].get("annotations", {}),
+        message="inventory after outage",
+    )  # type: ignore[index]
+    known = daemon.place("known", 2, gpu=0)
+    wait_until(lambda: any(p["name"] == "known" for p in daemon.status()["pods"]), message="watch sees the pod")
+    outage = daemon.api.inject(Fault(status=503, times=None, message="etcd is down again"))
+    daemon.api.cut_watches()  # the daemon's watch breaks and cannot come back while the outage lasts
+    (allocation,) = daemon.admit(known)  # from the watch cache: no API call needed
+    assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == daemon.nvml.gpus[0].uuid
+    unseen = daemon.place("unseen", 1, gpu=1)  # bound during the outage: the daemon never saw it
+    with pytest.raises(AdmissionError) as info:
+        daemon.admit(unseen)
+    assert "UNAVAILABLE" in str(info.value)
+    assert "cannot read pod default/unseen to find its GPU" in str(info.value)
+    daemon.api.faults.remove(outage)
+    wait_until(
+        lambda: (
+            daemon.api.get("pods", "known", "default")["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED]  # type: ignore[index]
+            == "true"
+        ),
+        timeout=20,
+        message="ASSIGNED lands after the outage",
+    )
+
+
+def test_sd_notify_ready_status_watchdog_and_stopping(daemon: Daemon) -> None:
+    started(daemon)
+    time.sleep(1.5)
+    pings = daemon.notify.times("WATCHDOG=1")
+    assert len(pings) >= 2
+    assert daemon.notify.lines("MAINPID=") == [f"MAINPID={daemon.process.pid}"]  # type: ignore[union-attr]
+    gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+    assert max(gaps) < 0.9  # WATCHDOG_USEC=0.4s: pinged every 0.2s, on 0.5s ticks
+    assert daemon.stop() == 0
+    daemon.notify.wait_for("STOPPING=1")
+    assert not (daemon.kubelet.plugin_dir / "gpushared.sock").exists()
+
+
+def test_no_watchdog_while_the_loop_is_blocked(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.api.inject(Fault(method="PATCH", path=rf"/nodes/{NODE}/status$", delay=3.0))
+    daemon.nvml.xid(0, 48)  # health changes -> the loop publishes the inventory -> its PATCH hangs 3 s
+    time.sleep(4.0)
+    pings = [*daemon.notify.times("WATCHDOG=1"), time.monotonic()]
+    gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+    assert max(gaps) >= 2.5, "the watchdog was fed while the main loop was stuck"
+    time.sleep(4.0)  # the PATCH returns, the loop runs again, and so do the pings
+    assert daemon.notify.times("WATCHDOG=1")[-1] > time.monotonic() - 1.5
+
+
+def test_sighup_reloads_the_config(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.write_config(logLevel="info", health={"ignoredXids": [13, 79], "recoverAfterSeconds": 2})
+    assert daemon.process is not None
+    daemon.process.send_signal(signal.SIGHUP)
+    wait_until(lambda: "configuration reloaded" in daemon.log(), message="reload logged")
+    daemon.nvml.xid(1, 79)  # ignored now
+    time.sleep(1.0)
+    assert daemon.kubelet.capacity(GPU_MEM) == TOTAL_UNITS
+
+
+def test_status_command_and_metrics(daemon: Daemon) -> None:
+    started(daemon)
+    daemon.admit(daemon.place("shown", 3, gpu=2))
+    wait_until(lambda: any(p["assigned"] for p in daemon.status()["pods"]), message="assigned")
+    env = {**daemon.nvml.env(), "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, "-m", "gpushared.cli.daemon", "status", "--config", str(daemon.config_path)]
+    table = subprocess.run(run, capture_output=True, text=True, check=True, env=env).stdout
+    assert "kubelet: registered" in table
+    assert "3/24" in table
+    assert "default/shown" in table and "c0->GPU 2" in table
+    body = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True, env=env).stdout)
+    assert body["gpus"][2]["used"] == 3
+    import urllib.request
+
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+    assert 'gpushared_gpu_memory_units{gpu="2"' in metrics
+    assert "gpushared_allocate_seconds_count 1.0" in metrics
+    assert "gpushared_allocations_total 1.0" in metrics
+
+
+def test_a_missing_node_stops_the_daemon_with_the_reason(daemon: Daemon) -> None:
+    daemon.write_config(nodeName="no-such-node")
+    daemon.start()
+    assert daemon.wait_exit() == 2
+    assert "node 'no-such-node' does not exist in the cluster" in daemon.log()
+
+
+def test_a_bad_config_names_the_key(daemon: Daemon) -> None:
+    daemon.write_config(memoryUnit="GB")
+    daemon.start()
+    assert daemon.wait_exit() != 0
+    assert "memoryUnit: must be GiB or MiB (got 'GB')" in daemon.log()
+
+
+def test_mig_gpus_are_refused_with_a_clear_message(daemon: Daemon) -> None:
+    daemon.nvml.gpus[3].mig_mode = 1
+    daemon.nvml.write()
+    daemon.start()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS - 8)
+    wait_until(lambda: "GPU 3" in daemon.log() and "MIG enabled" in daemon.log(), message="MIG message")
+
+
+def test_mib_devices_too_many_for_the_kubelet_are_refused_at_start(daemon: Daemon) -> None:
+    daemon.nvml.gpus = [daemon.nvml.gpus[0].__class__(uuid=f"GPU-big-{i}", memory_mib=81920) for i in range(8)]
+    daemon.nvml.write()
+    daemon.write_config(memoryUnit="MiB")
+    daemon.start()
+    assert daemon.wait_exit() == 2
+    assert "over the kubelet's 4 MiB limit: set memoryUnit: GiB" in daemon.log()
