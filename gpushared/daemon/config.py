@@ -7,6 +7,7 @@ the three sources cannot drift apart, and a bad value fails at start naming the 
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -120,7 +121,8 @@ class Option:
 
     @property
     def env(self) -> str:
-        return "GPUSHARED_" + self.key.replace(".", "_").replace("-", "_").upper()
+        """``health.recoverAfterSeconds`` -> ``GPUSHARED_HEALTH_RECOVER_AFTER_SECONDS``."""
+        return "GPUSHARED_" + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", self.key).replace(".", "_").upper()
 
 
 OPTIONS = (

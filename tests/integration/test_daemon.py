@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import signal
@@ -240,7 +241,7 @@ def test_sd_notify_ready_status_watchdog_and_stopping(daemon: Daemon) -> None:
     pings = daemon.notify.times("WATCHDOG=1")
     assert len(pings) >= 2
     assert daemon.notify.lines("MAINPID=") == [f"MAINPID={daemon.process.pid}"]  # type: ignore[union-attr]
-    gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert max(gaps) < 0.9  # WATCHDOG_USEC=0.4s: pinged every 0.2s, on 0.5s ticks
     assert daemon.stop() == 0
     daemon.notify.wait_for("STOPPING=1")
@@ -253,7 +254,7 @@ def test_no_watchdog_while_the_loop_is_blocked(daemon: Daemon) -> None:
     daemon.nvml.xid(0, 48)  # health changes -> the loop publishes the inventory -> its PATCH hangs 3 s
     time.sleep(4.0)
     pings = [*daemon.notify.times("WATCHDOG=1"), time.monotonic()]
-    gaps = [b - a for a, b in zip(pings, pings[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(pings)]
     assert max(gaps) >= 2.5, "the watchdog was fed while the main loop was stuck"
     time.sleep(4.0)  # the PATCH returns, the loop runs again, and so do the pings
     assert daemon.notify.times("WATCHDOG=1")[-1] > time.monotonic() - 1.5

@@ -1,0 +1,64 @@
+"""The daemon's configuration: file, environment and flags, and errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpushared.contract import MemoryUnit
+from gpushared.daemon.config import DEFAULT_IGNORED_XIDS, ConfigError, load
+
+
+def test_defaults_without_a_file(tmp_path: Path) -> None:
+    config = load(tmp_path / "missing.yaml", env={})
+    assert config.memory_unit is MemoryUnit.GIB
+    assert config.kubeconfig == Path("/etc/gpushared/kubeconfig")
+    assert config.plugin_dir == Path("/var/lib/kubelet/device-plugins")
+    assert config.pod_resources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    assert (config.metrics_address, config.metrics_port) == ("127.0.0.1", 9400)
+    assert config.ignored_xids == DEFAULT_IGNORED_XIDS
+    assert config.node_name  # the hostname
+
+
+def test_file_then_environment_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "nodeName: from-file\nmemoryUnit: MiB\nhealth:\n  ignoredXids: [13, 94]\n  recoverAfterSeconds: 60\n"
+    )
+    config = load(path, env={"GPUSHARED_NODE_NAME": "from-env", "GPUSHARED_HEALTH_IGNORED_XIDS": "13,31"})
+    assert (config.node_name, config.memory_unit, config.ignored_xids, config.recover_after) == (
+        "from-env",
+        MemoryUnit.MIB,
+        (13, 31),
+        60.0,
+    )
+    flagged = load(path, env={"GPUSHARED_NODE_NAME": "from-env"}, flags={"node_name": "from-flag", "log_level": None})
+    assert flagged.node_name == "from-flag"
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ("memoryUnit: GB\n", {}, r"config.yaml: memoryUnit: must be GiB or MiB \(got 'GB'\)"),
+        ("metrics:\n  port: 70000\n", {}, "metrics.port: must be a port number"),
+        ("health:\n  recoverAfterSeconds: -1\n", {}, "health.recoverAfterSeconds: must not be negative"),
+        ("logLevel: loud\n", {}, "logLevel: must be one of debug, info, warning, error"),
+        ("nodename: x\n", {}, "nodename: unknown option"),
+        ("health:\n  ignoredXid: [1]\n", {}, r"health\.ignoredXid: unknown option"),
+        ("[1, 2]\n", {}, "must be a mapping of options"),
+        ("a: [\n", {}, "not valid YAML"),
+        ("", {"GPUSHARED_METRICS_PORT": "x"}, "environment GPUSHARED_METRICS_PORT: metrics.port: must be an integer"),
+        ("", {"GPUSHARED_HEALTH_ENABLED": "maybe"}, "health.enabled: must be true or false"),
+    ],
+)
+def test_bad_values_name_the_key_and_the_source(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load(path, env=env)
+
+
+def test_a_named_file_must_exist(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no such file"):
+        load(tmp_path / "nope.yaml", env={}, required=True)
