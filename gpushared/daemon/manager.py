@@ -20,7 +20,8 @@ import grpc
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.ledger import Ledger, holding_from_pod
+from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.requests import pod_request
 from gpushared.daemon import devices as device_ids
 from gpushared.daemon import handshake
 from gpushared.daemon.health import Health
@@ -97,6 +98,8 @@ class Manager:
         self._devices: list[tuple[str, bool]] = []
         self._allocate_lock = threading.Lock()
         self.served: dict[str, Served] = {}  # pod UID -> what we gave it
+        self._holdings: dict[str, tuple[str, Holding | None]] = {}  # pod UID -> (resourceVersion, holding)
+        self._gpu_free: set[str] = set()  # UIDs of pods that ask for no GPU memory
         self._outbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="api-writes", daemon=True)
         self._writer.start()
@@ -141,10 +144,23 @@ class Manager:
         """This node's accounting from the pods the watch has seen."""
         ledger = Ledger.build(self.inventory)
         for pod in self.pods.pods() if self.pods is not None else []:
-            holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)  # type: ignore[arg-type]
+            holding = self._holding(pod)
             if holding is not None:
                 ledger.add(holding)
         return ledger
+
+    def _holding(self, pod: dict[str, Any]) -> Holding | None:
+        """holding_from_pod, remembered per pod version: Allocate reads every pod of the node."""
+        meta = pod.get("metadata") or {}
+        key = (meta.get("uid", ""), meta.get("resourceVersion", ""))
+        cached = self._holdings.get(key[0])
+        if cached is not None and cached[0] == key[1]:
+            return cached[1]
+        holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)  # type: ignore[arg-type]
+        if len(self._holdings) > 4 * max(len(self.pods.pods()) if self.pods else 0, 256):
+            self._holdings.clear()  # drop the departed now and then
+        self._holdings[key[0]] = (key[1], holding)
+        return holding
 
     # --- the handshake ----------------------------------------------------------------------------------------
 
@@ -261,16 +277,22 @@ class Manager:
         found = []
         if listing is not None:
             for entry in listing:
+                if entry.containers and all(entry.containers.values()):
+                    continue  # every app container has its devices: admitted long ago
                 pod = self._pod(entry.namespace, entry.name, listed=entry.containers)
                 if pod is None:
                     continue
                 uid = (pod.get("metadata") or {}).get("uid", "")
+                if uid in self._gpu_free:
+                    continue
                 served = set(self.served[uid].containers) if uid in self.served else set()
                 option = handshake.candidate(
                     pod, listed=entry.containers, served=served, unit=self.unit, resources=self.resources
                 )
                 if option is not None:
                     found.append(option)
+                elif not _asks_gpu_memory(pod, self.resources):
+                    self._gpu_free.add(uid)  # a pod's spec never changes: never look at it again
             return found
         for pod in self.pods.pods() if self.pods is not None else []:
             uid = (pod.get("metadata") or {}).get("uid", "")
@@ -414,6 +436,13 @@ class Manager:
                 for h in sorted(ledger.holdings(), key=lambda h: (h.namespace, h.name))
             ],
         }
+
+
+def _asks_gpu_memory(pod: dict[str, Any], resources: ResourceNames) -> bool:
+    try:
+        return pod_request(pod, resources=resources).total > 0  # type: ignore[arg-type]
+    except contract.ContractError:
+        return True
 
 
 def _natural(device: str) -> tuple[int, int]:

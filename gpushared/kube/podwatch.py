@@ -26,7 +26,7 @@ class PodWatch:
         self.api = api
         self.node = node
         self.watch_seconds = watch_seconds
-        self._pods: dict[str, dict[str, Any]] = {}
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}  # (namespace, name) -> pod
         self._lock = threading.Condition()
         self._synced = False
         self._stop = threading.Event()
@@ -59,21 +59,16 @@ class PodWatch:
 
     def find(self, namespace: str, name: str) -> dict[str, Any] | None:
         with self._lock:
-            for pod in self._pods.values():
-                meta = pod.get("metadata") or {}
-                if meta.get("namespace") == namespace and meta.get("name") == name:
-                    return pod
-        return None
+            return self._pods.get((namespace, name))
 
     def remember(self, pod: dict[str, Any]) -> None:
         """Take a fresher copy fetched or patched by someone else, unless the watch already has newer."""
-        meta = pod.get("metadata") or {}
         if (pod.get("spec") or {}).get("nodeName") != self.node:
             return
         with self._lock:
-            known = self._pods.get(meta.get("uid", ""))
-            if known is None or _rv(known) <= _rv(pod):
-                self._pods[meta.get("uid", "")] = pod
+            known = self._pods.get(_key(pod))
+            if known is None or _uid(known) != _uid(pod) or _rv(known) <= _rv(pod):
+                self._pods[_key(pod)] = pod
 
     def _run(self) -> None:
         backoff = 0.5
@@ -98,7 +93,7 @@ class PodWatch:
     def _list(self) -> str:
         listing = self.api.list_pods_on_node(self.node)
         with self._lock:
-            self._pods = {p["metadata"]["uid"]: p for p in listing.get("items") or []}
+            self._pods = {_key(p): p for p in listing.get("items") or []}
             self._synced = True
             self._lock.notify_all()
         return str(listing["metadata"]["resourceVersion"])
@@ -142,9 +137,10 @@ class PodWatch:
             return str(meta.get("resourceVersion", version))
         with self._lock:
             if kind == "DELETED":
-                self._pods.pop(meta.get("uid", ""), None)
+                if _uid(self._pods.get(_key(obj)) or {}) == _uid(obj):
+                    del self._pods[_key(obj)]
             else:
-                self._pods[meta.get("uid", "")] = obj
+                self._pods[_key(obj)] = obj
             self._lock.notify_all()
         return str(meta.get("resourceVersion", version))
 
@@ -156,3 +152,12 @@ class _Expired(Exception):
 def _rv(pod: dict[str, Any]) -> int:
     text = (pod.get("metadata") or {}).get("resourceVersion", "0")
     return int(text) if str(text).isdigit() else 0
+
+
+def _key(pod: dict[str, Any]) -> tuple[str, str]:
+    meta = pod.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+def _uid(pod: dict[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid", ""))

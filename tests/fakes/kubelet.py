@@ -96,6 +96,7 @@ class FakeKubelet:
         self.allocated: dict[str, dict[str, set[str]]] = {}  # resource -> pod uid -> device IDs
         self.registrations: list[api_pb2.RegisterRequest] = []
         self.calls: list[tuple[str, object]] = []  # (rpc name, request) in the order made
+        self.timings: list[tuple[str, float]] = []  # (rpc name, seconds the plugin took to answer)
         self._rng = random.Random(seed)
         self._lock = threading.Condition()
         self._server: grpc.Server | None = None
@@ -257,8 +258,10 @@ class FakeKubelet:
             chosen = self._devices_for(endpoint, pod_uid, container.count, reusable)
             request = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)])
             self.calls.append(("Allocate", request))
+            started = time.perf_counter()
             try:
                 response = endpoint.stub.Allocate(request, timeout=10)
+                self.timings.append(("Allocate", time.perf_counter() - started))
             except grpc.RpcError as exc:
                 self._release(resource, pod_uid, set(chosen) - reusable)
                 raise AdmissionError(f"Allocate failed: {exc.code().name}: {exc.details()}") from exc
@@ -323,7 +326,9 @@ class FakeKubelet:
                 ]
             )
             self.calls.append(("GetPreferredAllocation", request))
+            started = time.perf_counter()
             response = endpoint.stub.GetPreferredAllocation(request, timeout=10)
+            self.timings.append(("GetPreferredAllocation", time.perf_counter() - started))
             preferred = [d for d in response.container_responses[0].deviceIDs if d in available and d not in chosen]
             taking = preferred[:needed]
             chosen += taking

@@ -1,0 +1,90 @@
+"""Allocate latency of the real ``gpushared serve`` process, pod lookup included.
+
+The daemon runs as in production, against the test fakes: kubelet (gRPC over unix sockets, PodResources
+included), API server (HTTP on loopback) and NVML (the fake libnvidia-ml.so.1). ``--background`` pods are
+already running on the node, so every lookup walks a realistic pod manager; then ``--pods`` pods, placed by
+the extender's own bind code on 8 GPUs, are admitted one after another. Reported: the time the daemon took
+to answer each GetPreferredAllocation and Allocate, as the kubelet measures it.
+
+    .venv/bin/python scripts/bench_allocate.py --pods 300 --background 100
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tests.fakes.apiserver import FakeApiServer  # noqa: E402
+from tests.fakes.kubelet import FakeKubelet  # noqa: E402
+from tests.fakes.nvml import FakeNvml, build_library  # noqa: E402
+from tests.fakes.systemd import NotifySocket  # noqa: E402
+from tests.harness import GPU_MEM, Daemon, node_body, wait_until  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=300)
+    parser.add_argument("--background", type=int, default=100)
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="gpsb-", dir="/tmp"))
+    (root / "device-plugins").mkdir()
+    work = root / "work"
+    work.mkdir()
+    try:
+        with FakeApiServer() as api, FakeKubelet(root, seed=0) as kubelet:
+            api.create(node_body())
+            nvml = FakeNvml.with_sizes(work / "nvml.json", build_library(work / "lib"), *[81920] * 8)
+            daemon = Daemon(
+                api=api, kubelet=kubelet, nvml=nvml, notify=NotifySocket(root / "notify.sock"), workdir=work
+            )
+            daemon.config = {"logLevel": "warning"}
+            daemon.start()
+            daemon.notify.wait_for("READY=1", timeout=30)
+            kubelet.wait_for(GPU_MEM, capacity=8 * 80)
+            wait_until(lambda: daemon.api.get("nodes", "node-1")["metadata"].get("annotations"), timeout=30)  # type: ignore[index]
+            for i in range(args.background):
+                daemon.admit(daemon.place(f"bg-{i}", 0 if i % 2 else 1, gpu=(i // 2) % 8))  # half use no GPU
+            kubelet.timings.clear()
+            started = time.perf_counter()
+            for i in range(args.pods):
+                daemon.admit(daemon.place(f"pod-{i}", 1, gpu=i % 8))
+            wall = time.perf_counter() - started
+            daemon.stop()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    report = {"pods": args.pods, "background_pods": args.background, "machine": platform.machine(), "cpus": _cpus()}
+    for rpc in ("GetPreferredAllocation", "Allocate"):
+        times = [t * 1000 for name, t in kubelet.timings if name == rpc]
+        report[rpc] = {
+            "count": len(times),
+            "p50_ms": round(percentile(times, 50), 2),
+            "p99_ms": round(percentile(times, 99), 2),
+            "max_ms": round(max(times), 2),
+            "mean_ms": round(statistics.fmean(times), 2),
+        }
+    report["admissions_per_second"] = round(args.pods / wall, 1)
+    print(json.dumps(report, indent=2))
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0))
+
+
+if __name__ == "__main__":
+    main()
