@@ -19,8 +19,8 @@ test: venv
 	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
 
 lint: venv check-protos
-	$(BIN)/ruff check gpushared tests
-	$(BIN)/ruff format --check gpushared tests
+	$(BIN)/ruff check gpushared tests scripts
+	$(BIN)/ruff format --check gpushared tests scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.fakes.apiserver import FakeApiServer  # noqa: E402
-from tests.fakes.kubelet import FakeKubelet  # noqa: E402
-from tests.fakes.nvml import FakeNvml, build_library  # noqa: E402
-from tests.fakes.systemd import NotifySocket  # noqa: E402
-from tests.harness import GPU_MEM, Daemon, node_body, wait_until  # noqa: E402
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kubelet import FakeKubelet
+from tests.fakes.nvml import FakeNvml, build_library
+from tests.fakes.systemd import NotifySocket
+from tests.harness import GPU_MEM, Daemon, node_body, wait_until
 
 
 def percentile(values: list[float], q: float) -> float:
