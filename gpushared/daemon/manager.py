@@ -157,8 +157,6 @@ class Manager:
         if cached is not None and cached[0] == key[1]:
             return cached[1]
         holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)  # type: ignore[arg-type]
-        if len(self._holdings) > 4 * max(len(self.pods.pods()) if self.pods else 0, 256):
-            self._holdings.clear()  # drop the departed now and then
         self._holdings[key[0]] = (key[1], holding)
         return holding
 
@@ -339,6 +337,18 @@ class Manager:
             placed = ", ".join(f"{c} on GPU {i}" for c, i in served.containers.items())
             self._later(lambda: self._mark_assigned(pod))
             self._later(lambda: self._event(pod, EVENT_ALLOCATED, f"GPU memory allocated: {placed}", warning=False))
+
+    def forget_departed(self) -> None:
+        """Drop what we served to pods that are gone, so a long-lived daemon's memory stays flat."""
+        if self.pods is None or not self.pods.synced:
+            return
+        present = {(p.get("metadata") or {}).get("uid", "") for p in self.pods.pods()}
+        with self._allocate_lock:
+            for uid in [uid for uid in self.served if uid not in present]:
+                del self.served[uid]
+            self._gpu_free &= present
+            for uid in [uid for uid in self._holdings if uid not in present]:
+                del self._holdings[uid]
 
     # --- writes, off the Allocate path ---------------------------------------------------------------------------
 

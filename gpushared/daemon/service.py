@@ -185,6 +185,7 @@ class Service:
         changed = self.manager.refresh(self._gpus) if self._backend_ok else self.manager.recheck_health()
         self._keep_registered()
         self._check_node()
+        self.manager.forget_departed()
         if changed or self._published is None:
             self._publish()
         self._report()
