@@ -64,11 +64,6 @@ class Api:
         """Patch through /status: capacity lives there, and the main resource ignores status changes."""
         return self._call(f"patch node {name} status", self.core.patch_node_status, name, patch)  # type: ignore[no-any-return]
 
-    def list_pods_on_node(self, node: str) -> dict[str, Any]:
-        return self._call(  # type: ignore[no-any-return]
-            f"list pods on node {node}", self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}"
-        )
-
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self._call(f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace)  # type: ignore[no-any-return]
 

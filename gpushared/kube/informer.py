@@ -1,0 +1,222 @@
+"""A mirror of one kind of object, kept current by list + watch, as client-go's informers keep theirs.
+
+A thread lists, then watches from the list's resourceVersion; a watch that ends is resumed from the last
+version seen, a 410 Gone (history compacted) or a broken stream is answered by listing again, and the
+difference between the old mirror and the new list is handed to the handler as ordinary changes, so a
+consumer never misses a deletion that happened while the watch was down. Reads (:meth:`objects`,
+:meth:`get`) are snapshots, never network calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from gpushared.kube.api import REQUEST_TIMEOUT, KubeError
+
+log = logging.getLogger(__name__)
+
+Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
+#: Called with (old, new): new None is a deletion, old None an addition. Runs on the informer's thread.
+Handler = Callable[[dict[str, Any] | None, dict[str, Any] | None], None]
+
+
+def key_of(obj: dict[str, Any]) -> Key:
+    meta = obj.get("metadata") or {}
+    return meta.get("namespace", ""), meta.get("name", "")
+
+
+def uid_of(obj: dict[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("uid", ""))
+
+
+def version_of(obj: dict[str, Any]) -> int:
+    text = str((obj.get("metadata") or {}).get("resourceVersion", "0"))
+    return int(text) if text.isdigit() else 0
+
+
+class Informer:
+    """``list_call`` is a kubernetes client list method (e.g. ``CoreV1Api.list_node``)."""
+
+    def __init__(
+        self,
+        list_call: Callable[..., Any],
+        *,
+        name: str,
+        field_selector: str | None = None,
+        watch_seconds: int = 300,
+        relist_seconds: float = 1800.0,
+        handler: Handler | None = None,
+    ) -> None:
+        self.list_call = list_call
+        self.name = name
+        self.field_selector = field_selector
+        self.watch_seconds = watch_seconds
+        self.relist_seconds = relist_seconds
+        self.handler = handler
+        self._objects: dict[Key, dict[str, Any]] = {}
+        self._lock = threading.Condition()
+        self._synced = False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"informer-{name}", daemon=True)
+        self._response: Any = None
+        self.relists = 0
+
+    # --- lifecycle ---------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        response = self._response
+        if response is not None:
+            # Closing the response would wait for the reader's lock; shutting the socket ends the read.
+            with contextlib.suppress(Exception):
+                response.connection.sock.shutdown(socket.SHUT_RDWR)
+        self._thread.join(timeout=2)
+
+    @property
+    def synced(self) -> bool:
+        return self._synced
+
+    def wait_synced(self, timeout: float) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: self._synced, timeout)
+
+    # --- reads ---------------------------------------------------------------------------------------------
+
+    def objects(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._objects.values())
+
+    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+        with self._lock:
+            return self._objects.get((namespace, name))
+
+    def remember(self, obj: dict[str, Any]) -> None:
+        """Take a copy someone fetched or wrote, unless the mirror already has a newer one."""
+        with self._lock:
+            known = self._objects.get(key_of(obj))
+            if known is not None and uid_of(known) == uid_of(obj) and version_of(known) >= version_of(obj):
+                return
+            self._set(obj)
+
+    # --- the thread ----------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        backoff = 0.5
+        while not self._stop.is_set():
+            try:
+                version = self._list()
+                backoff = 0.5
+                listed_at = time.monotonic()
+                while not self._stop.is_set() and time.monotonic() - listed_at < self.relist_seconds:
+                    version = self._watch(version)
+                continue
+            except KubeError as exc:
+                log.warning("%s: %s; retrying in %.1fs", self.name, exc, backoff)
+            except _Expired:
+                log.info("%s: watch expired (410); listing again", self.name)
+                continue
+            except Exception as exc:  # a cut stream, a bad chunk: list again
+                if self._stop.is_set():
+                    return
+                log.warning("%s: watch broke (%s: %s); listing again", self.name, type(exc).__name__, exc)
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, 30.0)
+
+    def _call(self, **kwargs: Any) -> Any:
+        if self.field_selector:
+            kwargs["field_selector"] = self.field_selector
+        try:
+            return self.list_call(_preload_content=False, **kwargs)
+        except KubeError:
+            raise
+        except Exception as exc:
+            status = getattr(exc, "status", None)
+            raise KubeError(f"{self.name}: {exc}", status=status if isinstance(status, int) else None) from exc
+
+    def _list(self) -> str:
+        response = self._call(_request_timeout=REQUEST_TIMEOUT)
+        listing = json.loads(response.data)
+        items = {key_of(obj): obj for obj in listing.get("items") or []}
+        with self._lock:
+            old = self._objects
+            self._objects = dict(items)
+            changes = [(old.get(k), None) for k in old.keys() - items.keys()]
+            changes += [(old.get(k), obj) for k, obj in items.items() if old.get(k) != obj]
+            for before, after in changes:
+                self._notify(before, after)
+            self._synced = True
+            self.relists += 1
+            self._lock.notify_all()
+        return str(listing["metadata"]["resourceVersion"])
+
+    def _watch(self, version: str) -> str:
+        started = time.monotonic()
+        response = self._call(
+            watch=True,
+            resource_version=version,
+            timeout_seconds=self.watch_seconds,
+            allow_watch_bookmarks=True,
+            _request_timeout=(REQUEST_TIMEOUT, self.watch_seconds + REQUEST_TIMEOUT),
+        )
+        self._response = response
+        try:
+            buffer = b""
+            for chunk in response.stream(amt=None, decode_content=False):
+                buffer += chunk
+                while b"\n" in buffer:
+                    line, buffer = buffer.split(b"\n", 1)
+                    if line.strip():
+                        version = self._apply(json.loads(line), version)
+        finally:
+            self._response = None
+            response.release_conn()
+        if time.monotonic() - started < 1 and not self._stop.is_set():
+            time.sleep(0.2)  # a server that ends watches at once must not make us spin
+        return version
+
+    def _apply(self, event: dict[str, Any], version: str) -> str:
+        kind = event.get("type")
+        obj = event.get("object") or {}
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Expired
+            raise KubeError(f"watch error: {obj.get('message')}", status=obj.get("code"))
+        if kind == "BOOKMARK":
+            return str((obj.get("metadata") or {}).get("resourceVersion", version))
+        with self._lock:
+            if kind == "DELETED":
+                known = self._objects.get(key_of(obj))
+                if known is not None and uid_of(known) == uid_of(obj):
+                    del self._objects[key_of(obj)]
+                    self._notify(known, None)
+            else:
+                self._set(obj)
+            self._lock.notify_all()
+        return str((obj.get("metadata") or {}).get("resourceVersion", version))
+
+    def _set(self, obj: dict[str, Any]) -> None:
+        old = self._objects.get(key_of(obj))
+        self._objects[key_of(obj)] = obj
+        self._notify(old, obj)
+
+    def _notify(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+        if self.handler is None:
+            return
+        try:
+            self.handler(old, new)
+        except Exception:
+            log.exception("%s: handler failed", self.name)
+
+
+class _Expired(Exception):
+    pass
