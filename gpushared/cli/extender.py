@@ -1,14 +1,125 @@
-"""``gpushared-extender``: the kube-scheduler extender (filter, prioritize, bind)."""
+"""``gpushared-extender``: the kube-scheduler extender (filter, prioritize, bind, inspect)."""
 
 from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
 
 import click
 
 from gpushared import __version__
 
+ENV = "GPUSHARED_EXTENDER"
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"], "auto_envvar_prefix": ENV})
 @click.version_option(__version__, prog_name="gpushared-extender")
-def main() -> None:
-    """Scheduler extender for aliyun.com/gpu-mem (not yet: it arrives with issue #4)."""
-    raise click.ClickException("not yet: the scheduler extender is being built (issue #4)")
+@click.option("--address", default="0.0.0.0", show_default=True, help="Listen address.")
+@click.option("--port", type=click.IntRange(1, 65535), default=39999, show_default=True, help="Listen port.")
+@click.option("--prefix", default="/gpushare-scheduler", show_default=True, help="URL prefix of the verbs.")
+@click.option("--policy", default="binpack", show_default=True, help="GPU placement policy: binpack or spread.")
+@click.option("--resource-domain", default="aliyun.com", show_default=True, help="Domain of gpu-mem / gpu-count.")
+@click.option("--kubeconfig", type=click.Path(path_type=Path), help="Kubeconfig; in-cluster credentials without it.")
+@click.option("--tls-cert", type=click.Path(exists=True, path_type=Path), help="Serve HTTPS with this certificate.")
+@click.option("--tls-key", type=click.Path(exists=True, path_type=Path), help="The certificate's private key.")
+@click.option("--max-body-mib", type=click.IntRange(1, 1024), default=64, show_default=True, help="Request size limit.")
+@click.option(
+    "--leader-elect/--no-leader-elect", default=False, show_default=True, help="Only the Lease holder serves verbs."
+)
+@click.option("--lease-namespace", default="kube-system", show_default=True)
+@click.option("--lease-name", default="gpushared-extender", show_default=True)
+@click.option(
+    "--identity", default=lambda: f"{socket.gethostname()}-{os.getpid()}", help="This replica's name in the Lease."
+)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
+def main(
+    *,
+    address: str,
+    port: int,
+    prefix: str,
+    policy: str,
+    resource_domain: str,
+    kubeconfig: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    max_body_mib: int,
+    leader_elect: bool,
+    lease_namespace: str,
+    lease_name: str,
+    identity: str,
+    log_level: str,
+) -> None:
+    """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
+    from gpushared.contract import ContractError, ResourceNames
+    from gpushared.core.placement import policy_named
+    from gpushared.extender.cache import ClusterCache
+    from gpushared.extender.scheduler import Scheduler
+    from gpushared.extender.server import ServerConfig, build_app, serve
+    from gpushared.kube.api import Api, KubeError, connect
+    from gpushared.kube.lease import LeaderElector
+
+    logging.basicConfig(stream=sys.stderr, level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        chosen = policy_named(policy)
+    except ContractError as exc:
+        raise click.BadParameter(exc.reason, param_hint="--policy") from None
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    try:
+        api = Api(connect(kubeconfig))
+    except KubeError as exc:
+        raise click.ClickException(str(exc)) from None
+    resources = ResourceNames(domain=resource_domain)
+    cache = ClusterCache(
+        list_nodes=api.core.list_node, list_pods=api.core.list_pod_for_all_namespaces, resources=resources
+    )
+    elector = (
+        LeaderElector(api.client, namespace=lease_namespace, name=lease_name, identity=identity)
+        if leader_elect
+        else None
+    )
+
+    def ready() -> tuple[bool, str]:
+        if not cache.synced:
+            return False, "the cache has not synced with the API server yet"
+        if elector is not None and not elector.leading:
+            return False, f"not the leader (the lease is held by {elector.holder or 'nobody'})"
+        return True, ""
+
+    config = ServerConfig(
+        address=address,
+        port=port,
+        prefix=prefix,
+        max_body_bytes=max_body_mib * 2**20,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+    )
+    app = build_app(Scheduler(cache=cache, api=api, policy=chosen, resources=resources), config, ready=ready)
+    cache.start()
+    if elector is not None:
+        elector.start()
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.set)
+        await serve(app, config, stop=stop)
+
+    try:
+        asyncio.run(run())
+    finally:
+        if elector is not None:
+            elector.stop()
+        cache.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""The scheduler extender: filter, prioritize and bind over a watch-fed cache, and inspect."""

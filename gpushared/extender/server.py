@@ -1,0 +1,205 @@
+"""The extender's HTTP service on aiohttp: routes, limits, readiness, metrics.
+
+kube-scheduler calls filter, prioritize and bind with a short timeout (5 s by default), so every verb runs
+off the event loop in a thread pool, a body larger than the limit or slower than the read timeout is
+refused, and the verbs answer 503 until the cache has synced after a start — a filter from an empty cache
+would send pods to nodes whose GPUs are already taken.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import ssl
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gpushared import __version__
+from gpushared.core.report import node_report
+from gpushared.extender import wire
+from gpushared.extender.scheduler import BindError, Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    address: str = "0.0.0.0"
+    port: int = 39999
+    prefix: str = "/gpushare-scheduler"
+    max_body_bytes: int = 64 * 2**20
+    read_timeout: float = 10.0
+    keepalive_timeout: float = 75.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    workers: int = 8
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.seconds = Histogram(
+            "gpushared_extender_request_seconds",
+            "Time to answer kube-scheduler, per verb",
+            ("verb",),
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "gpushared_extender_errors", "Requests answered with an error, per verb", ("verb",), registry=self.registry
+        )
+        self.nodes = Gauge("gpushared_extender_nodes", "gpushared nodes in the cache", registry=self.registry)
+
+
+Ready = Callable[[], tuple[bool, str]]
+
+
+def build_app(
+    scheduler: Scheduler, config: ServerConfig, *, ready: Ready, metrics: Metrics | None = None
+) -> web.Application:
+    routes = _Routes(scheduler, config, ready=ready, metrics=metrics or Metrics())
+    app = web.Application(client_max_size=config.max_body_bytes)
+    prefix = config.prefix.rstrip("/")
+    app.router.add_post(f"{prefix}/filter", routes.verb("filter", routes.filter))
+    app.router.add_post(f"{prefix}/prioritize", routes.verb("prioritize", routes.prioritize))
+    app.router.add_post(f"{prefix}/bind", routes.verb("bind", routes.bind))
+    app.router.add_get(f"{prefix}/inspect", routes.inspect_all)
+    app.router.add_get(f"{prefix}/inspect/{{node}}", routes.inspect_node)
+    app.router.add_get("/healthz", routes.healthz)
+    app.router.add_get("/readyz", routes.readyz)
+    app.router.add_get("/metrics", routes.prometheus)
+    app.router.add_get("/version", routes.version)
+    app.on_cleanup.append(routes.close)
+    return app
+
+
+class _Routes:
+    def __init__(self, scheduler: Scheduler, config: ServerConfig, *, ready: Ready, metrics: Metrics) -> None:
+        self.scheduler = scheduler
+        self.config = config
+        self.ready = ready
+        self.metrics = metrics
+        self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="verb")
+
+    async def close(self, app: web.Application) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def _run(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+    def verb(
+        self, name: str, handler: Callable[[bytes], Awaitable[web.Response]]
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
+        """Readiness, body limits and timeouts, 400 for a malformed body, and the latency metric."""
+
+        async def serve(request: web.Request) -> web.Response:
+            started = time.perf_counter()
+            try:
+                ok, why = self.ready()
+                if not ok:
+                    self.metrics.errors.labels(verb=name).inc()
+                    return _json({"Error": why}, status=503)
+                try:
+                    raw = await asyncio.wait_for(request.read(), timeout=self.config.read_timeout)
+                except web.HTTPRequestEntityTooLarge:
+                    self.metrics.errors.labels(verb=name).inc()
+                    return _json({"Error": f"{name}: body larger than {self.config.max_body_bytes} bytes"}, status=413)
+                except TimeoutError:
+                    self.metrics.errors.labels(verb=name).inc()
+                    return _json({"Error": f"{name}: request body too slow"}, status=408)
+                try:
+                    return await handler(raw)
+                except wire.WireError as exc:
+                    self.metrics.errors.labels(verb=name).inc()
+                    return _json({"Error": str(exc)}, status=400)
+            finally:
+                self.metrics.seconds.labels(verb=name).observe(time.perf_counter() - started)
+
+        return serve
+
+    async def filter(self, raw: bytes) -> web.Response:
+        args = wire.parse_args(raw, verb="filter")
+        passed, failed, error = await self._run(lambda: self.scheduler.filter(args))
+        return _json(wire.filter_result(args, passed=passed, failed=failed, error=error))
+
+    async def prioritize(self, raw: bytes) -> web.Response:
+        args = wire.parse_args(raw, verb="prioritize")
+        return _json(wire.priority_list(await self._run(lambda: self.scheduler.prioritize(args))))
+
+    async def bind(self, raw: bytes) -> web.Response:
+        args = wire.parse_binding(raw)
+        try:
+            await self._run(lambda: self.scheduler.bind(args))
+        except BindError as exc:
+            self.metrics.errors.labels(verb="bind").inc()
+            log.warning("bind refused: %s", exc)
+            return _json(wire.binding_result(str(exc)))
+        return _json(wire.binding_result())
+
+    def _report(self, name: str) -> dict[str, Any] | None:
+        snapshot = self.scheduler.cache.snapshot(name)
+        if snapshot is None:
+            return None
+        inventory, holdings, address = snapshot
+        return node_report(name=name, address=address, inventory=inventory, holdings=holdings)
+
+    async def inspect_all(self, request: web.Request) -> web.Response:
+        nodes = [r for r in (self._report(n) for n in self.scheduler.cache.node_names()) if r is not None]
+        self.metrics.nodes.set(len(nodes))
+        return _json({"nodes": nodes})
+
+    async def inspect_node(self, request: web.Request) -> web.Response:
+        name = request.match_info["node"]
+        found = self._report(name)
+        if found is None:
+            return _json(
+                {"nodes": [], "error": f"node {name} is not a gpushared node known to the extender"}, status=404
+            )
+        return _json({"nodes": [found]})
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok\n")
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ok, why = self.ready()
+        return web.Response(text=("ok" if ok else why) + "\n", status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.Response(text=__version__ + "\n")
+
+
+def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if config.tls_cert is None and config.tls_key is None:
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise ValueError("TLS needs both a certificate and a key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    return context
+
+
+async def serve(app: web.Application, config: ServerConfig, *, stop: asyncio.Event) -> None:
+    runner = web.AppRunner(app, keepalive_timeout=config.keepalive_timeout, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.address, config.port, ssl_context=tls_context(config), backlog=512)
+    await site.start()
+    log.info("extender listening on %s:%d%s", config.address, config.port, config.prefix)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def _json(body: Any, *, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(body), status=status, content_type="application/json")

@@ -1,0 +1,106 @@
+"""The JSON of kube-scheduler's extender API (``k8s.io/kube-scheduler/extender/v1``).
+
+Those Go structs carry no JSON tags, so kube-scheduler writes the Go field names (``Pod``, ``NodeNames``,
+``FailedNodes``, ``PodUID``, ``Host``...) and Go's decoder matches keys case-insensitively. We read the
+top-level keys in any case and write exactly the Go names. The pod and nodes inside are ordinary
+Kubernetes JSON (camelCase tags) and pass through untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+class WireError(ValueError):
+    """A request body that is not what kube-scheduler sends; answered with HTTP 400 and this message."""
+
+
+def _object(body: bytes, what: str) -> dict[str, Any]:
+    try:
+        value = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise WireError(f"{what}: body is not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise WireError(f"{what}: body must be a JSON object")
+    return {str(k).lower(): v for k, v in value.items()}
+
+
+@dataclass(frozen=True)
+class ExtenderArgs:
+    pod: dict[str, Any]
+    node_names: list[str] | None  # nodeCacheCapable: true
+    nodes: list[dict[str, Any]] | None  # nodeCacheCapable: false
+
+    @property
+    def names(self) -> list[str]:
+        if self.node_names is not None:
+            return self.node_names
+        return [(n.get("metadata") or {}).get("name", "") for n in self.nodes or []]
+
+
+def parse_args(body: bytes, *, verb: str) -> ExtenderArgs:
+    fields = _object(body, verb)
+    pod = fields.get("pod")
+    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+        raise WireError(f"{verb}: 'Pod' must be a Kubernetes Pod object")
+    if not isinstance(pod.get("spec", {}), dict):
+        raise WireError(f"{verb}: 'Pod.spec' must be an object")
+    names = fields.get("nodenames")
+    nodes = fields.get("nodes")
+    if names is not None and (not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise WireError(f"{verb}: 'NodeNames' must be a list of node names")
+    items = None
+    if nodes is not None:
+        items = nodes.get("items") if isinstance(nodes, dict) else None
+        if not isinstance(items, list) or not all(isinstance(n, dict) for n in items):
+            raise WireError(f"{verb}: 'Nodes' must be a NodeList with 'items'")
+    if names is None and items is None:
+        raise WireError(f"{verb}: neither 'NodeNames' nor 'Nodes' given")
+    return ExtenderArgs(pod=pod, node_names=names, nodes=items)
+
+
+def filter_result(
+    args: ExtenderArgs | None, *, passed: list[str], failed: dict[str, str], error: str = ""
+) -> dict[str, Any]:
+    """ExtenderFilterResult: the passing nodes in the form they came in (names or full Nodes)."""
+    if args is not None and args.node_names is None and args.nodes is not None:
+        keep = set(passed)
+        kept = [n for n in args.nodes if (n.get("metadata") or {}).get("name") in keep]
+        return {
+            "Nodes": {"metadata": {}, "items": kept},
+            "NodeNames": None,
+            "FailedNodes": failed,
+            "FailedAndUnresolvableNodes": {},
+            "Error": error,
+        }
+    return {"Nodes": None, "NodeNames": passed, "FailedNodes": failed, "FailedAndUnresolvableNodes": {}, "Error": error}
+
+
+def priority_list(scores: list[tuple[str, int]]) -> list[dict[str, Any]]:
+    """HostPriorityList."""
+    return [{"Host": host, "Score": score} for host, score in scores]
+
+
+@dataclass(frozen=True)
+class BindingArgs:
+    pod_name: str
+    pod_namespace: str
+    pod_uid: str
+    node: str
+
+
+def parse_binding(body: bytes) -> BindingArgs:
+    fields = _object(body, "bind")
+    values = {}
+    for key, go in (("podname", "PodName"), ("podnamespace", "PodNamespace"), ("poduid", "PodUID"), ("node", "Node")):
+        value = fields.get(key)
+        if not isinstance(value, str) or not value:
+            raise WireError(f"bind: '{go}' must be a non-empty string")
+        values[key] = value
+    return BindingArgs(values["podname"], values["podnamespace"], values["poduid"], values["node"])
+
+
+def binding_result(error: str = "") -> dict[str, Any]:
+    return {"Error": error}

@@ -1,0 +1,126 @@
+"""Run the real ``gpushared-extender`` process against the fake API server and talk to it as kube-scheduler."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from gpushared import contract
+from gpushared.contract import GpuInventory
+from tests.builders import inventory
+from tests.fakes.apiserver import FakeApiServer
+from tests.harness import free_port, wait_until
+
+PREFIX = "/gpushare-scheduler"
+
+
+def gpu_node(name: str, *sizes: int, address: str = "10.0.0.1", inv: GpuInventory | None = None) -> dict[str, Any]:
+    """A node as the gpushared daemon leaves it: inventory annotation and gpu-count capacity."""
+    inv = inv or inventory(*sizes)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "annotations": {contract.NODE_INVENTORY: contract.format_inventory(inv)}},
+        "status": {
+            "capacity": {
+                contract.DEFAULT_RESOURCES.gpu_mem: str(inv.total),
+                "aliyun.com/gpu-count": str(len(inv.gpus)),
+            },
+            "addresses": [{"type": "InternalIP", "address": address}],
+        },
+    }
+
+
+@dataclass
+class Extender:
+    api: FakeApiServer
+    workdir: Path
+    args: list[str] = field(default_factory=list)
+    port: int = 0
+    process: subprocess.Popen[str] | None = None
+    name: str = "extender"
+
+    def start(self, *extra: str) -> Extender:
+        kubeconfig = self.workdir / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+        self.port = self.port or free_port()
+        log = (self.workdir / f"{self.name}.log").open("a")
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "gpushared.cli.extender",
+                "--address",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--kubeconfig",
+                str(kubeconfig),
+                "--log-level",
+                "debug",
+                *self.args,
+                *extra,
+            ],
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        return self
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        wait_until(lambda: self.get("/readyz")[0] == 200, timeout=timeout, message=f"{self.name} ready")
+
+    def stop(self) -> int:
+        assert self.process is not None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(15)
+
+    def log(self) -> str:
+        path = self.workdir / f"{self.name}.log"
+        return path.read_text() if path.exists() else ""
+
+    def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
+            response = connection.getresponse()
+            return response.status, response.read()
+        except (ConnectionError, OSError):
+            return 0, b""
+        finally:
+            connection.close()
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        return self._request("GET", path)
+
+    def post(self, verb: str, body: Any) -> tuple[int, Any]:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, data = self._request("POST", f"{PREFIX}/{verb}", raw)
+        try:
+            return status, json.loads(data)
+        except json.JSONDecodeError:
+            return status, data.decode(errors="replace")
+
+    def filter(self, pod: dict[str, Any], *nodes: str) -> tuple[int, Any]:
+        return self.post("filter", {"Pod": pod, "NodeNames": list(nodes), "Nodes": None})
+
+    def bind(self, pod: dict[str, Any], node: str) -> tuple[int, Any]:
+        meta = pod["metadata"]
+        return self.post(
+            "bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+        )
+
+    def inspect(self, node: str | None = None) -> tuple[int, Any]:
+        status, data = self.get(f"{PREFIX}/inspect" + (f"/{node}" if node else ""))
+        return status, json.loads(data)

@@ -1,0 +1,259 @@
+"""The extender as a process: kube-scheduler's wire format over HTTP, the cache, bind, inspect."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpushared import contract
+from tests.builders import GPU_MEM, pod
+from tests.extender_harness import Extender, gpu_node
+from tests.fakes.apiserver import FakeApiServer, Fault
+from tests.harness import wait_until
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        server.create(gpu_node("n1", 16, 8))
+        server.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": "aliyun-node"},  # an Aliyun node: capacity and count, no inventory
+                "status": {"capacity": {GPU_MEM: "16", "aliyun.com/gpu-count": "2"}},
+            }
+        )
+        server.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-node"}, "status": {}})
+        yield server
+
+
+@pytest.fixture
+def extender(api: FakeApiServer, tmp_path: Path) -> Iterator[Extender]:
+    ext = Extender(api=api, workdir=tmp_path).start()
+    ext.wait_ready()
+    yield ext
+    ext.stop()
+
+
+def created(api: FakeApiServer, name: str, *amounts: int, **kw: Any) -> dict[str, Any]:
+    return api.create(pod(name, *amounts, **kw))
+
+
+def container_state(**state: Any) -> dict[str, Any]:
+    return {
+        "containerStatuses": [
+            {"name": "c0", "image": "busybox", "imageID": "", "ready": False, "restartCount": 0, "state": state}
+        ]
+    }
+
+
+def test_filter_reasons_a_person_understands(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "p", 10)
+    status, result = extender.filter(body, "n1", "aliyun-node", "cpu-node", "ghost")
+    assert status == 200
+    assert result["NodeNames"] == ["n1"]
+    assert result["Nodes"] is None
+    assert result["Error"] == ""
+    assert result["FailedAndUnresolvableNodes"] == {}
+    assert result["FailedNodes"] == {
+        "aliyun-node": "GPU 0 has 8 GiB free, pod needs 10 GiB; GPU 1 has 8 GiB free, pod needs 10 GiB",
+        "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
+        "ghost": "node ghost is not in the extender's cache (unknown node)",
+    }
+
+
+def test_keys_in_any_case_and_full_nodes_come_back_as_nodes(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "p", 4)
+    nodes = {"items": [api.get("nodes", "n1"), api.get("nodes", "cpu-node")]}
+    status, result = extender.post("filter", {"pod": body, "nodes": nodes})
+    assert status == 200
+    assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["n1"]
+    assert result["NodeNames"] is None
+    assert set(result) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
+
+
+def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "p", 8)
+    status, result = extender.post("prioritize", {"Pod": body, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})
+    assert status == 200
+    assert result == [
+        {"Host": "n1", "Score": 10},
+        {"Host": "aliyun-node", "Score": 10},
+        {"Host": "cpu-node", "Score": 0},
+    ]
+    # binpack: the 8 GiB GPU of n1 is filled exactly (10); with 4 GiB on aliyun-node's 8 GiB GPUs: 5.
+    small = created(api, "q", 4)
+    _, result = extender.post("prioritize", {"Pod": small, "NodeNames": ["n1", "aliyun-node"]})
+    assert result == [{"Host": "n1", "Score": 5}, {"Host": "aliyun-node", "Score": 5}]
+
+
+def test_bind_writes_the_annotations_and_the_binding(api: FakeApiServer, extender: Extender) -> None:
+    init = [{"name": "warm", "image": "busybox", "resources": {"limits": {GPU_MEM: "6"}}}]
+    body = created(api, "p", 3, 2, init=init)
+    status, result = extender.bind(body, "n1")
+    assert (status, result) == (200, {"Error": ""})
+    bound = api.get("pods", "p", "default")
+    assert bound["spec"]["nodeName"] == "n1"  # type: ignore[index]
+    annotations = bound["metadata"]["annotations"]  # type: ignore[index]
+    assert annotations[contract.ALIYUN_GPU_MEM_IDX] == "1"  # best fit: the 8 GiB GPU
+    assert annotations[contract.ALIYUN_GPU_MEM_DEV] == "8"
+    assert annotations[contract.ALIYUN_GPU_MEM_POD] == "6"
+    assert annotations[contract.ALIYUN_GPU_MEM_ASSIGNED] == "false"
+    allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+    assert [(c.name, c.gpus[0].index, c.gpus[0].amount) for c in allocation.containers] == [
+        ("warm", 1, 6),
+        ("c0", 1, 3),
+        ("c1", 1, 2),
+    ]
+    _, inspect = extender.inspect("n1")
+    assert inspect["nodes"][0]["devs"][1]["usedGPU"] == 6
+    # The next pod sees the reservation at once, before any watch event could have carried it.
+    status, result = extender.filter(created(api, "q", 3), "n1")
+    assert result["NodeNames"] == ["n1"]
+    status, result = extender.bind(api.get("pods", "q", "default"), "n1")  # type: ignore[arg-type]
+    assert result == {"Error": ""}
+    assert api.get("pods", "q", "default")["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_IDX] == "0"  # type: ignore[index]
+
+
+def test_bind_that_does_not_fit_is_refused_with_the_reason(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "big", 20)
+    status, result = extender.bind(body, "n1")
+    assert status == 200
+    assert result["Error"] == (
+        "pod default/big does not fit node n1: GPU 0 has 16 GiB free, pod needs 20 GiB; "
+        "GPU 1 has 8 GiB free, pod needs 20 GiB"
+    )
+    assert api.get("pods", "big", "default")["spec"].get("nodeName") is None  # type: ignore[index]
+
+
+def test_a_failed_binding_rolls_back_and_releases_the_reservation(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "p", 8)
+    api.inject(Fault(method="POST", path=r"/pods/p/binding$", status=500, message="etcd hiccup"))
+    _, result = extender.bind(body, "n1")
+    assert "binding to node n1 failed" in result["Error"]
+    annotations = api.get("pods", "p", "default")["metadata"]["annotations"]  # type: ignore[index]
+    assert contract.POD_ALLOCATION not in annotations
+    assert contract.ALIYUN_GPU_MEM_IDX not in annotations
+    _, inspect = extender.inspect("n1")
+    assert [d["usedGPU"] for d in inspect["nodes"][0]["devs"]] == [0, 0]
+    _, result = extender.bind(api.get("pods", "p", "default"), "n1")  # type: ignore[arg-type]
+    assert result == {"Error": ""}
+
+
+def test_a_terminating_pod_holds_its_memory_until_its_containers_stop(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "old", 10)  # only GPU 0 (16 GiB) takes it
+    assert extender.bind(body, "n1")[1] == {"Error": ""}
+    big = created(api, "new", 16)
+    from kubernetes import client
+
+    core = client.CoreV1Api(api.client())
+    core.patch_namespaced_pod_status("old", "default", {"status": {"phase": "Running", **container_state(running={})}})
+    core.delete_namespaced_pod("old", "default")  # graceful: deletionTimestamp set, containers still running
+    wait_until(lambda: api.get("pods", "old", "default")["metadata"].get("deletionTimestamp"), message="terminating")  # type: ignore[index]
+    _, result = extender.filter(big, "n1")
+    assert result["FailedNodes"]["n1"].startswith("GPU 0 has 6 GiB free, pod needs 16 GiB")
+    core.patch_namespaced_pod_status("old", "default", {"status": container_state(terminated={"exitCode": 0})})
+    wait_until(lambda: extender.filter(big, "n1")[1]["NodeNames"] == ["n1"], message="freed once stopped")
+
+
+def test_gpu_count_changes_are_picked_up(api: FakeApiServer, extender: Extender) -> None:
+    from kubernetes import client
+
+    core = client.CoreV1Api(api.client())
+    new = gpu_node("n1", 16, 8, 40)
+    core.patch_node("n1", {"metadata": {"annotations": new["metadata"]["annotations"]}})
+    wait_until(lambda: len(extender.inspect("n1")[1]["nodes"][0]["devs"]) == 3, message="third GPU")
+    _, result = extender.filter(created(api, "p", 30), "n1")
+    assert result["NodeNames"] == ["n1"]
+
+
+def test_a_restart_rebuilds_the_same_state_from_annotations(
+    api: FakeApiServer, extender: Extender, tmp_path: Path
+) -> None:
+    for i, amount in enumerate((4, 6, 3)):
+        assert extender.bind(created(api, f"p{i}", amount), "n1")[1] == {"Error": ""}
+    _, before = extender.inspect()
+    extender.stop()
+    again = Extender(api=api, workdir=tmp_path, name="again").start()
+    again.wait_ready()
+    _, after = again.inspect()
+    assert after == before
+    again.stop()
+
+
+def test_not_ready_until_synced_and_no_verbs_before(api: FakeApiServer, tmp_path: Path) -> None:
+    outage = api.inject(Fault(status=503, times=None))
+    ext = Extender(api=api, workdir=tmp_path).start()
+    wait_until(lambda: ext.get("/healthz")[0] == 200, message="serving")
+    assert ext.get("/readyz") == (503, b"the cache has not synced with the API server yet\n")
+    status, result = ext.filter(pod("p", 1), "n1")
+    assert status == 503
+    assert "not synced" in result["Error"]
+    api.faults.remove(outage)
+    ext.wait_ready()
+    assert ext.filter(api.create(pod("p", 1)), "n1")[1]["NodeNames"] == ["n1"]
+    ext.stop()
+
+
+def test_metrics_and_version(api: FakeApiServer, extender: Extender) -> None:
+    extender.filter(created(api, "p", 1), "n1")
+    status, text = extender.get("/metrics")
+    assert status == 200
+    assert b'gpushared_extender_request_seconds_count{verb="filter"} 1.0' in text
+    assert extender.get("/version") == (200, b"0.1.0\n")
+    status, body = extender.get("/gpushare-scheduler/inspect/ghost")
+    assert status == 404
+    assert b"not a gpushared node" in body
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "message"),
+    [
+        ("filter", b"{", "filter: body is not JSON"),
+        ("filter", b"[]", "filter: body must be a JSON object"),
+        ("filter", {"Pod": "x", "NodeNames": []}, "'Pod' must be a Kubernetes Pod object"),
+        ("filter", {"Pod": {"metadata": {}}}, "neither 'NodeNames' nor 'Nodes' given"),
+        ("prioritize", {"Pod": {"metadata": {}}, "NodeNames": [1]}, "'NodeNames' must be a list of node names"),
+        ("bind", {"PodName": "p", "PodNamespace": "d", "PodUID": "u"}, "'Node' must be a non-empty string"),
+    ],
+)
+def test_malformed_bodies_get_400_with_the_reason(extender: Extender, verb: str, body: Any, message: str) -> None:
+    status, result = extender.post(verb, body)
+    assert status == 400
+    assert message in result["Error"]
+
+
+def test_a_body_over_the_limit_is_refused(api: FakeApiServer, tmp_path: Path) -> None:
+    ext = Extender(api=api, workdir=tmp_path, args=["--max-body-mib", "1"]).start()
+    ext.wait_ready()
+    status, result = ext.post("filter", b'{"Pod": "' + b"x" * (2 * 2**20) + b'"}')
+    assert status == 413
+    assert "body larger than 1048576 bytes" in result["Error"]
+    ext.stop()
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=20,
+)
+go_keys = st.sampled_from(["Pod", "pod", "NodeNames", "Nodes", "PodName", "PodNamespace", "PodUID", "Node", "x"])
+bodies = st.dictionaries(go_keys, json_values | st.fixed_dictionaries({"metadata": json_values, "spec": json_values}))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(verb=st.sampled_from(["filter", "prioritize", "bind"]), body=bodies)
+def test_generated_malformed_bodies_never_crash_the_service(
+    extender: Extender, verb: str, body: dict[str, Any]
+) -> None:
+    status, result = extender.post(verb, body)
+    assert status in (200, 400), (status, result)
+    assert isinstance(result, dict | list)
+    if status == 400:
+        assert result["Error"]
