@@ -33,6 +33,7 @@ ENV = "GPUSHARED_EXTENDER"
 )
 @click.option("--lease-namespace", default="kube-system", show_default=True)
 @click.option("--lease-name", default="gpushared-extender", show_default=True)
+@click.option("--lease-seconds", type=click.FloatRange(2, 300), default=15.0, show_default=True, help="Lease duration.")
 @click.option(
     "--identity", default=lambda: f"{socket.gethostname()}-{os.getpid()}", help="This replica's name in the Lease."
 )
@@ -53,6 +54,7 @@ def main(
     leader_elect: bool,
     lease_namespace: str,
     lease_name: str,
+    lease_seconds: float,
     identity: str,
     log_level: str,
 ) -> None:

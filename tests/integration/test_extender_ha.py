@@ -1,0 +1,141 @@
+"""Concurrency and high availability: many binds at once, two replicas, and a leader that dies."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpushared import contract
+from gpushared.contract import MemoryUnit
+from gpushared.core.ledger import Ledger, holding_from_pod
+from tests.builders import pod
+from tests.extender_harness import Extender, gpu_node
+from tests.fakes.apiserver import FakeApiServer
+from tests.harness import wait_until
+
+NODES = 200
+PODS = 2000
+THREADS = 16
+
+
+@pytest.fixture
+def cluster() -> Iterator[FakeApiServer]:
+    rng = random.Random(7)
+    with FakeApiServer(history=100_000) as api:
+        for i in range(NODES):
+            api.create(gpu_node(f"node-{i:03d}", *[rng.choice((8, 12, 16, 24)) for _ in range(rng.randint(1, 4))]))
+        yield api
+
+
+def over_capacity(api: FakeApiServer) -> list[str]:
+    """Every GPU whose bound pods' annotations add up to more than it has, from the API server's truth."""
+    problems = []
+    pods_by_node: dict[str, list[dict[str, Any]]] = {}
+    for body in api.objects("pods"):
+        if body["spec"].get("nodeName"):
+            pods_by_node.setdefault(body["spec"]["nodeName"], []).append(body)
+    for node in api.objects("nodes"):
+        name = node["metadata"]["name"]
+        inv = contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY])
+        ledger = Ledger.build(inv)
+        for body in pods_by_node.get(name, []):
+            holding = holding_from_pod(body, unit=MemoryUnit.GIB)
+            assert holding is not None and not holding.pending, body["metadata"]["name"]
+            ledger.add(holding)
+        problems += [
+            f"{name} GPU {g.index}: {ledger.used(g.index)}/{g.memory}"
+            for g in inv.gpus
+            if ledger.used(g.index) > g.memory
+        ]
+    return problems
+
+
+def schedule_all(api: FakeApiServer, replicas: list[Extender], *, seed: int) -> dict[str, int]:
+    """What kube-scheduler does, from 16 threads: filter, pick a passing node, bind; retry elsewhere on error."""
+    rng = random.Random(seed)
+    bodies = [api.create(pod(f"p-{i:04d}", rng.randint(1, 12))) for i in range(PODS)]
+    queue = list(reversed(bodies))
+    lock = threading.Lock()
+    counts = {"bound": 0, "refused": 0, "unplaceable": 0, "not-leader": 0}
+    names = [f"node-{i:03d}" for i in range(NODES)]
+
+    def call(method: str, *args: Any) -> tuple[int, Any]:
+        for _ in range(50):
+            replica = rng.choice(replicas)
+            status, result = getattr(replica, method)(*args)
+            if status == 503:
+                with lock:
+                    counts["not-leader"] += 1
+                continue
+            return status, result
+        raise AssertionError("no replica answered")
+
+    def worker(seed: int) -> None:
+        local = random.Random(seed)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                body = queue.pop()
+            for _attempt in range(5):
+                status, result = call("filter", body, *local.sample(names, 40))
+                assert status == 200, result
+                if not result["NodeNames"]:
+                    with lock:
+                        counts["unplaceable"] += 1
+                    break
+                status, result = call("bind", body, local.choice(result["NodeNames"]))
+                assert status == 200, result
+                if result["Error"] == "":
+                    with lock:
+                        counts["bound"] += 1
+                    break
+                with lock:
+                    counts["refused"] += 1  # a race lost to another thread: filter again
+
+    threads = [threading.Thread(target=worker, args=(seed * 100 + i,)) for i in range(THREADS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return counts
+
+
+def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(cluster: FakeApiServer, tmp_path: Path) -> None:
+    extender = Extender(api=cluster, workdir=tmp_path).start()
+    extender.wait_ready(60)
+    counts = schedule_all(cluster, [extender], seed=1)
+    assert counts["bound"] > PODS * 0.6, counts
+    assert over_capacity(cluster) == []
+    extender.stop()
+
+
+def test_two_replicas_with_leader_election(cluster: FakeApiServer, tmp_path: Path) -> None:
+    args = ["--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3"]
+    first = Extender(api=cluster, workdir=tmp_path, name="first", args=args).start()
+    second = Extender(api=cluster, workdir=tmp_path, name="second", args=args).start()
+    wait_until(lambda: 200 in (first.get("/readyz")[0], second.get("/readyz")[0]), timeout=60, message="a leader")
+    statuses = sorted([first.get("/readyz")[0], second.get("/readyz")[0]])
+    assert statuses == [200, 503], "exactly one replica leads"
+    counts = schedule_all(cluster, [first, second], seed=2)
+    assert counts["bound"] > PODS * 0.6, counts
+    assert counts["not-leader"] > 0  # the follower was asked, and refused
+    assert over_capacity(cluster) == []
+    # The leader dies without giving up its lease: the other takes over once the lease runs out.
+    leader, follower = (first, second) if first.get("/readyz")[0] == 200 else (second, first)
+    assert leader.process is not None
+    leader.process.kill()
+    leader.process.wait()
+    wait_until(lambda: follower.get("/readyz")[0] == 200, timeout=30, message="failover")
+    late = cluster.create(pod("late", 1))
+    status, result = follower.filter(late, "node-000", "node-001")
+    assert status == 200
+    assert result["Error"] == ""
+    follower.stop()
+    lease = cluster.get("leases", "gpushared-extender", "default")
+    assert lease is not None and lease["spec"]["leaseTransitions"] >= 1
