@@ -28,17 +28,26 @@ class KubeError(Exception):
         self.status = status
 
 
-def connect(kubeconfig: Path | None) -> kubernetes.client.ApiClient:
+def connect(kubeconfig: Path | None, *, context: str | None = None) -> kubernetes.client.ApiClient:
     """A client from ``kubeconfig`` when that file exists, else the pod's in-cluster credentials."""
     config = kubernetes.client.Configuration()
     loaders = cast(Any, kubernetes.config)  # untyped module
     if kubeconfig is not None and kubeconfig.exists():
-        loaders.load_kube_config(config_file=str(kubeconfig), client_configuration=config)
+        try:
+            loaders.load_kube_config(config_file=str(kubeconfig), context=context, client_configuration=config)
+        except Exception as exc:  # ConfigException and YAML errors: name the file
+            raise KubeError(f"kubeconfig {kubeconfig}: {exc}") from None
     elif "KUBERNETES_SERVICE_HOST" in os.environ:
         loaders.load_incluster_config(client_configuration=config)
     else:
         raise KubeError(f"no kubeconfig at {kubeconfig} and not running in a pod: cannot reach the API server")
     return kubernetes.client.ApiClient(config)
+
+
+def default_kubeconfig() -> Path:
+    """Where kubectl looks: the first file of $KUBECONFIG, else ~/.kube/config."""
+    first = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+    return Path(first) if first else Path.home() / ".kube" / "config"
 
 
 class Api:
@@ -63,6 +72,15 @@ class Api:
     def patch_node_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """Patch through /status: capacity lives there, and the main resource ignores status changes."""
         return self._call(f"patch node {name} status", self.core.patch_node_status, name, patch)  # type: ignore[no-any-return]
+
+    def list_nodes(self) -> list[dict[str, Any]]:
+        return list(self._call("list nodes", self.core.list_node).get("items") or [])
+
+    def list_pods(self, *, node: str | None = None) -> list[dict[str, Any]]:
+        """Every pod, or the pods bound to ``node`` (a field selector: the server filters)."""
+        selector = {"field_selector": f"spec.nodeName={node}"} if node else {}
+        what = f"list pods on node {node}" if node else "list pods"
+        return list(self._call(what, self.core.list_pod_for_all_namespaces, **selector).get("items") or [])
 
     def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return self._call(f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace)  # type: ignore[no-any-return]

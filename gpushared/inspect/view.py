@@ -1,0 +1,124 @@
+"""Collect nodes and pods into per-node reports, and print them as Aliyun's inspect tool does.
+
+The table keeps Aliyun's columns (NAME, IPADDRESS, GPU<i>(Allocated/Total), PENDING(Allocated) when any
+node has pods without a GPU, GPU Memory(<unit>)) and its cluster line, so scripts that read it keep
+working; the unit comes from the node's inventory instead of being guessed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
+from gpushared.core.report import node_report
+from gpushared.kube.api import Api
+
+
+def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
+    """(reports, warnings): one report per gpushared node (or the named one)."""
+    nodes = [n for n in api.list_nodes() if node is None or n["metadata"]["name"] == node]
+    pods = api.list_pods(node=node)
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for pod in pods:
+        if (pod.get("spec") or {}).get("nodeName"):
+            by_node.setdefault(pod["spec"]["nodeName"], []).append(pod)
+    reports, warnings = [], []
+    for body in sorted(nodes, key=lambda n: n["metadata"]["name"]):
+        name = body["metadata"]["name"]
+        try:
+            inventory = inventory_from_node(body, resources=resources)  # type: ignore[arg-type]
+        except ContractError as exc:
+            warnings.append(f"node {name}: {exc}")
+            continue
+        if inventory is None:
+            continue
+        ledger = Ledger.build(inventory)
+        for pod in by_node.get(name, []):
+            holding = holding_from_pod(pod, unit=inventory.unit, resources=resources)  # type: ignore[arg-type]
+            if holding is not None:
+                ledger.add(holding)
+                if holding.problem:
+                    warnings.append(f"pod {holding.namespace}/{holding.name}: {holding.problem}")
+        address = next(
+            (a["address"] for a in (body.get("status") or {}).get("addresses") or [] if a.get("type") == "InternalIP"),
+            "",
+        )
+        reports.append(node_report(name=name, address=address, inventory=inventory, holdings=ledger.holdings()))
+    return reports, warnings
+
+
+def _table(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Columns padded to their widest cell plus two spaces, as Go's tabwriter lays Aliyun's out."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["".join(cell.ljust(w + 2) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def _percent(used: int, total: int) -> str:
+    return f"{used * 100 // total if total else 0}%"
+
+
+def _cluster_unit(reports: Sequence[dict[str, Any]]) -> str:
+    units = {r["unit"] for r in reports}
+    return units.pop() if len(units) == 1 else "/".join(sorted(units))
+
+
+def render_summary(reports: Sequence[dict[str, Any]]) -> str:
+    if not reports:
+        return "No gpushared nodes found."
+    gpus = max(len(r["devs"]) for r in reports)
+    pending = any(r["pending"] for r in reports)
+    unit = _cluster_unit(reports)
+    header = ["NAME", "IPADDRESS", *[f"GPU{i}(Allocated/Total)" for i in range(gpus)]]
+    header += ["PENDING(Allocated)"] if pending else []
+    header += [f"GPU Memory({unit})"]
+    rows = [header]
+    for r in reports:
+        cells = [r["name"], r["address"]]
+        cells += [f"{d['usedGPU']}/{d['totalGPU']}" for d in r["devs"]]
+        cells += ["0/0"] * (gpus - len(r["devs"]))
+        if pending:
+            cells += [str(sum(p["usedGPU"] for p in r["pending"]))]
+        cells += [f"{r['usedGPU']}/{r['totalGPU']}"]
+        rows.append(cells)
+    used = sum(r["usedGPU"] for r in reports)
+    total = sum(r["totalGPU"] for r in reports)
+    lines = _table(rows)
+    lines += [
+        "-" * max(len(line) for line in lines),
+        "Allocated/Total GPU Memory In Cluster:",
+        f"{used}/{total} ({_percent(used, total)})",
+    ]
+    return "\n".join(lines)
+
+
+def render_details(reports: Sequence[dict[str, Any]]) -> str:
+    if not reports:
+        return "No gpushared nodes found."
+    out: list[str] = []
+    for r in reports:
+        out += [f"NAME:       {r['name']}", f"IPADDRESS:  {r['address']}", ""]
+        pods: dict[tuple[str, str], dict[int, int]] = {}
+        for d in r["devs"]:
+            for p in d["pods"]:
+                pods.setdefault((p["name"], p["namespace"]), {})[d["id"]] = p["usedGPU"]
+        pending = {(p["name"], p["namespace"]): p["usedGPU"] for p in r["pending"]}
+        header = ["NAME", "NAMESPACE", *[f"GPU{d['id']}(Allocated)" for d in r["devs"]]]
+        header += ["Pending(Allocated)"] if pending else []
+        rows = [header]
+        for key in sorted(pods.keys() | pending.keys(), key=lambda k: (k[1], k[0])):
+            row = [key[0], key[1], *[str(pods.get(key, {}).get(d["id"], 0)) for d in r["devs"]]]
+            row += [str(pending.get(key, 0))] if pending else []
+            rows.append(row)
+        out += _table(rows)
+        out += [
+            f"Allocated :  {r['usedGPU']} ({_percent(r['usedGPU'], r['totalGPU'])})",
+            f"Total :      {r['totalGPU']} ({r['unit']})",
+            "-" * 60,
+            "",
+        ]
+    used = sum(r["usedGPU"] for r in reports)
+    total = sum(r["totalGPU"] for r in reports)
+    out += ["", "Allocated/Total GPU Memory In Cluster:  " + f"{used}/{total} ({_percent(used, total)})"]
+    return "\n".join(out)

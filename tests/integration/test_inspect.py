@@ -1,0 +1,122 @@
+"""``kubectl inspect gpushare`` against the API server: Aliyun's table, details, JSON, a node argument."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from gpushared import contract
+from gpushared.core.placement import bind_annotations
+from gpushared.core.requests import pod_request
+from tests.builders import GPU_MEM, inventory, pod
+from tests.extender_harness import gpu_node
+from tests.fakes.apiserver import FakeApiServer
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    with FakeApiServer() as server:
+        server.create(gpu_node("n1", 16, 8))
+        server.create(
+            {
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": {"name": "aliyun-node"},
+                "status": {"capacity": {GPU_MEM: "16", "aliyun.com/gpu-count": "2"}},
+            }
+        )
+        server.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-node"}, "status": {}})
+        ours = pod("train", 6, namespace="ml", node="n1")
+        ours["metadata"]["annotations"] = bind_annotations(
+            pod_request(ours), inventory(16, 8).gpus[1], unit=contract.MemoryUnit.GIB, now_ns=1
+        )
+        server.create(ours)
+        server.create(
+            pod(
+                "legacy", 4, node="n1", annotations={contract.ALIYUN_GPU_MEM_IDX: "0", contract.ALIYUN_GPU_MEM_POD: "4"}
+            )
+        )
+        server.create(pod("bypass", 2, node="n1"))
+        finished = pod(
+            "done",
+            8,
+            node="aliyun-node",
+            annotations={contract.ALIYUN_GPU_MEM_IDX: "1", contract.ALIYUN_GPU_MEM_POD: "8"},
+        )
+        finished["status"]["phase"] = "Succeeded"
+        server.create(finished)
+        yield server
+
+
+def inspect(api: FakeApiServer, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    kubeconfig = tmp_path / "config"
+    body = api.kubeconfig()
+    body["contexts"].append({"name": "other", "context": {"cluster": "fake", "user": "fake"}})
+    kubeconfig.write_text(yaml.safe_dump(body))
+    return subprocess.run(
+        [sys.executable, "-m", "gpushared.cli.inspect", *args],
+        env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_summary_table_in_aliyuns_layout(api: FakeApiServer, tmp_path: Path) -> None:
+    result = inspect(api, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "NAME         IPADDRESS  GPU0(Allocated/Total)  GPU1(Allocated/Total)  PENDING(Allocated)  GPU Memory(GiB)",
+        "aliyun-node             0/8                    0/8                    0                   0/16",
+        "n1           10.0.0.1   4/16                   6/8                    2                   12/24",
+        "-" * 105,
+        "Allocated/Total GPU Memory In Cluster:",
+        "12/40 (30%)",
+    ]
+
+
+def test_details_for_one_node_with_another_context(api: FakeApiServer, tmp_path: Path) -> None:
+    result = inspect(api, tmp_path, "-d", "n1", "--context", "other")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "NAME:       n1",
+        "IPADDRESS:  10.0.0.1",
+        "",
+        "NAME    NAMESPACE  GPU0(Allocated)  GPU1(Allocated)  Pending(Allocated)",
+        "bypass  default    0                0                2",
+        "legacy  default    4                0                0",
+        "train   ml         0                6                0",
+        "Allocated :  12 (50%)",
+        "Total :      24 (GiB)",
+        "-" * 60,
+        "",
+        "",
+        "Allocated/Total GPU Memory In Cluster:  12/24 (50%)",
+    ]
+
+
+def test_json_output(api: FakeApiServer, tmp_path: Path) -> None:
+    result = inspect(api, tmp_path, "-o", "json")
+    body = json.loads(result.stdout)
+    n1 = next(n for n in body["nodes"] if n["name"] == "n1")
+    assert [(d["id"], d["usedGPU"], [p["name"] for p in d["pods"]]) for d in n1["devs"]] == [
+        (0, 4, ["legacy"]),
+        (1, 6, ["train"]),
+    ]
+    assert n1["pending"] == [{"name": "bypass", "namespace": "default", "usedGPU": 2, "problem": None}]
+
+
+def test_errors_are_clear(api: FakeApiServer, tmp_path: Path) -> None:
+    result = inspect(api, tmp_path, "cpu-node")
+    assert result.returncode == 1
+    assert "node cpu-node is not a gpushared node" in result.stderr
+    result = inspect(api, tmp_path, "--context", "nope")
+    assert result.returncode == 1
+    assert "nope" in result.stderr
