@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean
+.PHONY: venv test lint protos check-protos clean image
 
 venv: $(VENV)/.installed
 
@@ -34,3 +34,7 @@ check-protos: protos
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
+
+# The extender's container image (buildah; needs root), exported to dist/ for `ctr images import`.
+image: venv
+	PYTHON=$(BIN)/python scripts/build-image
