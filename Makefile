@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean image
+.PHONY: venv test lint protos check-protos clean image image-test
 
 venv: $(VENV)/.installed
 
@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 
 # Unit and integration tests (fakes over real sockets); the end-to-end suite has its own target.
 test: venv
-	$(BIN)/python -m pytest -m "not e2e" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not e2e and not image" $(PYTEST_ARGS)
 
 lint: venv check-protos
 	$(BIN)/ruff check gpushared tests scripts
@@ -38,3 +38,8 @@ clean:
 # The extender's container image (buildah; needs root), exported to dist/ for `ctr images import`.
 image: venv
 	PYTHON=$(BIN)/python scripts/build-image
+
+# Build the image, then run it under containerd (root) and talk to it.
+image-test: image
+	command -v containerd >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd; }
+	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)

@@ -1,0 +1,70 @@
+"""The manifests in deploy/: they parse, wire the extender as the code expects, and grant what it uses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from gpushared import __version__
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+@pytest.mark.parametrize(
+    ("name", "api_version"),
+    [
+        ("scheduler-config.yaml", "kubescheduler.config.k8s.io/v1"),
+        ("scheduler-config-v1beta1.yaml", "kubescheduler.config.k8s.io/v1beta1"),
+    ],
+)
+def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
+    (config,) = documents(name)
+    assert config["apiVersion"] == api_version
+    (extender,) = config["extenders"]
+    assert extender["urlPrefix"].endswith("/gpushare-scheduler")
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    assert extender["nodeCacheCapable"] is True
+    assert extender["httpTimeout"]
+    assert {r["name"]: r["ignoredByScheduler"] for r in extender["managedResources"]} == {
+        "aliyun.com/gpu-mem": False,
+        "aliyun.com/gpu-count": False,
+    }
+
+
+def test_extender_deployment_runs_the_built_image_with_election() -> None:
+    kinds = {d["kind"]: d for d in documents("extender.yaml")}
+    deployment = kinds["Deployment"]
+    assert deployment["spec"]["replicas"] == 2
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == f"localhost/gpushared-extender:{__version__}"
+    assert "--leader-elect" in container["args"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    rules = kinds["ClusterRole"]["rules"]
+    granted = {(res, verb) for rule in rules for res in rule["resources"] for verb in rule["verbs"]}
+    for needed in [
+        ("nodes", "list"),
+        ("nodes", "watch"),
+        ("pods", "watch"),
+        ("pods", "patch"),
+        ("pods/binding", "create"),
+        ("events", "create"),
+    ]:
+        assert needed in granted
+    assert ("pods", "delete") not in granted
+
+
+def test_sample_asks_for_gpu_memory() -> None:
+    (sample,) = documents("binpack-1.yaml")
+    assert sample["metadata"]["name"] == "binpack-1"
+    assert sample["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"] == 2
