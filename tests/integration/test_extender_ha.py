@@ -119,6 +119,7 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, tmp_path: Pat
     args = ["--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3"]
     first = Extender(api=cluster, workdir=tmp_path, name="first", args=args).start()
     second = Extender(api=cluster, workdir=tmp_path, name="second", args=args).start()
+    wait_until(lambda: first.get("/healthz")[0] == second.get("/healthz")[0] == 200, timeout=60, message="both up")
     wait_until(lambda: 200 in (first.get("/readyz")[0], second.get("/readyz")[0]), timeout=60, message="a leader")
     statuses = sorted([first.get("/readyz")[0], second.get("/readyz")[0]])
     assert statuses == [200, 503], "exactly one replica leads"
