@@ -257,3 +257,46 @@ def test_generated_malformed_bodies_never_crash_the_service(
     assert isinstance(result, dict | list)
     if status == 400:
         assert result["Error"]
+
+
+def test_tls(api: FakeApiServer, tmp_path: Path) -> None:
+    import ssl
+    import subprocess
+    import urllib.request
+
+    cert, key = tmp_path / "tls.crt", tmp_path / "tls.key"
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    ext = Extender(api=api, workdir=tmp_path, args=["--tls-cert", str(cert), "--tls-key", str(key)]).start()
+    context = ssl.create_default_context(cafile=str(cert))
+
+    def https(path: str) -> int:
+        try:
+            with urllib.request.urlopen(f"https://127.0.0.1:{ext.port}{path}", context=context, timeout=5) as r:
+                return int(r.status)
+        except OSError:
+            return 0
+
+    wait_until(lambda: https("/readyz") == 200, timeout=30, message="https ready")
+    assert ext.get("/healthz")[0] == 0  # plain HTTP is not served
+    ext.stop()
