@@ -300,3 +300,11 @@ def test_tls(api: FakeApiServer, tmp_path: Path) -> None:
     wait_until(lambda: https("/readyz") == 200, timeout=30, message="https ready")
     assert ext.get("/healthz")[0] == 0  # plain HTTP is not served
     ext.stop()
+
+
+def test_a_conflict_while_binding_is_read_again_and_retried(api: FakeApiServer, extender: Extender) -> None:
+    body = created(api, "p", 4)
+    conflict = api.inject(Fault(method="PATCH", path=r"/namespaces/default/pods/p$", status=409, message="modified"))
+    assert extender.bind(body, "n1")[1] == {"Error": ""}
+    assert conflict.hits == 1
+    assert api.get("pods", "p", "default")["spec"]["nodeName"] == "n1"  # type: ignore[index]
