@@ -40,6 +40,27 @@ def gpu_node(name: str, *sizes: int, address: str = "10.0.0.1", inv: GpuInventor
     }
 
 
+def aliyun_node(name: str, total: int, count: int) -> dict[str, Any]:
+    """A node under Aliyun's device plugin: gpu-mem capacity and gpu-count, no inventory annotation."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name},
+        "status": {"capacity": {contract.DEFAULT_RESOURCES.gpu_mem: str(total), "aliyun.com/gpu-count": str(count)}},
+    }
+
+
+def cpu_node(name: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}, "status": {}}
+
+
+def gpushared_cluster(api: FakeApiServer) -> None:
+    """n1 (gpushared, 16 + 8 GiB), aliyun-node (Aliyun, 2 x 8 GiB), cpu-node (no GPUs)."""
+    api.create(gpu_node("n1", 16, 8))
+    api.create(aliyun_node("aliyun-node", 16, 2))
+    api.create(cpu_node("cpu-node"))
+
+
 @dataclass
 class Extender:
     api: FakeApiServer

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gpushared import contract
 from tests.builders import GPU_MEM, pod
-from tests.extender_harness import Extender, gpu_node
+from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
 
@@ -20,16 +20,7 @@ from tests.harness import wait_until
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
-        server.create(gpu_node("n1", 16, 8))
-        server.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": "aliyun-node"},  # an Aliyun node: capacity and count, no inventory
-                "status": {"capacity": {GPU_MEM: "16", "aliyun.com/gpu-count": "2"}},
-            }
-        )
-        server.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-node"}, "status": {}})
+        gpushared_cluster(server)
         yield server
 
 

@@ -14,24 +14,15 @@ import yaml
 from gpushared import contract
 from gpushared.core.placement import bind_annotations
 from gpushared.core.requests import pod_request
-from tests.builders import GPU_MEM, inventory, pod
-from tests.extender_harness import gpu_node
+from tests.builders import inventory, pod
+from tests.extender_harness import gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer
 
 
 @pytest.fixture
 def api() -> Iterator[FakeApiServer]:
     with FakeApiServer() as server:
-        server.create(gpu_node("n1", 16, 8))
-        server.create(
-            {
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": {"name": "aliyun-node"},
-                "status": {"capacity": {GPU_MEM: "16", "aliyun.com/gpu-count": "2"}},
-            }
-        )
-        server.create({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-node"}, "status": {}})
+        gpushared_cluster(server)
         ours = pod("train", 6, namespace="ml", node="n1")
         ours["metadata"]["annotations"] = bind_annotations(
             pod_request(ours), inventory(16, 8).gpus[1], unit=contract.MemoryUnit.GIB, now_ns=1
