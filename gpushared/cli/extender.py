@@ -38,6 +38,10 @@ ENV = "GPUSHARED_EXTENDER"
     "--identity", default=lambda: f"{socket.gethostname()}-{os.getpid()}", help="This replica's name in the Lease."
 )
 @click.option(
+    "--advertise-address",
+    help="Address the other replica reaches this one at (default: the listen address; in a pod, its IP).",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def main(
@@ -56,6 +60,7 @@ def main(
     lease_name: str,
     lease_seconds: float,
     identity: str,
+    advertise_address: str | None,
     log_level: str,
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
@@ -82,8 +87,18 @@ def main(
     cache = ClusterCache(
         list_nodes=api.core.list_node, list_pods=api.core.list_pod_for_all_namespaces, resources=resources
     )
+    scheme = "https" if tls_cert else "http"
+    own_url = f"{scheme}://{advertise_address or address}:{port}"
     elector = (
-        LeaderElector(api.client, namespace=lease_namespace, name=lease_name, identity=identity)
+        LeaderElector(
+            api.client,
+            namespace=lease_namespace,
+            name=lease_name,
+            identity=f"{identity} {own_url}",
+            lease_seconds=lease_seconds,
+            renew_deadline=lease_seconds * 2 / 3,
+            retry_seconds=lease_seconds / 7.5,
+        )
         if leader_elect
         else None
     )
@@ -91,9 +106,14 @@ def main(
     def ready() -> tuple[bool, str]:
         if not cache.synced:
             return False, "the cache has not synced with the API server yet"
-        if elector is not None and not elector.leading:
-            return False, f"not the leader (the lease is held by {elector.holder or 'nobody'})"
         return True, ""
+
+    def leader() -> str | None:
+        """Serve here when leading (or not electing); else the leader's URL, from its Lease identity."""
+        if elector is None or elector.leading:
+            return None
+        holder = elector.holder.rsplit(" ", 1)
+        return holder[1] if len(holder) == 2 and holder[1].startswith(("http://", "https://")) else ""
 
     config = ServerConfig(
         address=address,
@@ -103,7 +123,9 @@ def main(
         tls_cert=tls_cert,
         tls_key=tls_key,
     )
-    app = build_app(Scheduler(cache=cache, api=api, policy=chosen, resources=resources), config, ready=ready)
+    app = build_app(
+        Scheduler(cache=cache, api=api, policy=chosen, resources=resources), config, ready=ready, leader=leader
+    )
     cache.start()
     if elector is not None:
         elector.start()

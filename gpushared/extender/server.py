@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -60,12 +61,20 @@ class Metrics:
 
 
 Ready = Callable[[], tuple[bool, str]]
+#: None: serve the verbs here. A URL: the leader's, to forward them to. "": no leader known yet.
+Leader = Callable[[], str | None]
+FORWARDED = "X-Gpushared-Forwarded"
 
 
 def build_app(
-    scheduler: Scheduler, config: ServerConfig, *, ready: Ready, metrics: Metrics | None = None
+    scheduler: Scheduler,
+    config: ServerConfig,
+    *,
+    ready: Ready,
+    leader: Leader = lambda: None,
+    metrics: Metrics | None = None,
 ) -> web.Application:
-    routes = _Routes(scheduler, config, ready=ready, metrics=metrics or Metrics())
+    routes = _Routes(scheduler, config, ready=ready, leader=leader, metrics=metrics or Metrics())
     app = web.Application(client_max_size=config.max_body_bytes)
     prefix = config.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", routes.verb("filter", routes.filter))
@@ -82,15 +91,37 @@ def build_app(
 
 
 class _Routes:
-    def __init__(self, scheduler: Scheduler, config: ServerConfig, *, ready: Ready, metrics: Metrics) -> None:
+    def __init__(
+        self, scheduler: Scheduler, config: ServerConfig, *, ready: Ready, leader: Leader, metrics: Metrics
+    ) -> None:
         self.scheduler = scheduler
         self.config = config
         self.ready = ready
+        self.leader = leader
         self.metrics = metrics
         self.pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="verb")
+        self._session: aiohttp.ClientSession | None = None
 
     async def close(self, app: web.Application) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self._session is not None:
+            await self._session.close()
+
+    async def _forward(self, request: web.Request, raw: bytes, leader: str) -> web.Response:
+        """A follower passes the verb to the leader, so every replica can be Ready behind the Service."""
+        if self._session is None:
+            context = ssl.create_default_context(cafile=str(self.config.tls_cert)) if self.config.tls_cert else None
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.config.read_timeout),
+                connector=aiohttp.TCPConnector(ssl=context) if context else None,
+            )
+        try:
+            async with self._session.post(
+                leader + request.path, data=raw, headers={"Content-Type": "application/json", FORWARDED: "1"}
+            ) as answer:
+                return web.Response(body=await answer.read(), status=answer.status, content_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _json({"Error": f"the leader at {leader} did not answer: {exc}"}, status=503)
 
     async def _run(self, fn: Callable[[], Any]) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
@@ -115,6 +146,12 @@ class _Routes:
                 except TimeoutError:
                     self.metrics.errors.labels(verb=name).inc()
                     return _json({"Error": f"{name}: request body too slow"}, status=408)
+                leader = self.leader()
+                if leader is not None:
+                    if request.headers.get(FORWARDED) or not leader:
+                        self.metrics.errors.labels(verb=name).inc()
+                        return _json({"Error": "this replica is not the leader, and no leader is known"}, status=503)
+                    return await self._forward(request, raw, leader)
                 try:
                     return await handler(raw)
                 except wire.WireError as exc:
