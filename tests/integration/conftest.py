@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.extender_harness import Extender
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kubelet import FakeKubelet
 from tests.fakes.nvml import FakeNvml
@@ -28,3 +29,20 @@ def daemon(kubelet_root: Path, plugin_dir: Path, fake_nvml_library: Path, tmp_pa
         if world.process is not None and world.process.poll() is None:
             world.stop()
         notify.close()
+
+
+@pytest.fixture
+def spawn(tmp_path: Path) -> Iterator[Callable[..., Extender]]:
+    """Start extender processes that are killed after the test, whatever happened in it."""
+    started: list[Extender] = []
+
+    def make(api: FakeApiServer, **kwargs: object) -> Extender:
+        extender = Extender(api=api, workdir=tmp_path, **kwargs).start()  # type: ignore[arg-type]
+        started.append(extender)
+        return extender
+
+    yield make
+    for extender in started:
+        if extender.process is not None and extender.process.poll() is None:
+            extender.process.kill()
+            extender.process.wait()

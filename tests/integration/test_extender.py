@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +25,8 @@ def api() -> Iterator[FakeApiServer]:
 
 
 @pytest.fixture
-def extender(api: FakeApiServer, tmp_path: Path) -> Iterator[Extender]:
-    ext = Extender(api=api, workdir=tmp_path).start()
+def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
+    ext = spawn(api)
     ext.wait_ready()
     yield ext
     ext.stop()
@@ -165,22 +165,22 @@ def test_gpu_count_changes_are_picked_up(api: FakeApiServer, extender: Extender)
 
 
 def test_a_restart_rebuilds_the_same_state_from_annotations(
-    api: FakeApiServer, extender: Extender, tmp_path: Path
+    api: FakeApiServer, extender: Extender, spawn: Callable[..., Extender]
 ) -> None:
     for i, amount in enumerate((4, 6, 3)):
         assert extender.bind(created(api, f"p{i}", amount), "n1")[1] == {"Error": ""}
     _, before = extender.inspect()
     extender.stop()
-    again = Extender(api=api, workdir=tmp_path, name="again").start()
+    again = spawn(api, name="again")
     again.wait_ready()
     _, after = again.inspect()
     assert after == before
     again.stop()
 
 
-def test_not_ready_until_synced_and_no_verbs_before(api: FakeApiServer, tmp_path: Path) -> None:
+def test_not_ready_until_synced_and_no_verbs_before(api: FakeApiServer, spawn: Callable[..., Extender]) -> None:
     outage = api.inject(Fault(status=503, times=None))
-    ext = Extender(api=api, workdir=tmp_path).start()
+    ext = spawn(api)
     wait_until(lambda: ext.get("/healthz")[0] == 200, message="serving")
     assert ext.get("/readyz") == (503, b"the cache has not synced with the API server yet\n")
     status, result = ext.filter(pod("p", 1), "n1")
@@ -220,8 +220,8 @@ def test_malformed_bodies_get_400_with_the_reason(extender: Extender, verb: str,
     assert message in result["Error"]
 
 
-def test_a_body_over_the_limit_is_refused(api: FakeApiServer, tmp_path: Path) -> None:
-    ext = Extender(api=api, workdir=tmp_path, args=["--max-body-mib", "1"]).start()
+def test_a_body_over_the_limit_is_refused(api: FakeApiServer, spawn: Callable[..., Extender]) -> None:
+    ext = spawn(api, args=["--max-body-mib", "1"])
     ext.wait_ready()
     status, result = ext.post("filter", b'{"Pod": "' + b"x" * (2 * 2**20) + b'"}')
     assert status == 413
@@ -250,7 +250,7 @@ def test_generated_malformed_bodies_never_crash_the_service(
         assert result["Error"]
 
 
-def test_tls(api: FakeApiServer, tmp_path: Path) -> None:
+def test_tls(api: FakeApiServer, tmp_path: Path, spawn: Callable[..., Extender]) -> None:
     import ssl
     import subprocess
     import urllib.request
@@ -278,7 +278,7 @@ def test_tls(api: FakeApiServer, tmp_path: Path) -> None:
         check=True,
         capture_output=True,
     )
-    ext = Extender(api=api, workdir=tmp_path, args=["--tls-cert", str(cert), "--tls-key", str(key)]).start()
+    ext = spawn(api, args=["--tls-cert", str(cert), "--tls-key", str(key)])
     context = ssl.create_default_context(cafile=str(cert))
 
     def https(path: str) -> int:

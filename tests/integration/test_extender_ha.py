@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
-from collections.abc import Iterator
-from pathlib import Path
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -106,8 +105,10 @@ def schedule_all(api: FakeApiServer, replicas: list[Extender], *, seed: int) -> 
     return counts
 
 
-def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(cluster: FakeApiServer, tmp_path: Path) -> None:
-    extender = Extender(api=cluster, workdir=tmp_path).start()
+def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(
+    cluster: FakeApiServer, spawn: Callable[..., Extender]
+) -> None:
+    extender = spawn(cluster)
     extender.wait_ready(60)
     counts = schedule_all(cluster, [extender], seed=1)
     assert counts["bound"] > PODS * 0.6, counts
@@ -115,10 +116,10 @@ def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(cluster: Fa
     extender.stop()
 
 
-def test_two_replicas_with_leader_election(cluster: FakeApiServer, tmp_path: Path) -> None:
+def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callable[..., Extender]) -> None:
     args = ["--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3"]
-    first = Extender(api=cluster, workdir=tmp_path, name="first", args=args).start()
-    second = Extender(api=cluster, workdir=tmp_path, name="second", args=args).start()
+    first = spawn(cluster, name="first", args=args)
+    second = spawn(cluster, name="second", args=args)
     first.wait_ready(60)
     second.wait_ready(60)  # both Ready behind the Service: the follower forwards verbs to the leader
 
