@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean image image-test
+.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins
 
 venv: $(VENV)/.installed
 
@@ -43,3 +43,7 @@ image: venv
 image-test: image
 	command -v containerd >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd; }
 	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)
+
+# Real Kubernetes v1.20.2 binaries for the end-to-end suite (root; cached outside the repo; 6-8 min cold).
+k8s-testbins:
+	scripts/k8s-testbins
