@@ -56,6 +56,7 @@ class ClusterCache:
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeState] = {}
         self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
+        self._next_expiry = 0.0
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
         self.pods = Informer(list_pods, name="pods", handler=self._on_pod)
 
@@ -71,16 +72,7 @@ class ClusterCache:
     def synced(self) -> bool:
         return self.nodes.synced and self.pods.synced
 
-    def wait_synced(self, timeout: float) -> bool:
-        deadline = self.clock() + timeout
-        return self.nodes.wait_synced(timeout) and self.pods.wait_synced(max(0.0, deadline - self.clock()))
-
     # --- reads -----------------------------------------------------------------------------------------------
-
-    def node(self, name: str) -> NodeState | None:
-        with self._lock:
-            self._expire_assumed()
-            return self._nodes.get(name)
 
     def judge(self, name: str, request: PodRequest) -> list[GpuVerdict] | str:
         """The node's verdict per GPU for ``request``, or why the node is not a candidate at all.
@@ -105,13 +97,6 @@ class ClusterCache:
         with self._lock:
             state = self._nodes.get(name)
             return state.inventory.unit if state is not None and state.inventory is not None else MemoryUnit.GIB
-
-    def used(self, name: str) -> dict[int, int]:
-        with self._lock:
-            state = self._nodes.get(name)
-            if state is None or state.ledger is None or state.inventory is None:
-                return {}
-            return {gpu.index: state.ledger.used(gpu.index) for gpu in state.inventory.gpus}
 
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""
@@ -159,7 +144,12 @@ class ClusterCache:
                     state.ledger.remove(uid)
 
     def _expire_assumed(self) -> None:
+        """Release binds the watch never confirmed. Called on reads, so at most once a second: a filter
+        judges every candidate node and must not walk the assumed pods for each."""
         now = self.clock()
+        if now < self._next_expiry:
+            return
+        self._next_expiry = now + 1.0
         for uid, (node, deadline) in list(self._assumed.items()):
             if deadline < now:
                 del self._assumed[uid]

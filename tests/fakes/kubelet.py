@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,21 +113,14 @@ class FakeKubelet:
     # --- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> FakeKubelet:
-        self.plugin_dir.mkdir(parents=True, exist_ok=True)
-        self.socket.unlink(missing_ok=True)
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
-        server.add_insecure_port(f"unix://{self.socket}")
-        server.start()
-        self._server = server
+        self._server = _serve(
+            self.socket, lambda server: api_pb2_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        )
         if self._pod_resources is None:
-            self.pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
-            self.pod_resources_socket.unlink(missing_ok=True)
-            lister = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-            podresources_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), lister)
-            lister.add_insecure_port(f"unix://{self.pod_resources_socket}")
-            lister.start()
-            self._pod_resources = lister
+            self._pod_resources = _serve(
+                self.pod_resources_socket,
+                lambda server: podresources_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), server),
+            )
         return self
 
     def stop(self) -> None:
@@ -368,3 +361,14 @@ class _PodResources(podresources_grpc.PodResourcesListerServicer):
         self, request: podresources_pb2.ListPodResourcesRequest, context: grpc.ServicerContext
     ) -> podresources_pb2.ListPodResourcesResponse:
         return self.kubelet.list_pod_resources()
+
+
+def _serve(socket: Path, add: Callable[[grpc.Server], None]) -> grpc.Server:
+    """A gRPC server on a fresh unix socket at ``socket``, with the servicer ``add`` registers."""
+    socket.parent.mkdir(parents=True, exist_ok=True)
+    socket.unlink(missing_ok=True)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    add(server)
+    server.add_insecure_port(f"unix://{socket}")
+    server.start()
+    return server
