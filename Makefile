@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins
+.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down
 
 venv: $(VENV)/.installed
 
@@ -47,3 +47,15 @@ image-test: image
 # Real Kubernetes v1.20.2 binaries for the end-to-end suite (root; cached outside the repo; 6-8 min cold).
 k8s-testbins:
 	scripts/k8s-testbins
+
+# The end-to-end suite on a real local cluster (root): apiserver, scheduler + our extender, kubelet,
+# containerd, gpushared on a fake NVML library. Brings the cluster up and tears it down.
+e2e: venv k8s-testbins
+	$(BIN)/python -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
+
+# The same cluster, left running with sample pods on it (root). `make demo-down` removes it.
+demo: venv k8s-testbins
+	$(BIN)/python -m tests.e2e.demo
+
+demo-down: venv
+	$(BIN)/python -m tests.e2e.cluster down

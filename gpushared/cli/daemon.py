@@ -87,7 +87,8 @@ def render_status(body: dict[str, Any]) -> str:
     unit = body["unit"]
     lines = [
         f"node {body['node']}  resource {body['resource']}  kubelet: "
-        + ("registered" if body["registered"] else "NOT registered")
+        + ("NOT registered" if not body["registered"] else "registered")
+        + (", devices read" if body["kubeletWatching"] else ", devices not read yet" if body["registered"] else "")
         + ("" if body["nvml"] else "  NVML: unavailable"),
         "",
         f"{'GPU':<4}{'UUID':<42}{'MODEL':<24}{'USED/TOTAL (' + unit + ')':<20}HEALTH",

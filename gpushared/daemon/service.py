@@ -361,6 +361,7 @@ class Service:
         return {
             "version": __version__,
             "registered": self._registered,
+            "kubeletWatching": self.plugin is not None and self.plugin.watched,
             "kubelet": str(self.config.plugin_dir),
             "nvml": self._backend_ok,
             **self.manager.status(),

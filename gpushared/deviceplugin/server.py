@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -80,6 +81,10 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):
     def __init__(self, manager: DeviceManager, stopping: list[bool]) -> None:
         self.manager = manager
         self.stopping = stopping
+        #: Open ListAndWatch streams. Registration alone does not let the kubelet admit pods: it does once it
+        #: has read the device list from a stream, so "kubelet is watching" is the readiness that matters.
+        self.watchers = 0
+        self._lock = threading.Lock()
 
     def GetDevicePluginOptions(
         self, request: api_pb2.Empty, context: grpc.ServicerContext
@@ -90,13 +95,19 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):
         self, request: api_pb2.Empty, context: grpc.ServicerContext
     ) -> Iterator[api_pb2.ListAndWatchResponse]:
         version, devices = self.manager.devices()
-        yield list_message(devices)
-        while context.is_active() and not self.stopping[0]:
-            self.manager.wait_for_change(version, timeout=1.0)
-            current, devices = self.manager.devices()
-            if current != version:
-                version = current
-                yield list_message(devices)
+        with self._lock:
+            self.watchers += 1
+        try:
+            yield list_message(devices)
+            while context.is_active() and not self.stopping[0]:
+                self.manager.wait_for_change(version, timeout=1.0)
+                current, devices = self.manager.devices()
+                if current != version:
+                    version = current
+                    yield list_message(devices)
+        finally:
+            with self._lock:
+                self.watchers -= 1
 
     def GetPreferredAllocation(
         self, request: api_pb2.PreferredAllocationRequest, context: grpc.ServicerContext
@@ -148,6 +159,7 @@ class PluginServer:
         self.plugin_dir = plugin_dir
         self.endpoint = endpoint
         self._server: grpc.Server | None = None
+        self._servicer: _Servicer | None = None
         self._stopping = [False]
 
     @property
@@ -158,6 +170,11 @@ class PluginServer:
     def kubelet_socket(self) -> Path:
         return self.plugin_dir / KUBELET_SOCKET
 
+    @property
+    def watched(self) -> bool:
+        """Whether the kubelet holds a ListAndWatch stream open, i.e. has our devices and can admit pods."""
+        return self._servicer is not None and self._servicer.watchers > 0
+
     def start(self) -> None:
         self.plugin_dir.mkdir(parents=True, exist_ok=True)
         self.socket.unlink(missing_ok=True)
@@ -166,7 +183,8 @@ class PluginServer:
             futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="device-plugin"),
             options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES)],
         )
-        api_pb2_grpc.add_DevicePluginServicer_to_server(_Servicer(self.manager, self._stopping), server)
+        self._servicer = _Servicer(self.manager, self._stopping)
+        api_pb2_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
         # Only root may talk to the plugin: Allocate hands out GPUs.
         previous = os.umask(0o177)
         try:

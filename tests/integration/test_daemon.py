@@ -283,6 +283,7 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
     assert "default/shown" in table and "c0->GPU 2" in table
     body = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True, env=env).stdout)
     assert body["gpus"][2]["used"] == 3
+    assert body["registered"] and body["kubeletWatching"]  # the fake kubelet keeps ListAndWatch open
     import urllib.request
 
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()

@@ -1,0 +1,232 @@
+"""gpushared against the real kube-scheduler, kubelet and containerd (Kubernetes 1.20), GPUs simulated.
+
+Each test proves one path a user depends on, from `kubectl apply` to the env inside the container, and
+checks after every disturbance that no GPU holds more than it has.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from gpushared import contract
+from gpushared.core.ledger import holding_from_pod
+from tests.e2e.cluster import GPU_SIZES_MIB, NODE, ROOT, LocalCluster, wait_for
+from tests.e2e.kube import Kube, gpu_pod
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+
+def gpu_of(kube: Kube, pod: dict[str, object]) -> tuple[int, str]:
+    """The GPU the extender recorded for a pod: its index and, from the node's inventory, its UUID."""
+    annotations = pod["metadata"]["annotations"]  # type: ignore[index]
+    index = int(annotations[contract.ALIYUN_GPU_MEM_IDX])
+    return index, kube.inventory().gpus[index].uuid
+
+
+def assert_no_gpu_over_capacity(kube: Kube) -> dict[int, int]:
+    """Sum what the API says every live pod holds, per GPU, and compare with the GPUs' sizes."""
+    inventory = kube.inventory()
+    used: dict[int, int] = defaultdict(int)
+    for pod in kube.all_pods():
+        holding = holding_from_pod(pod, unit=inventory.unit)
+        if holding is not None and pod["spec"].get("nodeName") == NODE:
+            assert not holding.pending, f"{pod['metadata']['name']} runs on the node without a GPU choice"
+            for index, amount in holding.gpus.items():
+                used[index] += amount
+    for index, amount in used.items():
+        assert amount <= inventory.gpus[index].memory, f"GPU {index}: {amount} > {inventory.gpus[index].memory}"
+    return dict(used)
+
+
+def test_seed_sample_is_scheduled_by_the_extender_and_allocated_by_the_kubelet(
+    kube: Kube, cluster: LocalCluster, namespace: str
+) -> None:
+    cluster.kubectl("-n", namespace, "apply", "-f", ROOT / "deploy" / "binpack-1.yaml")
+    pod = wait_for(lambda: next(iter(kube.pods(namespace, "app=binpack-1")), None), timeout=30, what="a binpack-1 pod")
+    name = pod["metadata"]["name"]
+    [pod] = kube.wait_running(namespace, name)
+
+    annotations = pod["metadata"]["annotations"]
+    assert annotations[contract.ALIYUN_GPU_MEM_ASSIGNED] == "true"  # the daemon's Allocate marked it
+    assert annotations[contract.ALIYUN_GPU_MEM_POD] == "2"
+    index, uuid = gpu_of(kube, pod)
+    assert pod["spec"]["nodeName"] == NODE
+    assert ("Scheduled", f"Successfully assigned {namespace}/{name} to {NODE}") in kube.events(namespace, name)
+
+    logs = kube.logs(namespace, name)  # the sample's own command: env | grep ...
+    assert f"NVIDIA_VISIBLE_DEVICES={uuid}" in logs
+    assert f"ALIYUN_COM_GPU_MEM_IDX={index}" in logs
+    assert "ALIYUN_COM_GPU_MEM_POD=2" in logs
+    assert "ALIYUN_COM_GPU_MEM_CONTAINER=2" in logs
+    assert f"ALIYUN_COM_GPU_MEM_DEV={GPU_SIZES_MIB[index] // 1024}" in logs
+
+
+def test_equal_pods_created_at_once_each_get_the_gpu_in_their_annotation(kube: Kube, namespace: str) -> None:
+    names = [f"same-{i}" for i in range(6)]
+    threads = [threading.Thread(target=kube.create, args=(namespace, gpu_pod(n, 4))) for n in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    pods = kube.wait_running(namespace, *names, timeout=120)
+
+    gpus = set()
+    for pod in pods:
+        index, uuid = gpu_of(kube, pod)
+        gpus.add(index)
+        env = kube.env_of(namespace, pod["metadata"]["name"])
+        assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
+        assert env["ALIYUN_COM_GPU_MEM_IDX"] == str(index)
+        assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "4"
+    # Binpack on 16/12/24/8 GiB: two pods fill the 8 GiB GPU, three the 12 GiB one, the last goes to 16 GiB.
+    assert assert_no_gpu_over_capacity(kube) == {3: 8, 1: 12, 0: 4}
+    assert gpus == {0, 1, 3}
+
+
+def test_multi_container_pod_shares_one_gpu_with_per_container_amounts(kube: Kube, namespace: str) -> None:
+    kube.create(namespace, gpu_pod("pair", 3, 5, 0))
+    [pod] = kube.wait_running(namespace, "pair")
+    index, uuid = gpu_of(kube, pod)
+    first, second = kube.env_of(namespace, "pair", "c0"), kube.env_of(namespace, "pair", "c1")
+    assert first["NVIDIA_VISIBLE_DEVICES"] == second["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert (first["ALIYUN_COM_GPU_MEM_CONTAINER"], second["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("3", "5")
+    assert first["ALIYUN_COM_GPU_MEM_POD"] == second["ALIYUN_COM_GPU_MEM_POD"] == "8"
+    assert "NVIDIA_VISIBLE_DEVICES" not in kube.env_of(namespace, "pair", "c2")  # no gpu-mem, no GPU
+    assert index == 3  # 8 GiB fits the 8 GiB GPU exactly: best fit
+
+
+def test_a_pod_larger_than_any_gpu_stays_pending_with_the_extenders_reason(kube: Kube, namespace: str) -> None:
+    kube.create(namespace, gpu_pod("too-big", 30))
+    message = kube.wait_event(namespace, "too-big", lambda reason, _: reason == "FailedScheduling")
+    # kube-scheduler quotes the extender's FailedNodes reason for our node.
+    assert "GPU 2 has 24 GiB free, pod needs 30 GiB" in message, message
+    assert kube.pod(namespace, "too-big")["status"]["phase"] == "Pending"
+    assert not kube.pod(namespace, "too-big")["spec"].get("nodeName")
+
+
+def test_kubelet_restart_reregisters_and_leaves_running_pods_alone(
+    kube: Kube, cluster: LocalCluster, namespace: str
+) -> None:
+    kube.create(namespace, gpu_pod("before", 6))
+    [before] = kube.wait_running(namespace, "before")
+    container_id = before["status"]["containerStatuses"][0]["containerID"]
+    total = kube.allocatable()
+    registrations = cluster.daemon_registrations()
+
+    cluster.restart_kubelet()
+    # kubelet 1.20 deletes every socket in the plugin dir at start; gpushared must notice and register again,
+    # and the kubelet must read the devices before it can admit a GPU pod (until then: UnexpectedAdmissionError).
+    wait_for(
+        lambda: cluster.daemon_registrations() > registrations and cluster.daemon_status().get("kubeletWatching"),
+        timeout=30,
+        what="gpushared registered with the new kubelet, which reads its devices",
+    )
+    wait_for(lambda: kube.allocatable() == total, timeout=60, what="gpu-mem allocatable back after kubelet restart")
+    status = kube.pod(namespace, "before")["status"]["containerStatuses"][0]
+    assert status["containerID"] == container_id and status["restartCount"] == 0 and "running" in status["state"]
+
+    kube.create(namespace, gpu_pod("after", 6))
+    [after] = kube.wait_running(namespace, "after")
+    assert kube.env_of(namespace, "after")["NVIDIA_VISIBLE_DEVICES"] == gpu_of(kube, after)[1]
+    assert_no_gpu_over_capacity(kube)
+
+
+def test_extender_restart_under_load_rebuilds_its_state(kube: Kube, cluster: LocalCluster, namespace: str) -> None:
+    # 20 pods of 1-5 GiB (60 GiB asked of 60 GiB): the extender is killed while the scheduler works through them.
+    sizes = [1 + i % 5 for i in range(20)]
+    names = [f"load-{i}" for i in range(len(sizes))]
+
+    def create_all() -> None:
+        for name, size in zip(names, sizes, strict=True):
+            kube.create(namespace, gpu_pod(name, size))
+            time.sleep(0.05)
+
+    creator = threading.Thread(target=create_all)
+    creator.start()
+    time.sleep(0.5)
+    cluster.restart_extender(kill=True)
+    creator.join()
+    time.sleep(1)
+    cluster.restart_extender(kill=True)
+
+    def settled() -> bool:
+        pods = kube.pods(namespace)
+        bound = [p for p in pods if p["spec"].get("nodeName")]
+        return (
+            len(pods) == len(names) and all(p["status"].get("phase") == "Running" for p in bound) and len(bound) >= 15
+        )
+
+    wait_for(settled, timeout=180, what="the load to be scheduled after extender restarts", interval=1)
+    used = assert_no_gpu_over_capacity(kube)
+    # The rebuilt extender's cache agrees with the API about every GPU.
+    node = cluster.extender_inspect()
+    assert {d["id"]: d["usedGPU"] for d in node["devs"] if d["usedGPU"]} == used
+    for pod in kube.pods(namespace):
+        if pod["status"].get("phase") == "Running":
+            assert kube.env_of(namespace, pod["metadata"]["name"])["NVIDIA_VISIBLE_DEVICES"] == gpu_of(kube, pod)[1]
+
+
+def test_gpushared_restart_keeps_allocations(kube: Kube, cluster: LocalCluster, namespace: str) -> None:
+    kube.create(namespace, gpu_pod("kept", 7))
+    [kept] = kube.wait_running(namespace, "kept")
+    uuid = gpu_of(kube, kept)[1]
+    inventory = kube.inventory()
+
+    cluster.restart_daemon()
+    wait_for(lambda: cluster.daemon_status().get("kubeletWatching"), timeout=30, what="gpushared registered again")
+    assert kube.inventory() == inventory
+    status = kube.pod(namespace, "kept")["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 0 and "running" in status["state"]
+    assert kube.env_of(namespace, "kept")["NVIDIA_VISIBLE_DEVICES"] == uuid
+
+    kube.create(namespace, gpu_pod("next", 7))
+    [following] = kube.wait_running(namespace, "next")
+    assert kube.env_of(namespace, "next")["NVIDIA_VISIBLE_DEVICES"] == gpu_of(kube, following)[1]
+    assert_no_gpu_over_capacity(kube)
+
+
+def test_kubectl_inspect_gpushare_shows_the_allocations(kube: Kube, cluster: LocalCluster, namespace: str) -> None:
+    kube.create(namespace, gpu_pod("shown", 5))
+    [pod] = kube.wait_running(namespace, "shown")
+    index, _ = gpu_of(kube, pod)
+    env = {**os.environ, **cluster.env()}
+    table = subprocess.run(
+        [str(cluster.bin / "kubectl"), "inspect", "gpushare", "-d"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert table.returncode == 0, table.stderr
+    assert NODE in table.stdout and "shown" in table.stdout, table.stdout
+    report = cluster.inspect_json()
+    [node] = [n for n in report["nodes"] if n["name"] == NODE]
+    [dev] = [d for d in node["devs"] if d["id"] == index]
+    assert {"name": "shown", "namespace": namespace, "usedGPU": 5} in dev["pods"]
+
+
+@pytest.fixture
+def mib_node(kube: Kube, cluster: LocalCluster) -> object:
+    """The node re-inventoried in MiB with GPUs of 12207, 8138, 4069 and 16276 MiB, restored afterwards."""
+    cluster.write_gpus((12207, 8138, 4069, 16276))
+    cluster.restart_daemon(memory_unit="MiB")
+    wait_for(lambda: kube.allocatable() == 12207 + 8138 + 4069 + 16276, timeout=60, what="the MiB inventory")
+    yield
+    cluster.write_gpus(GPU_SIZES_MIB)
+    cluster.restart_daemon()
+    wait_for(lambda: kube.allocatable() == sum(GPU_SIZES_MIB) // 1024, timeout=60, what="the GiB inventory")
+
+
+@pytest.mark.usefixtures("mib_node")
+def test_best_fit_picks_the_gpu_whose_free_memory_matches(kube: Kube, namespace: str) -> None:
+    kube.create(namespace, gpu_pod("fit", 8138))
+    [pod] = kube.wait_running(namespace, "fit")
+    index, uuid = gpu_of(kube, pod)
+    assert index == 1  # 12207 / 8138 / 4069 / 16276 MiB free: 8138 is the least that fits
+    assert kube.env_of(namespace, "fit")["NVIDIA_VISIBLE_DEVICES"] == uuid
