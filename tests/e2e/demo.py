@@ -32,11 +32,11 @@ def main() -> int:
 
   export KUBECONFIG={env["KUBECONFIG"]} PATH={cluster.bin}:{ROOT / ".venv" / "bin"}:$PATH
   kubectl get pods -o wide
-  kubectl inspect gpushare -d            # who uses which GPU
-  kubectl logs deploy/binpack-1          # the env Allocate gave the container
-  kubectl apply -f deploy/demo.yaml      # edit the amounts, apply, watch the placement change
-  curl -s 127.0.0.1:{cluster.ports.daemon_metrics}/status     # the node daemon's view
-  less {cluster.logs}/gpushared.log      # and every other component's log beside it
+  kubectl inspect gpushare -d         # who uses which GPU
+  kubectl logs deploy/binpack-1       # the env Allocate gave the container
+  kubectl apply -f deploy/demo.yaml   # edit the amounts, apply again, watch the placement
+  gpushared status --config {cluster.state}/gpushared.yaml   # the node daemon's view
+  ls {cluster.logs}   # every component's log
 
 Tear it down (processes, containers, mounts, cgroups; logs stay): make demo-down"""
     )
