@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.fakes.nvml import FakeNvml, build_library
+from tests.mps_binary import fetch_mps_control
 
 
 @pytest.fixture(scope="session")
@@ -44,3 +45,9 @@ def plugin_dir(kubelet_root: Path) -> Path:
     path = kubelet_root / "device-plugins"
     path.mkdir()
     return path
+
+
+@pytest.fixture(scope="session")
+def mps_control(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real nvidia-cuda-mps-control, fetched from Debian non-free once per session."""
+    return fetch_mps_control(tmp_path_factory.mktemp("nvidia-cuda-mps"))

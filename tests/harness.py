@@ -118,6 +118,12 @@ class Daemon:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/status", timeout=5) as response:
             return json.load(response)  # type: ignore[no-any-return]
 
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
+            return str(response.read().decode())
+
     # --- the cluster side ---------------------------------------------------------------------------------
 
     def inventory(self) -> GpuInventory:

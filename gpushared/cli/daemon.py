@@ -83,6 +83,48 @@ def status(config_path: Path | None, as_json: bool) -> None:
     click.echo(render_status(body))
 
 
+@main.group()
+def mps() -> None:
+    """The MPS control daemons (one per GPU; they keep running when gpushared stops)."""
+
+
+@mps.command("stop")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help=CONFIG_HELP)
+@click.option("--gpu", help="Only this GPU (UUID or NVML index); default: every GPU.")
+def mps_stop(config_path: Path | None, gpu: str | None) -> None:
+    """Quit MPS control daemons on purpose. Their clients lose the GPU; gpushared does not restart them
+    until `gpushared mps start`."""
+    _mps_each(config_path, gpu, stop=True)
+
+
+@mps.command("start")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help=CONFIG_HELP)
+@click.option("--gpu", help="Only this GPU (UUID or NVML index); default: every GPU.")
+def mps_start(config_path: Path | None, gpu: str | None) -> None:
+    """Let gpushared start MPS control daemons stopped with `gpushared mps stop` again."""
+    _mps_each(config_path, gpu, stop=False)
+
+
+def _mps_each(config_path: Path | None, gpu: str | None, *, stop: bool) -> None:
+    from gpushared.daemon import mps as mps_module
+    from gpushared.mps.control import MpsError
+    from gpushared.nvml.backend import GpuBackendError, NvmlBackend
+
+    config = _load(config_path, {})
+    settings = mps_module.settings_of(config)
+    backend = NvmlBackend()
+    try:
+        for uuid in mps_module.daemon_uuids(settings, gpu=gpu, backend=backend):
+            if stop:
+                click.echo(mps_module.stop_daemon(settings, uuid, backend=backend))
+            else:
+                click.echo(mps_module.resume_daemon(settings, uuid))
+    except (MpsError, GpuBackendError) as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        backend.stop()
+
+
 def render_status(body: dict[str, Any]) -> str:
     unit = body["unit"]
     lines = [
@@ -107,6 +149,19 @@ def render_status(body: dict[str, Any]) -> str:
             )
             if pod.get("problem"):
                 lines.append(f"    problem: {pod['problem']}")
+    if body.get("mps"):
+        lines += ["", f"{'MPS':<4}{'PID':<9}{'STATE':<10}{'CLIENTS':<9}{'RESTARTS':<10}{'DEFAULT LIMITS':<24}PIPE"]
+        for daemon in body["mps"]:
+            limits = daemon["limits"]
+            shown = f"{limits.get('threads', '?')}% / {limits.get('memory', '?')}" if limits else "-"
+            clients = "-" if daemon["clients"] is None else str(daemon["clients"])
+            state = daemon["state"] + (" (adopted)" if daemon["adopted"] else "")
+            lines.append(
+                f"{daemon['gpu']:<4}{daemon['pid'] or '-':<9}{state:<10}{clients:<9}{daemon['restarts']:<10}"
+                f"{shown:<24}{daemon['pipe']}"
+            )
+            if daemon["problem"]:
+                lines.append(f"    problem: {daemon['problem']}")
     return "\n".join(lines)
 
 

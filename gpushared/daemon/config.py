@@ -42,6 +42,12 @@ class Config:
     health_enabled: bool
     ignored_xids: tuple[int, ...]
     recover_after: float
+    mps_enabled: bool
+    mps_root: Path
+    mps_control: str
+    mps_exclusive_process: bool
+    mps_shm_size: str
+    mps_probe_seconds: float
 
     @property
     def plugin_dir(self) -> Path:
@@ -92,6 +98,20 @@ def _boolean(value: Any) -> bool:
     raise ValueError("must be true or false")
 
 
+def _shm_size(value: Any) -> str:
+    text = str(value).strip()
+    if not re.fullmatch(r"[1-9][0-9]*(%|[kmgKMG])?", text) or (text.endswith("%") and int(text[:-1]) > 100):
+        raise ValueError("must be a tmpfs size: bytes, a k/m/g suffix, or a percentage of RAM up to 100%")
+    return text
+
+
+def _positive_seconds(value: Any) -> float:
+    number = _seconds(value)
+    if number == 0:
+        raise ValueError("must be more than 0 seconds")
+    return number
+
+
 def _unit(value: Any) -> MemoryUnit:
     try:
         return MemoryUnit.parse(value)
@@ -137,6 +157,12 @@ OPTIONS = (
     Option("health_enabled", "health.enabled", _boolean, lambda: True),
     Option("ignored_xids", "health.ignoredXids", _xids, lambda: DEFAULT_IGNORED_XIDS),
     Option("recover_after", "health.recoverAfterSeconds", _seconds, lambda: 300.0),
+    Option("mps_enabled", "mps.enabled", _boolean, lambda: False),
+    Option("mps_root", "mps.root", lambda v: Path(_text(v)), lambda: Path("/run/gpushared/mps")),
+    Option("mps_control", "mps.controlBinary", _text, lambda: "nvidia-cuda-mps-control"),
+    Option("mps_exclusive_process", "mps.exclusiveProcess", _boolean, lambda: False),
+    Option("mps_shm_size", "mps.shmSize", _shm_size, lambda: "50%"),
+    Option("mps_probe_seconds", "mps.probeSeconds", _positive_seconds, lambda: 5.0),
 )
 assert {o.field for o in OPTIONS} == {f.name for f in fields(Config)}
 

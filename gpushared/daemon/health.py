@@ -4,6 +4,8 @@ NVIDIA's plugin never lets a GPU recover, so one stray XID costs a node its GPU 
 GPU is unhealthy for ``recover_after`` seconds after its last critical event. Application XIDs (a kernel
 of one pod faulting, 13, 31, 43, 45, 68, 109 by default) say nothing about the GPU and are ignored. When
 NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
+A GPU whose MPS control daemon does not answer is unhealthy for as long as that lasts (a condition, not
+an event: it clears the moment the daemon answers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class Health:
         self.clock = clock
         self._lock = threading.Lock()
         self._marks: dict[str, Mark] = {}  # GPU UUID -> last critical event
+        self._conditions: dict[str, str] = {}  # GPU UUID -> why it is unusable right now
         self._backend_down: Mark | None = None
         self._backend_back: float | None = None
 
@@ -54,10 +57,20 @@ class Health:
             if self._backend_down is not None and self._backend_back is None:
                 self._backend_back = self.clock()
 
+    def condition(self, uuid: str, reason: str | None) -> None:
+        """Set (reason) or clear (None) a condition that makes the GPU unusable until cleared."""
+        with self._lock:
+            if reason is None:
+                self._conditions.pop(uuid, None)
+            else:
+                self._conditions[uuid] = reason
+
     def problem(self, uuid: str) -> str | None:
         """Why the GPU is unhealthy now, or None."""
         now = self.clock()
         with self._lock:
+            if uuid in self._conditions:
+                return self._conditions[uuid]
             if self._backend_down is not None:
                 if self._backend_back is None or now - self._backend_back < self.recover_after:
                     return self._backend_down.reason

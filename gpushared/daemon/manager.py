@@ -21,13 +21,15 @@ import grpc
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.placement import MAX_MPS_CLIENTS
 from gpushared.core.requests import pod_request
 from gpushared.daemon import devices as device_ids
 from gpushared.daemon import handshake
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.mps import MpsSupervisor, thread_percentage
 from gpushared.deviceplugin.podresources.client import PodDevices, list_pod_devices
-from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation
+from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, Mount
 from gpushared.kube.api import Api, KubeError
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml.backend import GpuDevice
@@ -39,7 +41,7 @@ EVENT_FAILED = "GPUAllocationFailed"
 EVENT_ALLOCATED = "GPUAllocated"
 
 
-def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health) -> GpuInventory:
+def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health, mps: bool = False) -> GpuInventory:
     return GpuInventory(
         unit=unit,
         gpus=tuple(
@@ -50,7 +52,7 @@ def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health)
                 memory=unit.from_mib(g.memory_mib),
                 memory_mib=g.memory_mib,
                 healthy=health.problem(g.uuid) is None,
-                mps_capable=False,
+                mps_capable=mps,
             )
             for g in gpus
         ),
@@ -79,6 +81,7 @@ class Manager:
         pod_resources_socket: Any,
         health: Health,
         metrics: Metrics,
+        mps: MpsSupervisor | None = None,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.node = node
@@ -90,6 +93,7 @@ class Manager:
         self.pod_resources_socket = pod_resources_socket
         self.health = health
         self.metrics = metrics
+        self.mps = mps
         self.clock = clock
         self._lock = threading.Condition()
         self._gpus: list[GpuDevice] = []
@@ -113,7 +117,7 @@ class Manager:
 
     def refresh(self, gpus: Sequence[GpuDevice]) -> bool:
         """Take a GPU reading (or re-read health); True when what kubelet or the cluster sees changed."""
-        inventory = inventory_of(gpus, unit=self.unit, health=self.health)
+        inventory = inventory_of(gpus, unit=self.unit, health=self.health, mps=self.mps is not None)
         with self._lock:
             if inventory == self._inventory:
                 return False
@@ -242,6 +246,13 @@ class Manager:
             contract.ENV_GPU_MEM_CONTAINER: str(slot.amount),
             contract.ENV_GPU_MEM_DEV: str(gpu.memory),
         }
+        mounts: list[Mount] = []
+        request = pod_request(pod, resources=self.resources)  # type: ignore[arg-type]
+        if request.mps:
+            mps_envs, mounts = self._mps_setup(
+                pod, chosen=chosen, slot=slot, gpu=gpu, ledger=ledger, override=request.thread_percentage
+            )
+            envs.update(mps_envs)
         self._record(pod, slot, index, chosen.slots or [])
         log.info(
             "Allocate: pod %s container %r gets %d %s on GPU %d (%s)",
@@ -252,7 +263,51 @@ class Manager:
             index,
             gpu.uuid,
         )
-        return ContainerAllocation(envs=envs)
+        return ContainerAllocation(envs=envs, mounts=mounts)
+
+    def _mps_setup(
+        self,
+        pod: Any,
+        *,
+        chosen: handshake.Candidate,
+        slot: handshake.Slot,
+        gpu: GpuInfo,
+        ledger: Ledger,
+        override: int | None,
+    ) -> tuple[dict[str, str], list[Mount]]:
+        """An MPS pod's container: checked (one GPU, a running daemon, room for a client), then its env."""
+        key = chosen.key
+        if self.mps is None:
+            self._refuse(
+                pod,
+                f"pod {key} asks for MPS ({contract.POD_MPS}), but node {self.node} runs no MPS daemons: "
+                "set mps.enabled in the gpushared configuration, or remove the annotation",
+            )
+        assert self.mps is not None
+        indices = sorted({s.index for s in chosen.slots or []})
+        if len(indices) > 1:
+            self._refuse(
+                pod,
+                f"pod {key} asks for MPS on GPUs {indices}: an MPS client reaches one GPU's daemon only; "
+                "put its containers on one GPU or drop the annotation",
+            )
+        clients = ledger.mps_clients(gpu.index)
+        if clients > MAX_MPS_CLIENTS:
+            self._refuse(
+                pod,
+                f"pod {key} would be MPS client {clients} of GPU {gpu.index}; an MPS server takes {MAX_MPS_CLIENTS}",
+            )
+        if not self.mps.running(gpu.uuid):
+            self._refuse(
+                pod, f"pod {key}: the MPS control daemon of GPU {gpu.index} is not running; see gpushared status"
+            )
+        device = self._device(gpu.uuid)
+        percentage = thread_percentage(amount=slot.amount, gpu_memory=gpu.memory, override=override)
+        return self.mps.container_setup(gpu=device, amount_mib=self.unit.to_mib(slot.amount), percentage=percentage)
+
+    def _device(self, uuid: str) -> GpuDevice:
+        with self._lock:
+            return next(g for g in self._gpus if g.uuid == uuid)
 
     def _identify(self, size: int) -> handshake.Decision:
         attempts = 3

@@ -38,3 +38,12 @@ class Metrics:
             ("kind", "xid"),
             registry=self.registry,
         )
+        self.mps_up = Gauge(
+            "gpushared_mps_daemon_up", "1 while the GPU's MPS control daemon answers", labels, registry=self.registry
+        )
+        self.mps_restarts = Counter(
+            "gpushared_mps_daemon_restarts",
+            "MPS control daemons started again after they died or hung",
+            labels,
+            registry=self.registry,
+        )

@@ -30,6 +30,7 @@ from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, connect
 from gpushared.kube.podwatch import PodWatch
@@ -93,6 +94,7 @@ class Service:
         self.api: Api | None = None
         self.pods: PodWatch | None = None
         self.manager: Manager | None = None
+        self.mps: MpsSupervisor | None = None
         self.plugin: PluginServer | None = None
         self._kubelet_inode: int | None = None
         self._registered = False
@@ -145,6 +147,14 @@ class Service:
             raise FatalError(f"kubeconfig {self.config.kubeconfig}: {exc}") from None
         self.pods = PodWatch(self.api, self.config.node_name)
         self.pods.start()
+        if self.config.mps_enabled:
+            self.mps = MpsSupervisor(
+                settings=settings_of(self.config),
+                health=self.health,
+                metrics=self.metrics,
+                backend=self.backend,
+            )
+            self.mps.sync(self._gpus)
         self.manager = Manager(
             node=self.config.node_name,
             resources=self.resources,
@@ -154,8 +164,11 @@ class Service:
             pod_resources_socket=self.config.pod_resources_socket,
             health=self.health,
             metrics=self.metrics,
+            mps=self.mps,
         )
         self.manager.refresh(self._gpus)
+        if self.mps is not None:
+            threading.Thread(target=self.mps.run, args=(self._stop,), name="mps", daemon=True).start()
         self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
         if self.config.health_enabled:
             threading.Thread(target=self._watch_events, name="gpu-events", daemon=True).start()
@@ -164,6 +177,9 @@ class Service:
     def _shutdown(self) -> None:
         if self.plugin is not None:
             self.plugin.stop()
+        if self.mps is not None:
+            # Quitting them would cut off every MPS client on the node; the next gpushared adopts them.
+            log.info("MPS control daemons keep running (gpushared mps stop quits them)")
         if self.pods is not None:
             self.pods.stop()
         if self.manager is not None:
@@ -182,6 +198,8 @@ class Service:
             self._apply_reload()
         assert self.manager is not None
         self._read_gpus()
+        if self.mps is not None:
+            self.mps.sync(self._gpus)
         changed = self.manager.refresh(self._gpus) if self._backend_ok else self.manager.recheck_health()
         self._keep_registered()
         self._check_node()
@@ -362,6 +380,7 @@ class Service:
             "version": __version__,
             "registered": self._registered,
             "kubeletWatching": self.plugin is not None and self.plugin.watched,
+            "mps": self.mps.status() if self.mps is not None else None,
             "kubelet": str(self.config.plugin_dir),
             "nvml": self._backend_ok,
             **self.manager.status(),

@@ -44,6 +44,7 @@ class GpuBackend(Protocol):
     def devices(self) -> list[GpuDevice]: ...
     def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
     def driver_version(self) -> str: ...
+    def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
 
 
 _EVENT_KINDS = {
@@ -110,6 +111,14 @@ class NvmlBackend:
             return found
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"reading GPUs: {exc}") from exc
+
+    def set_exclusive_process(self, uuid: str, exclusive: bool) -> None:
+        """Compute mode EXCLUSIVE_PROCESS (only the MPS server may open a context) or DEFAULT again."""
+        mode = pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS if exclusive else pynvml.NVML_COMPUTEMODE_DEFAULT
+        try:
+            pynvml.nvmlDeviceSetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid), mode)
+        except pynvml.NVMLError as exc:
+            raise GpuBackendError(f"setting the compute mode of {uuid}: {exc}") from exc
 
     def wait_event(self, timeout_ms: int) -> GpuEvent | None:
         """The next critical event, or None after ``timeout_ms``. Registers on first use."""
