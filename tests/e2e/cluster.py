@@ -36,6 +36,7 @@ import psutil
 import yaml
 
 from tests.fakes.nvml import FakeNvml, build_library
+from tests.mps_binary import fetch_mps_control
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUSHARED_K8S_CACHE", "/var/cache/gpushared/k8s-1.20.2"))
@@ -128,6 +129,7 @@ class LocalCluster:
     def __init__(self, *, state: Path = STATE, cache: Path = CACHE) -> None:
         self.state = state
         self.bin = cache / "bin"
+        self.mps_cache = cache / "mps"
         self.cni_bin = cache / "cni"
         self.logs = state / "logs"
         self._children: dict[str, subprocess.Popen[bytes]] = {}
@@ -540,6 +542,10 @@ state = "{base}/state"
     def write_gpus(self, sizes_mib: Sequence[int]) -> FakeNvml:
         return FakeNvml.with_sizes(self.gpus_file, build_library(self.gpus_file.parent), *sizes_mib)
 
+    @property
+    def mps_root(self) -> Path:
+        return self.state / "mps"
+
     def start_daemon(self, *, memory_unit: str = "GiB") -> None:
         config = {
             "nodeName": NODE,
@@ -547,6 +553,13 @@ state = "{base}/state"
             "kubeletDir": str(KUBELET_ROOT),
             "memoryUnit": memory_unit,
             "metrics": {"address": "127.0.0.1", "port": self.ports.daemon_metrics},
+            # The real nvidia-cuda-mps-control: its control daemons run without a GPU (servers cannot).
+            "mps": {
+                "enabled": True,
+                "root": str(self.mps_root),
+                "controlBinary": str(fetch_mps_control(self.mps_cache)),
+                "probeSeconds": 1,
+            },
         }
         (self.state / "gpushared.yaml").write_text(yaml.safe_dump(config))
         self._spawn(
@@ -675,6 +688,7 @@ state = "{base}/state"
             if p.pid != os.getpid() and any(str(self.state) in arg for arg in p.info["cmdline"] or [])
         ]
         found += [f"{pid} in {cgroup}" for cgroup in _kubepods_cgroups() for pid in _cgroup_pids(cgroup)]
+        found += [f"{p.pid} MPS control daemon" for p in self._mps_daemons()]
         return found
 
     def stop(self, name: str, *, sig: signal.Signals = signal.SIGTERM, timeout: float = 20) -> None:
@@ -710,6 +724,7 @@ state = "{base}/state"
             "kube-controller-manager", "kube-apiserver", "etcd",
         ):  # fmt: skip
             self.stop(name)
+        self._stop_mps()
         self._kill_shims()
         self._kill_pod_processes()
         self._unmount()
@@ -726,6 +741,24 @@ state = "{base}/state"
                 if entry != self.logs:
                     shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
         self._children.clear()
+
+    def _stop_mps(self) -> None:
+        """The MPS control daemons outlive gpushared on purpose; `gpushared mps stop` is how they end."""
+        config = self.state / "gpushared.yaml"
+        if config.exists():
+            stop = [sys.executable, "-m", "gpushared.cli.daemon", "mps", "stop", "--config", str(config)]
+            subprocess.run(stop, capture_output=True, check=False, timeout=60)
+        for process in self._mps_daemons():
+            process.kill()
+
+    def _mps_daemons(self) -> list[psutil.Process]:
+        found = []
+        for process in psutil.process_iter(["name"]):
+            with contextlib.suppress(psutil.Error):
+                pipe = process.environ().get("CUDA_MPS_PIPE_DIRECTORY", "") if "mps" in process.info["name"] else ""
+                if pipe.startswith(str(self.mps_root)):
+                    found.append(process)
+        return found
 
     def _remove_containers(self) -> None:
         tasks = self._ctr("tasks", "list", "--quiet", check=False).stdout.decode().split()

@@ -19,7 +19,7 @@ def main() -> int:
         print(f"cluster ready in {time.monotonic() - started:.0f} s; applying the samples")
         for manifest in ("binpack-1.yaml", "demo.yaml"):
             cluster.kubectl("apply", "-f", ROOT / "deploy" / manifest)
-        wait_for(lambda: _all_running(cluster, 7), timeout=120, what="the sample pods to run", interval=1)
+        wait_for(lambda: _all_running(cluster, 8), timeout=120, what="the sample pods to run", interval=1)
     except ClusterError as error:
         print(f"error: {error}\nlogs: {cluster.logs}", file=sys.stderr)
         return 1
@@ -34,6 +34,7 @@ def main() -> int:
   kubectl get pods -o wide
   kubectl inspect gpushare -d         # who uses which GPU
   kubectl logs deploy/binpack-1       # the env Allocate gave the container
+  kubectl logs mps-inference          # an MPS pod: CUDA_MPS_* limits from its gpu-mem
   kubectl apply -f deploy/demo.yaml   # edit the amounts, apply again, watch the placement
   gpushared status --config {cluster.state}/gpushared.yaml   # the node daemon's view
   ls {cluster.logs}   # every component's log

@@ -230,3 +230,33 @@ def test_best_fit_picks_the_gpu_whose_free_memory_matches(kube: Kube, namespace:
     index, uuid = gpu_of(kube, pod)
     assert index == 1  # 12207 / 8138 / 4069 / 16276 MiB free: 8138 is the least that fits
     assert kube.env_of(namespace, "fit")["NVIDIA_VISIBLE_DEVICES"] == uuid
+
+
+def test_an_mps_pod_gets_the_gpus_daemon_and_plain_pods_stay_off_its_gpu(
+    kube: Kube, cluster: LocalCluster, namespace: str
+) -> None:
+    mps = {contract.POD_MPS: "true"}
+    kube.create(namespace, gpu_pod("mps-a", 4, annotations=mps))
+    [pod] = kube.wait_running(namespace, "mps-a")
+    index, uuid = gpu_of(kube, pod)
+    assert index == 3  # best fit: the 8 GiB GPU
+    env = kube.env_of(namespace, "mps-a")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/tmp/nvidia-mps"
+    assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"  # 4 of 8 GiB
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=4096M"
+    # The real kubelet mounted the GPU's pipe directory and its private /dev/shm into the container.
+    listing = cluster.kubectl("-n", namespace, "exec", "mps-a", "--", "ls", "/tmp/nvidia-mps").stdout.split()
+    assert "control" in listing
+    cluster.kubectl("-n", namespace, "exec", "mps-a", "--", "touch", "/dev/shm/from-the-pod")
+    assert (cluster.mps_root / uuid / "shm" / "from-the-pod").exists()
+
+    # A plain pod would best-fit the 4 GiB left on GPU 3; it must go elsewhere. Another MPS pod joins GPU 3.
+    kube.create(namespace, gpu_pod("plain", 2))
+    kube.create(namespace, gpu_pod("mps-b", 2, annotations=mps))
+    plain, second = kube.wait_running(namespace, "plain", "mps-b")
+    assert gpu_of(kube, plain)[0] != index
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in kube.env_of(namespace, "plain")
+    assert gpu_of(kube, second)[0] == index
+    assert kube.env_of(namespace, "mps-b")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
+    assert_no_gpu_over_capacity(kube)

@@ -242,3 +242,49 @@ def started_mib(daemon: Daemon) -> None:
     daemon.kubelet.wait_for(GPU_MEM, capacity=16384 + 12288 + 24576 + 8192)
     wait_until(lambda: contract.NODE_INVENTORY in (daemon.api.get("nodes", NODE) or {})["metadata"].get(
         "annotations", {}), message="inventory")  # fmt: skip
+
+
+class RecordingBackend:
+    """Only what MPS asks of NVML: the compute mode, recorded."""
+
+    def __init__(self) -> None:
+        self.modes: list[tuple[str, bool]] = []
+
+    def start(self) -> None:
+        pass
+
+    def set_exclusive_process(self, uuid: str, exclusive: bool) -> None:
+        self.modes.append((uuid, exclusive))
+
+
+def test_exclusive_process_is_set_before_start_and_reset_when_stopped(mps_control: Path, kubelet_root: Path) -> None:
+    from gpushared.daemon import mps as mps_module
+    from gpushared.daemon.health import Health
+    from gpushared.daemon.metrics import Metrics
+    from gpushared.nvml.backend import GpuDevice
+
+    settings = mps_module.MpsSettings(
+        root=kubelet_root / "mps", binary=str(mps_control), exclusive_process=True, shm_size="64m", probe_seconds=1
+    )
+    backend = RecordingBackend()
+    health = Health(ignored_xids=(), recover_after=1)
+    supervisor = mps_module.MpsSupervisor(settings=settings, health=health, metrics=Metrics(), backend=backend)  # type: ignore[arg-type]
+    gpu = GpuDevice(
+        index=0, uuid="GPU-e2c0", model="T4", memory_mib=15360, mig_enabled=False, compute_capability=(7, 5)
+    )
+    supervisor.sync([gpu])
+    assert health.problem("GPU-e2c0") == "MPS control daemon starting"  # no MPS pod before it answers
+    try:
+        supervisor.check()
+        assert supervisor.running("GPU-e2c0") and health.problem("GPU-e2c0") is None
+        assert backend.modes == [("GPU-e2c0", True)]
+        [row] = supervisor.status()
+        assert row["limits"] == {"threads": "100.0", "memory": "15G"} and row["clients"] == 0
+        message = mps_module.stop_daemon(settings, "GPU-e2c0", backend=backend)  # type: ignore[arg-type]
+        assert "stopped" in message and backend.modes[-1] == ("GPU-e2c0", False)
+        supervisor.check()
+        assert not supervisor.running("GPU-e2c0") and "gpushared mps stop" in (health.problem("GPU-e2c0") or "")
+    finally:
+        for process in control_daemons(settings.root):
+            process.kill()
+        subprocess.run(["umount", str(settings.root / "GPU-e2c0" / "shm")], capture_output=True, check=False)

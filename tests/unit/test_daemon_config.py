@@ -62,3 +62,39 @@ def test_bad_values_name_the_key_and_the_source(tmp_path: Path, text: str, env: 
 def test_a_named_file_must_exist(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="no such file"):
         load(tmp_path / "nope.yaml", env={}, required=True)
+
+
+def test_mps_options(tmp_path: Path) -> None:
+    defaults = load(tmp_path / "missing.yaml", env={})
+    assert (defaults.mps_enabled, defaults.mps_root, defaults.mps_exclusive_process) == (
+        False,
+        Path("/run/gpushared/mps"),
+        False,
+    )
+    assert (defaults.mps_control, defaults.mps_shm_size, defaults.mps_probe_seconds) == (
+        "nvidia-cuda-mps-control",
+        "50%",
+        5.0,
+    )
+    path = tmp_path / "config.yaml"
+    path.write_text("mps:\n  enabled: true\n  shmSize: 8g\n  exclusiveProcess: yes\n")
+    config = load(path, env={"GPUSHARED_MPS_PROBE_SECONDS": "1.5"})
+    assert (config.mps_enabled, config.mps_shm_size, config.mps_exclusive_process) == (True, "8g", True)
+    assert config.mps_probe_seconds == 1.5
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "reason"),
+    [
+        ("mps:\n  shmSize: lots\n", "mps.shmSize", "must be a tmpfs size"),
+        ("mps:\n  shmSize: 150%\n", "mps.shmSize", "percentage of RAM up to 100%"),
+        ("mps:\n  probeSeconds: 0\n", "mps.probeSeconds", "more than 0 seconds"),
+        ("mps:\n  enable: true\n", "mps.enable", "unknown option"),
+    ],
+)
+def test_bad_mps_options_name_the_key(tmp_path: Path, text: str, key: str, reason: str) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=reason) as info:
+        load(path, env={})
+    assert info.value.key == key

@@ -50,3 +50,14 @@ def test_nvml_failure_marks_every_gpu_until_it_has_answered_for_the_quiet_period
     assert health.problem("GPU-x") is not None
     clock.now += 1
     assert health.problem("GPU-x") is None
+
+
+def test_a_condition_holds_until_cleared_whatever_the_time() -> None:
+    now = [0.0]
+    health = Health(ignored_xids=(), recover_after=1, clock=lambda: now[0])
+    health.condition("GPU-1", "MPS control daemon not answering")
+    now[0] = 1000.0
+    assert health.problem("GPU-1") == "MPS control daemon not answering"
+    assert health.problem("GPU-2") is None
+    health.condition("GPU-1", None)
+    assert health.problem("GPU-1") is None
