@@ -291,7 +291,8 @@ class Manager:
                 f"pod {key} asks for MPS on GPUs {indices}: an MPS client reaches one GPU's daemon only; "
                 "put its containers on one GPU or drop the annotation",
             )
-        clients = ledger.mps_clients(gpu.index)
+        held = ledger.holding((pod.get("metadata") or {}).get("uid", "")) is not None
+        clients = ledger.mps_clients(gpu.index) + (0 if held else 1)  # this pod counted once
         if clients > MAX_MPS_CLIENTS:
             self._refuse(
                 pod,

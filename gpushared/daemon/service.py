@@ -155,6 +155,9 @@ class Service:
                 backend=self.backend,
             )
             self.mps.sync(self._gpus)
+            # Adopt (or start) the daemons before the first inventory goes out, so that a gpushared restart
+            # does not show every MPS GPU unhealthy to the kubelet and the scheduler for a probe interval.
+            self.mps.check()
         self.manager = Manager(
             node=self.config.node_name,
             resources=self.resources,
