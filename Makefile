@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down
+.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -59,3 +59,11 @@ demo: venv k8s-testbins
 
 demo-down: venv
 	$(BIN)/python -m tests.e2e.cluster down
+
+# The node daemon's Debian package (debhelper, python3-venv; network for the pinned wheels).
+deb:
+	scripts/build-deb
+
+# Build, lint, install and purge the .deb in a debootstrapped Debian 12 chroot (root).
+deb-test:
+	scripts/deb-test

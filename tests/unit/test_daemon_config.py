@@ -98,3 +98,15 @@ def test_bad_mps_options_name_the_key(tmp_path: Path, text: str, key: str, reaso
     with pytest.raises(ConfigError, match=reason) as info:
         load(path, env={})
     assert info.value.key == key
+
+
+def test_the_shipped_config_names_every_option() -> None:
+    """packaging/deb/config.yaml is the conffile users edit: it must not drift from the options."""
+    import re
+
+    from gpushared.daemon.config import OPTIONS
+
+    text = (Path(__file__).resolve().parents[2] / "packaging" / "deb" / "config.yaml").read_text()
+    for option in OPTIONS:
+        leaf = option.key.rsplit(".", 1)[-1]
+        assert re.search(rf"^#\s*{leaf}:", text, re.MULTILINE), f"{option.key} missing from the shipped config"
