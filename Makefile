@@ -65,5 +65,5 @@ deb:
 	scripts/build-deb
 
 # Build, lint, install and purge the .deb in a debootstrapped Debian 12 chroot (root).
-deb-test:
-	scripts/deb-test
+deb-test: venv
+	WORLD_PYTHON=$(BIN)/python scripts/deb-test
