@@ -208,7 +208,7 @@ class MpsSupervisor:
         control, limit = daemon.control, f"{daemon.gpu.memory_mib}M"
         for device in (daemon.gpu.uuid, "0"):
             control.command(f"set_default_device_pinned_mem_limit {device} {limit}")
-            if _set(control.command(f"get_default_device_pinned_mem_limit {device}")):
+            if _is_limit(control.command(f"get_default_device_pinned_mem_limit {device}")):
                 return
         raise MpsError("the daemon did not keep the default pinned memory limit")
 
@@ -217,7 +217,7 @@ class MpsSupervisor:
         limits = {"threads": control.command("get_default_active_thread_percentage")}
         for device in (daemon.gpu.uuid, "0"):
             answer = control.command(f"get_default_device_pinned_mem_limit {device}")
-            if _set(answer):
+            if _is_limit(answer):
                 limits["memory"] = answer
                 break
         daemon.limits = limits
@@ -287,7 +287,7 @@ class MpsSupervisor:
         return rows
 
 
-def _set(answer: str) -> bool:
+def _is_limit(answer: str) -> bool:
     """Whether a get_default_device_pinned_mem_limit answer is a limit ("16G", "8192M"), not "No ... set"."""
     return bool(answer) and answer[0].isdigit()
 

@@ -22,11 +22,11 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tarfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ import psutil
 import yaml
 
 from tests.fakes.nvml import FakeNvml, build_library
+from tests.harness import free_port
 from tests.mps_binary import fetch_mps_control
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,12 +81,6 @@ int main(void) {
 
 class ClusterError(Exception):
     pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -313,7 +308,6 @@ class LocalCluster:
 
     def _get(self, path: str) -> int:
         import ssl
-        import urllib.request
 
         context = ssl.create_default_context(cafile=str(self.state / "pki" / "ca.crt"))
         request = urllib.request.Request(
@@ -494,8 +488,6 @@ state = "{base}/state"
         wait_for(self.extender_ready, timeout=30, what="gpushared-extender /readyz")
 
     def extender_ready(self) -> bool:
-        import urllib.request
-
         try:
             url = f"http://127.0.0.1:{self.ports.extender}/readyz"
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -570,8 +562,6 @@ state = "{base}/state"
 
     def daemon_status(self) -> dict[str, Any]:
         """``gpushared status --json``'s source: the daemon's /status; empty while it does not answer."""
-        import urllib.request
-
         try:
             url = f"http://127.0.0.1:{self.ports.daemon_metrics}/status"
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -581,8 +571,6 @@ state = "{base}/state"
 
     def daemon_registrations(self) -> int:
         """How often gpushared has registered with the kubelet (its Prometheus counter)."""
-        import urllib.request
-
         try:
             url = f"http://127.0.0.1:{self.ports.daemon_metrics}/metrics"
             with urllib.request.urlopen(url, timeout=2) as response:
@@ -596,8 +584,6 @@ state = "{base}/state"
 
     def extender_inspect(self, node: str = NODE) -> dict[str, Any]:
         """The extender's own view of a node (its cache), not the API's."""
-        import urllib.request
-
         url = f"http://127.0.0.1:{self.ports.extender}/gpushare-scheduler/inspect/{node}"
         with urllib.request.urlopen(url, timeout=5) as response:
             [report] = json.load(response)["nodes"]
