@@ -60,6 +60,7 @@ def test_a_410_relists_and_reports_what_changed_meanwhile(api: FakeApiServer) ->
         api.create(node_body(name))
     recorder = Recorder()
     informer = start(api, recorder)
+    wait_until(lambda: api.open_watches == 1, message="watching")  # the 410 must hit an open watch
     # While no watch is open (every watch gets 410 until the fault is used up), b goes and c comes.
     api.inject(Fault(path=r"/nodes$", watch=True, status=410, times=3))
     api.expire_watches()
