@@ -49,6 +49,8 @@ class Daemon:
     process: subprocess.Popen[str] | None = None
     metrics_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
+    #: argv before the daemon's own: e.g. ``unshare --mount`` for the mount namespace systemd's sandbox gives it
+    launcher: list[str] = field(default_factory=list)
 
     @property
     def config_path(self) -> Path:
@@ -87,7 +89,16 @@ class Daemon:
         }
         log = self.log_path.open("a")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gpushared.cli.daemon", "serve", "--config", str(self.config_path), *args],
+            [
+                *self.launcher,
+                sys.executable,
+                "-m",
+                "gpushared.cli.daemon",
+                "serve",
+                "--config",
+                str(self.config_path),
+                *args,
+            ],
             env=env,
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -105,6 +105,31 @@ def mps_start(config_path: Path | None, gpu: str | None) -> None:
     _mps_each(config_path, gpu, stop=False)
 
 
+@mps.command("prepare")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help=CONFIG_HELP)
+def mps_prepare(config_path: Path | None) -> None:
+    """Mount each GPU's MPS shm tmpfs in the host's mount namespace (the systemd unit runs this before
+    the sandboxed daemon starts, since mounts made inside its sandbox are hidden from the kubelet)."""
+    from gpushared.daemon import mps as mps_module
+    from gpushared.mps.control import MpsError
+    from gpushared.nvml.backend import GpuBackendError, NvmlBackend
+
+    config = _load(config_path, {})
+    if not config.mps_enabled:
+        click.echo("MPS is off (mps.enabled): nothing to prepare")
+        return
+    backend = NvmlBackend()
+    try:
+        for line in mps_module.prepare_mounts(mps_module.settings_of(config), backend=backend):
+            click.echo(line)
+    except GpuBackendError as exc:
+        click.echo(f"no GPUs to prepare: {exc}")  # the daemon reports it too, and waits for NVML
+    except MpsError as exc:
+        raise click.ClickException(str(exc)) from None
+    finally:
+        backend.stop()
+
+
 def _mps_each(config_path: Path | None, gpu: str | None, *, stop: bool) -> None:
     from gpushared.daemon import mps as mps_module
     from gpushared.mps.control import MpsError
@@ -132,6 +157,7 @@ def render_status(body: dict[str, Any]) -> str:
         + ("NOT registered" if not body["registered"] else "registered")
         + (", devices read" if body["kubeletWatching"] else ", devices not read yet" if body["registered"] else "")
         + ("" if body["nvml"] else "  NVML: unavailable"),
+        f"state: {body['state']}",
         "",
         f"{'GPU':<4}{'UUID':<42}{'MODEL':<24}{'USED/TOTAL (' + unit + ')':<20}HEALTH",
     ]

@@ -1,18 +1,19 @@
 """Choosing a GPU for a pod, scoring nodes, and the annotations that record the choice.
 
 Every caller goes through :func:`judge`, so the extender's filter reasons, its bind and the trace replay
-cannot disagree about what fits. A policy only orders the GPUs that fit.
+cannot disagree about what fits. A policy only prices the GPUs that fit.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from gpushared import contract
 from gpushared.contract import Allocation, ContainerShares, GpuInfo, GpuShare
+from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Holding, Ledger
 from gpushared.core.requests import PodRequest
 
@@ -70,34 +71,63 @@ def explain(verdicts: list[GpuVerdict]) -> str:
 
 @dataclass(frozen=True)
 class Policy:
-    """Orders the GPUs that fit (``rank``: smaller is better) and scores a node by its best GPU.
+    """Where on a node a pod goes, and how good the node is for it.
 
-    ``score`` turns the best GPU's fill after placement (0.0 empty .. 1.0 full) into 0..MAX_SCORE.
+    ``cost`` prices putting ``need`` units on one fitting GPU (lower is better) given the mix of requests
+    seen; a node costs what its cheapest GPU costs. Equal costs go to the GPU with less free memory, then
+    the lower index, so choices are deterministic and, among equals, pack.
     """
 
     name: str
-    rank: Callable[[GpuVerdict], tuple[int, ...]]
-    score: Callable[[float], float]
+    cost: Callable[[GpuVerdict, int, RequestMix], float]
 
-    def choose(self, verdicts: list[GpuVerdict]) -> GpuVerdict | None:
+    def rank(self, verdict: GpuVerdict, need: int, mix: RequestMix) -> tuple[float, int, int]:
+        return (self.cost(verdict, need, mix), verdict.free, verdict.gpu.index)
+
+    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, mix: RequestMix) -> GpuVerdict | None:
         fitting = [v for v in verdicts if v.fits]
-        return min(fitting, key=self.rank) if fitting else None
+        if not fitting:
+            return None
+        return min(fitting, key=lambda v: self.rank(v, request.total, mix))
 
-    def node_score(self, verdicts: list[GpuVerdict], request: PodRequest) -> int:
-        best = self.choose(verdicts)
-        if best is None or best.gpu.memory <= 0:
-            return 0
-        fill_after = (best.gpu.memory - best.free + request.total) / best.gpu.memory
-        return max(0, min(MAX_SCORE, math.floor(self.score(fill_after) * MAX_SCORE)))
+    def node_cost(self, verdicts: Sequence[GpuVerdict], request: PodRequest, mix: RequestMix) -> float | None:
+        """The cost of the node's best GPU; None when no GPU fits."""
+        best = self.choose(verdicts, request, mix)
+        return None if best is None else self.cost(best, request.total, mix)
 
 
-#: Aliyun's best fit: the healthy GPU with the least free memory that still fits, lowest index on ties.
-#: Nodes whose best GPU ends up fullest score highest, so the scheduler packs nodes as well as GPUs.
-BINPACK: Final = Policy(name="binpack", rank=lambda v: (v.free, v.gpu.index), score=lambda fill: fill)
-#: The GPU with the most free memory, lowest index on ties; emptier nodes score highest.
-SPREAD: Final = Policy(name="spread", rank=lambda v: (-v.free, v.gpu.index), score=lambda fill: 1.0 - fill)
+def node_scores(costs: Sequence[float | None]) -> list[int]:
+    """Extender scores (0..MAX_SCORE) for nodes with these costs: the cheapest get MAX_SCORE and nobody else
+    does, the rest 0..MAX_SCORE-1 by where they lie between the cheapest and the dearest. Relative, because
+    kube-scheduler only compares, and an extender has 11 levels: absolute buckets would tie nodes that the
+    policy tells apart. Nodes that cannot take the pod get 0."""
+    known = [c for c in costs if c is not None]
+    if not known:
+        return [0 for _ in costs]
+    best, worst = min(known), max(known)
+    scores = []
+    for cost in costs:
+        if cost is None:
+            scores.append(0)
+        elif cost <= best + EQUAL_COST:
+            scores.append(MAX_SCORE)
+        else:
+            scores.append(math.floor((MAX_SCORE - 1) * (worst - cost) / (worst - best) + EQUAL_COST))
+    return scores
 
-POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD)}
+
+#: Costs closer than this are equal (they are sums of float shares).
+EQUAL_COST: Final = 1e-9
+
+#: Best fit (Aliyun's binpack): the GPU left with the least free memory after placement.
+BINPACK: Final = Policy(name="binpack", cost=lambda v, need, mix: float(v.free - need))
+#: The GPU left with the most free memory.
+SPREAD: Final = Policy(name="spread", cost=lambda v, need, mix: float(need - v.free))
+#: Fragmentation gradient descent: the GPU whose expected fragment, for the mix of requests seen, grows
+#: least (gpushared.core.fragmentation); best fit among equals. With no mix yet it is best fit.
+FGD: Final = Policy(name="fgd", cost=lambda v, need, mix: mix.growth(v.free, need))
+
+POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
 
 
 def policy_named(name: str) -> Policy:

@@ -25,7 +25,7 @@ from gpushared.daemon.config import Config
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
 from gpushared.deviceplugin.server import Mount
-from gpushared.mps.control import CONTAINER_PIPE_DIRECTORY, GpuDirs, MpsControl, MpsError
+from gpushared.mps.control import CONTAINER_PIPE_DIRECTORY, GpuDirs, MpsControl, MpsError, host_mount_namespace
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 
 log = logging.getLogger(__name__)
@@ -320,6 +320,22 @@ def stop_daemon(settings: MpsSettings, uuid: str, *, backend: GpuBackend) -> str
         backend.start()
         backend.set_exclusive_process(uuid, False)
     return f"GPU {uuid}: " + (f"MPS control daemon {pid} stopped" if pid else "no MPS control daemon was running")
+
+
+def prepare_mounts(settings: MpsSettings, *, backend: GpuBackend) -> list[str]:
+    """Every GPU's directories and shm tmpfs, mounted from the host's namespace; one line per GPU."""
+    backend.start()
+    host = host_mount_namespace()
+    lines = []
+    for gpu in backend.devices():
+        if gpu.mig_enabled:
+            continue  # never advertised, so never given an MPS daemon
+        control = MpsControl(binary=settings.binary, uuid=gpu.uuid, dirs=GpuDirs.of(settings.root, gpu.uuid))
+        mounted = control.prepare(shm_size=settings.shm_size, host=host)
+        lines.append(
+            f"GPU {gpu.index} ({gpu.uuid}): {control.dirs.shm} " + ("mounted" if mounted else "already mounted")
+        )
+    return lines
 
 
 def resume_daemon(settings: MpsSettings, uuid: str) -> str:

@@ -32,7 +32,7 @@ from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.deviceplugin.server import PluginServer
-from gpushared.kube.api import Api, KubeError, connect
+from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 
@@ -69,6 +69,11 @@ class Notifier:
             self.send(f"STATUS={text}")
             log.info("status: %s", text)
 
+    @property
+    def text(self) -> str:
+        """The last STATUS= line: what the daemon is doing, in the words `systemctl status` shows."""
+        return self._status
+
     def ping_if_due(self) -> None:
         if self.watchdog_interval is None:
             return
@@ -90,6 +95,7 @@ class Service:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._backend_ok = False
+        self._backend_error: str | None = None
         self._gpus: list[GpuDevice] = []
         self.api: Api | None = None
         self.pods: PodWatch | None = None
@@ -98,12 +104,12 @@ class Service:
         self.plugin: PluginServer | None = None
         self._kubelet_inode: int | None = None
         self._registered = False
-        self._ready_sent = False
         self._node_checked = False
         self._published: str | None = None
         self._published_count: int | None = None
         self._http: ThreadingHTTPServer | None = None
         self._mig_refused: set[str] = set()
+        self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -123,8 +129,14 @@ class Service:
         self.notifier.status("starting")
         try:
             self._start()
+            # READY means "running and retrying on its own", not "registered": the unit is ordered before
+            # the kubelet, so waiting for the kubelet here would hold the boot (and `apt install`) forever.
+            self.notifier.send("READY=1")
             while not self._stop.is_set():
-                self._tick()
+                if self.manager is None:
+                    self._wait_for_credentials()
+                else:
+                    self._tick()
                 self._stop.wait(TICK)
         finally:
             self.notifier.send("STOPPING=1")
@@ -139,12 +151,43 @@ class Service:
                 check_message_size(inventory_of(self._gpus, unit=self.config.memory_unit, health=self.health))
             except DeviceListTooLarge as exc:
                 raise FatalError(str(exc)) from None
+        self._serve_http()
+        self._connect()
+
+    def _connect(self) -> None:
+        """Reach the API server and start serving; without credentials yet, leave that to the loop."""
         try:
-            self.api = Api(connect(self.config.kubeconfig))
-        except KubeError as exc:
-            raise FatalError(str(exc)) from None
-        except Exception as exc:  # a kubeconfig that does not parse
-            raise FatalError(f"kubeconfig {self.config.kubeconfig}: {exc}") from None
+            api = Api(connect(self.config.kubeconfig))
+        except NoCredentials as exc:
+            self.notifier.status(f"{exc}; waiting for it (/usr/share/gpushared/node-kubeconfig writes one)")
+            return
+        except Exception as exc:  # KubeError, or a kubeconfig that does not parse
+            raise FatalError(str(exc) if isinstance(exc, KubeError) else f"{self.config.kubeconfig}: {exc}") from None
+        self.api = api
+        self._serve()
+
+    def _wait_for_credentials(self) -> None:
+        """A node set up in this order — package, then kubeconfig — must not need a restart. A kubeconfig
+        that appears meanwhile may be half-written (`kubectl config set-...` writes it one step at a time):
+        it is read again whenever it changes, until it works."""
+        self.notifier.ping_if_due()
+        if self._reload.is_set():
+            self._reload.clear()
+            self._apply_reload()
+        try:
+            changed = self.config.kubeconfig.stat().st_mtime_ns
+        except FileNotFoundError:
+            return
+        if changed == self._kubeconfig_seen:
+            return
+        self._kubeconfig_seen = changed
+        try:
+            self._connect()
+        except FatalError as exc:
+            self.notifier.status(f"{exc}; waiting for a kubeconfig that works")
+
+    def _serve(self) -> None:
+        assert self.api is not None
         self.pods = PodWatch(self.api, self.config.node_name)
         self.pods.start()
         if self.config.mps_enabled:
@@ -175,7 +218,6 @@ class Service:
         self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
         if self.config.health_enabled:
             threading.Thread(target=self._watch_events, name="gpu-events", daemon=True).start()
-        self._serve_http()
 
     def _shutdown(self) -> None:
         if self.plugin is not None:
@@ -217,12 +259,14 @@ class Service:
                 self.backend.start()
             gpus = self.backend.devices()
         except GpuBackendError as exc:
-            if self._backend_ok or not self._gpus:
+            if str(exc) != self._backend_error:  # once per failure, not twice a second on a node without a driver
                 log.error("GPUs unreadable: %s; every GPU is unhealthy until NVML answers", exc)
-            self._backend_ok = False
+            self._backend_ok, self._backend_error = False, str(exc)
             self.health.backend_failed(str(exc))
             return
-        self._backend_ok = True
+        if self._backend_error is not None:
+            log.info("NVML answers again")
+        self._backend_ok, self._backend_error = True, None
         self.health.backend_ok()
         usable = []
         for gpu in gpus:
@@ -270,9 +314,6 @@ class Service:
         self._kubelet_inode = inode
         self.metrics.registrations.inc()
         log.info("registered %s with the kubelet at %s", self.resources.gpu_mem, kubelet)
-        if not self._ready_sent:
-            self._ready_sent = True
-            self.notifier.send("READY=1")
 
     def _check_node(self) -> None:
         if self._node_checked or self.api is None:
@@ -378,15 +419,26 @@ class Service:
     # --- status and metrics -----------------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        assert self.manager is not None
+        served: dict[str, Any] = (
+            self.manager.status()
+            if self.manager is not None
+            else {
+                "node": self.config.node_name,
+                "resource": self.resources.gpu_mem,
+                "unit": "-",
+                "gpus": [],
+                "pods": [],
+            }
+        )
         return {
             "version": __version__,
+            "state": self.notifier.text,
             "registered": self._registered,
             "kubeletWatching": self.plugin is not None and self.plugin.watched,
             "mps": self.mps.status() if self.mps is not None else None,
             "kubelet": str(self.config.plugin_dir),
             "nvml": self._backend_ok,
-            **self.manager.status(),
+            **served,
         }
 
     def _serve_http(self) -> None:

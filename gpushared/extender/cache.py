@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.placement import GpuVerdict, judge
 from gpushared.core.requests import PodRequest
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 #: How long a bind this extender made counts before the watch shows the bound pod.
 ASSUME_SECONDS = 60.0
+#: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
+MIX_SECONDS = 10.0
 
 
 @dataclass
@@ -57,6 +60,8 @@ class ClusterCache:
         self._nodes: dict[str, NodeState] = {}
         self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
         self._next_expiry = 0.0
+        self._mix = RequestMix()
+        self._mix_counted = -MIX_SECONDS
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
         self.pods = Informer(list_pods, name="pods", handler=self._on_pod)
 
@@ -92,6 +97,20 @@ class ClusterCache:
                     f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
                 )
             return judge(state.ledger, request)
+
+    def request_mix(self) -> RequestMix:
+        """What the pods on gpushared nodes ask for, counted again at most every MIX_SECONDS: the mix moves
+        slowly, and counting 150k pods on every request would cost more than it tells."""
+        with self._lock:
+            if self.clock() - self._mix_counted >= MIX_SECONDS:
+                self._mix_counted = self.clock()
+                self._mix = RequestMix(
+                    sum(h.gpus.values()) + h.pending
+                    for state in self._nodes.values()
+                    if state.ledger is not None
+                    for h in state.ledger.holdings()
+                )
+            return self._mix
 
     def unit_of(self, name: str) -> MemoryUnit:
         with self._lock:

@@ -15,7 +15,7 @@ from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.placement import Policy, bind_annotations, explain
+from gpushared.core.placement import Policy, bind_annotations, explain, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
@@ -79,11 +79,12 @@ class Scheduler:
             request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
         except ContractError:
             return [(name, 0) for name in args.names]
-        scores = []
+        mix = self.cache.request_mix()
+        costs = []
         for name in args.names:
             verdicts = self.cache.judge(name, request)
-            scores.append((name, 0 if isinstance(verdicts, str) else self.policy.node_score(verdicts, request)))
-        return scores
+            costs.append(None if isinstance(verdicts, str) else self.policy.node_cost(verdicts, request, mix))
+        return list(zip(args.names, node_scores(costs), strict=True))
 
     def bind(self, args: BindingArgs) -> None:
         """Raises :class:`BindError` with a message for the pod's events."""
@@ -103,7 +104,7 @@ class Scheduler:
                 verdicts = self.cache.judge(args.node, request)
                 if isinstance(verdicts, str):
                     raise BindError(f"{where}: {verdicts}")
-                choice = self.policy.choose(verdicts)
+                choice = self.policy.choose(verdicts, request, self.cache.request_mix())
                 if choice is None:
                     raise BindError(f"{where} does not fit node {args.node}: {explain(verdicts)}")
                 unit = self.cache.unit_of(args.node)

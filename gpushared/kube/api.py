@@ -28,6 +28,10 @@ class KubeError(Exception):
         self.status = status
 
 
+class NoCredentials(KubeError):
+    """Nothing to authenticate with yet; unlike a broken kubeconfig, this one may go away by itself."""
+
+
 def connect(kubeconfig: Path | None, *, context: str | None = None) -> kubernetes.client.ApiClient:
     """A client from ``kubeconfig`` when that file exists, else the pod's in-cluster credentials."""
     config = kubernetes.client.Configuration()
@@ -40,7 +44,7 @@ def connect(kubeconfig: Path | None, *, context: str | None = None) -> kubernete
     elif "KUBERNETES_SERVICE_HOST" in os.environ:
         loaders.load_incluster_config(client_configuration=config)
     else:
-        raise KubeError(f"no kubeconfig at {kubeconfig} and not running in a pod: cannot reach the API server")
+        raise NoCredentials(f"no kubeconfig at {kubeconfig} and not running in a pod: cannot reach the API server")
     return kubernetes.client.ApiClient(config)
 
 

@@ -9,6 +9,11 @@ fault or restart never touches another GPU's clients:
     <root>/<GPU UUID>/log    control.log and server.log
     <root>/<GPU UUID>/shm    a tmpfs that is /dev/shm for the daemon, its servers and its clients
 
+That tmpfs is mounted in the host's mount namespace, where the kubelet finds it to mount into pods. Under
+systemd, gpushared itself runs in a sandbox with a mount namespace of its own, so the unit mounts them
+beforehand with ``gpushared mps prepare`` (a privileged ExecStartPre, which enters PID 1's namespace to
+mount); daemons started from the sandbox then see those mounts through mount propagation.
+
 The daemon runs in a mount namespace of its own where that tmpfs is ``/dev/shm``: its servers and the
 pods' clients then share memory without the host's ``/dev/shm`` being exposed to any pod.
 
@@ -82,14 +87,32 @@ class MpsControl:
 
     # --- start and stop -----------------------------------------------------------------------------------
 
-    def start(self, *, shm_size: str, multiuser: bool) -> int:
-        """Start the daemon in its own mount namespace; returns its pid once its control socket answers."""
+    def prepare(self, *, shm_size: str, host: Path | None = None) -> bool:
+        """Make the directories and mount the shm tmpfs (unless it is); whether it mounted one.
+
+        The mount must be made in the kubelet's mount namespace, or the kubelet mounts an empty directory
+        into MPS pods and their clients never meet the daemon's servers. ``host`` is the mount namespace to
+        make it in (``/proc/1/ns/mnt``) when that is not this process's own."""
         for path in (self.dirs.pipe, self.dirs.log, self.dirs.shm):
             path.mkdir(parents=True, exist_ok=True)
+        if _is_mountpoint(self.dirs.shm, mountinfo=Path("/proc/1/mountinfo") if host else MOUNTINFO):
+            return False
+        enter = ["nsenter", f"--mount={host}", "--"] if host else []
+        options = f"size={shm_size},mode=1777,nosuid,nodev"
+        _run([*enter, "mount", "-t", "tmpfs", "-o", options, "tmpfs", str(self.dirs.shm)])
+        return True
+
+    def start(self, *, shm_size: str, multiuser: bool) -> int:
+        """Start the daemon in its own mount namespace; returns its pid once its control socket answers."""
+        if not _is_mountpoint(self.dirs.shm) and mounts_stay_private(self.dirs.shm):
+            raise MpsError(
+                f"{self.dirs.shm} is not mounted, and a mount made here would be hidden from the kubelet: this "
+                "process runs in a mount namespace of its own (systemd's sandbox). `gpushared mps prepare` mounts "
+                "it for the whole host; the unit runs it before each start: systemctl restart gpushared"
+            )
+        self.prepare(shm_size=shm_size)
         for stale in self.dirs.pipe.iterdir():  # a dead daemon's sockets make the new one refuse to start
             stale.unlink()
-        if not _is_mountpoint(self.dirs.shm):
-            _run(["mount", "-t", "tmpfs", "-o", f"size={shm_size},mode=1777,nosuid,nodev", "tmpfs", str(self.dirs.shm)])
         script = 'mount --bind "$1" /dev/shm && shift && exec "$@"'
         argv = [self.binary, "-d", *(["-M"] if multiuser else [])]
         env = {"PATH": os.environ.get("PATH", "/usr/sbin:/usr/bin:/sbin:/bin"), **self.env()}
@@ -184,15 +207,45 @@ class MpsControl:
         return "-M" in text.split() or "multiuser" in text.lower() or "multi-user" in text.lower()
 
 
+def mounts_stay_private(path: Path) -> bool:
+    """Whether a mount made at ``path`` stays in this process's mount namespace: the mount holding it is a
+    slave (it receives the host's mounts, sends none back), as in systemd's sandbox for a unit."""
+    holder: list[str] = []
+    target = str(path)
+    with open("/proc/self/mountinfo") as mounts:
+        for line in mounts:
+            fields = line.split()
+            point = fields[4]
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(holder[4] if holder else ""):
+                holder = fields
+    optional = holder[6 : holder.index("-")] if holder else []
+    return any(f.startswith("master:") for f in optional) and not any(f.startswith("shared:") for f in optional)
+
+
 def _run(argv: list[str]) -> None:
     result = subprocess.run(argv, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise MpsError(f"{' '.join(argv)}: {result.stderr.strip()}")
 
 
-def _is_mountpoint(path: Path) -> bool:
+MOUNTINFO = Path("/proc/self/mountinfo")
+
+
+def host_mount_namespace() -> Path | None:
+    """PID 1's mount namespace when it is not ours and we may enter it: where a privileged helper such as
+    the unit's ExecStartPre (which systemd still runs in a namespace of its own) must mount for the host."""
+    init = Path("/proc/1/ns/mnt")
+    try:
+        ours, theirs = os.stat("/proc/self/ns/mnt"), os.stat(init)
+    except OSError:
+        return None
+    return None if (ours.st_dev, ours.st_ino) == (theirs.st_dev, theirs.st_ino) else init
+
+
+def _is_mountpoint(path: Path, *, mountinfo: Path = MOUNTINFO) -> bool:
     target = str(path)
-    with open("/proc/self/mountinfo") as mounts:
+    with mountinfo.open() as mounts:
         return any(line.split()[4] == target for line in mounts if len(line.split()) > 4)
 
 

@@ -299,6 +299,40 @@ def test_a_missing_node_stops_the_daemon_with_the_reason(daemon: Daemon) -> None
     assert "node 'no-such-node' does not exist in the cluster" in daemon.log()
 
 
+def test_a_node_without_a_kubeconfig_yet_is_ready_and_serves_once_one_is_written(daemon: Daemon) -> None:
+    """The order a node is set up in — package (postinst starts the unit), then kubeconfig — needs no restart."""
+    daemon.write_config()
+    kubeconfig = daemon.workdir / "kubeconfig"
+    written = kubeconfig.read_text()
+    kubeconfig.unlink()
+    daemon.start()
+    daemon.notify.wait_for("READY=1")
+    wait_until(lambda: "no kubeconfig at" in daemon.status()["state"], message="status names the missing file")
+    time.sleep(1.5)
+    assert daemon.process is not None and daemon.process.poll() is None
+    assert daemon.kubelet.registrations == []  # nothing to look pods up with: not offered to the kubelet yet
+    kubeconfig.write_text("apiVersion: v1\nkind: Config\nclusters: []\n")  # one `kubectl config` step in
+    wait_until(lambda: "waiting for a kubeconfig that works" in daemon.status()["state"], message="half-written")
+    time.sleep(0.1)  # a later mtime than the half-written file's
+    kubeconfig.write_text(written)
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+    wait_until(lambda: daemon.status()["state"] == "serving 4 GPUs, 60 GiB", message="serving")
+
+
+def test_a_node_without_gpus_is_ready_and_waits(daemon: Daemon) -> None:
+    """No driver at all (a GPU node before its driver is installed): no crash loop, a clear status."""
+    daemon.extra_env["LD_LIBRARY_PATH"] = str(daemon.workdir)  # no libnvidia-ml.so.1 to find
+    daemon.start()
+    daemon.notify.wait_for("READY=1")
+    daemon.notify.wait_for("STATUS=no GPUs: NVML unavailable; waiting")
+    wait_until(lambda: daemon.kubelet.registrations, message="registered, with no devices")
+    assert daemon.kubelet.capacity(GPU_MEM) == 0
+    time.sleep(1.5)
+    assert daemon.process is not None and daemon.process.poll() is None
+    assert daemon.status()["gpus"] == []
+    assert daemon.log().count("GPUs unreadable") == 1  # said once, not on every tick
+
+
 def test_a_bad_config_names_the_key(daemon: Daemon) -> None:
     daemon.write_config(memoryUnit="GB")
     daemon.start()

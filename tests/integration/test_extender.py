@@ -78,10 +78,14 @@ def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> 
         {"Host": "aliyun-node", "Score": 10},
         {"Host": "cpu-node", "Score": 0},
     ]
-    # binpack: the 8 GiB GPU of n1 is filled exactly (10); with 4 GiB on aliyun-node's 8 GiB GPUs: 5.
+    # binpack prices a node by what its best GPU has left: 4 GiB on both nodes, so both are the cheapest.
     small = created(api, "q", 4)
     _, result = extender.post("prioritize", {"Pod": small, "NodeNames": ["n1", "aliyun-node"]})
-    assert result == [{"Host": "n1", "Score": 5}, {"Host": "aliyun-node", "Score": 5}]
+    assert result == [{"Host": "n1", "Score": 10}, {"Host": "aliyun-node", "Score": 10}]
+    # 12 GiB fit only n1's 16 GiB GPU: n1 is the cheapest, nodes it does not fit get 0.
+    big = created(api, "r", 12)
+    _, result = extender.post("prioritize", {"Pod": big, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})
+    assert [r["Score"] for r in result] == [10, 0, 0]
 
 
 def test_bind_writes_the_annotations_and_the_binding(api: FakeApiServer, extender: Extender) -> None:

@@ -236,6 +236,64 @@ def test_an_mps_pod_is_refused_while_its_gpus_daemon_is_stopped(mps: Daemon) -> 
         mps.admit(mps.place("orphan", 2, gpu=3, annotations=MPS))
 
 
+def shm_mounts(root: Path) -> set[str]:
+    """The MPS shm tmpfs mounts this (the host's) mount namespace has under ``root``."""
+    with open("/proc/self/mountinfo") as mounts:
+        fields = [line.split() for line in mounts]
+    return {f[4] for f in fields if f[4].startswith(str(root)) and f[4].endswith("/shm") and "tmpfs" in f}
+
+
+def test_in_a_sandbox_the_shm_mounts_come_from_mps_prepare_and_daemons_survive_restarts(mps: Daemon) -> None:
+    """As under systemd: the daemon in a mount namespace of its own (a slave of the host's, as the unit's
+    sandbox is) must not mount where the kubelet cannot see; `gpushared mps prepare` mounts for the host."""
+    root = Path(mps.config["mps"]["root"])
+    root.mkdir(parents=True)
+    subprocess.run(["mount", "--bind", str(root), str(root)], check=True)  # shared, as / is on a systemd host
+    subprocess.run(["mount", "--make-shared", str(root)], check=True)
+    try:
+        sandboxed(mps, root)
+    finally:
+        for shm in shm_mounts(root):
+            subprocess.run(["umount", shm], check=False)
+        subprocess.run(["umount", str(root)], check=True)
+
+
+def sandboxed(mps: Daemon, root: Path) -> None:
+    mps.launcher = ["unshare", "--mount", "--propagation", "slave"]
+    mps.start()
+    mps.notify.wait_for("READY=1")
+    rows = wait_until(
+        lambda: (rows := mps_status(mps)) and all(r["state"] == "failed" for r in rows) and rows,
+        message="every daemon refused",
+    )
+    assert "a mount made here would be hidden from the kubelet" in rows[0]["problem"]
+    assert not shm_mounts(root) and not control_daemons(root)
+    assert not any(gpu["healthy"] for gpu in mps.status()["gpus"])  # no MPS pod lands meanwhile
+    prepare = subprocess.run(
+        [sys.executable, "-m", "gpushared.cli.daemon", "mps", "prepare", "--config", str(mps.config_path)],
+        env={**os.environ, **mps.nvml.env()},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert prepare.stdout.count(" mounted") == 4, prepare.stdout
+    assert shm_mounts(root) == {str(root / r["uuid"] / "shm") for r in rows}  # in the host's namespace
+    before = {r["uuid"]: r["pid"] for r in all_running(mps)}  # the supervisor's next try starts them
+    mps.kubelet.wait_for(GPU_MEM, capacity=60)
+    mps.stop()
+    started(mps)  # a new namespace, as a restarted unit gets
+    rows = all_running(mps)
+    assert {r["uuid"]: r["pid"] for r in rows} == before and all(r["adopted"] for r in rows)
+    again = subprocess.run(
+        [sys.executable, "-m", "gpushared.cli.daemon", "mps", "prepare", "--config", str(mps.config_path)],
+        env={**os.environ, **mps.nvml.env()},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert again.stdout.count("already mounted") == 4
+
+
 def started_mib(daemon: Daemon) -> None:
     daemon.start()
     daemon.notify.wait_for("READY=1")

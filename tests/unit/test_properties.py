@@ -16,6 +16,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
 from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge
 from gpushared.core.requests import ContainerRequest, peak, pod_request
@@ -114,6 +115,7 @@ class PlacementHistory(RuleBasedStateMachine):
         self.ledger: Ledger | None = None
         self.bodies: dict[str, dict[str, Any]] = {}
         self.serial = 0
+        self.mix = RequestMix([1, 2, 3, 4, 6, 8, 12, 16])  # what fgd expects; the others ignore it
 
     @rule(inventory=inventories())
     def start(self, inventory: GpuInventory) -> None:
@@ -128,7 +130,7 @@ class PlacementHistory(RuleBasedStateMachine):
         uid = f"pod-{self.serial}"
         body["metadata"].update(uid=uid, name=uid)
         request = pod_request(body)
-        choice = POLICIES[policy].choose(judge(self.ledger, request))
+        choice = POLICIES[policy].choose(judge(self.ledger, request), request, self.mix)
         if choice is None:
             return ""
         gpu = choice.gpu

@@ -1,0 +1,177 @@
+"""A cluster of trace nodes scheduled as kube-scheduler with the gpushared extender would schedule it.
+
+kube-scheduler's part is modelled: its filters (NodeResourcesFit on CPU, memory, pod count and the gpu-mem
+extended resource; node affinity for the task's GPU models) and, for pods the extender does not manage
+(CPU-only), its default scores (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The
+extender's part is not modelled but run: every node's GPUs are a production :class:`Ledger`, judged by
+:func:`judge`, priced and chosen by the production :class:`Policy`; the node the scheduler takes is one
+that :func:`node_scores` would give the top score (the cheapest). The extender's weight is assumed to
+dominate the in-tree scores, which then only break its ties (the rest at random, as selectHost does).
+
+A node's price for a request size is kept until the node changes, so one placement costs a re-judging of
+one node, not of the cluster.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.ledger import Ledger
+from gpushared.core.placement import EQUAL_COST, Policy, holding_for, judge
+from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
+
+
+@dataclass
+class SimNode:
+    trace: TraceNode
+    ledger: Ledger
+    cpu_used: int = 0
+    memory_used: int = 0
+    pods: int = 0
+    version: int = 0
+    #: request size -> (version priced at, cost or None when no GPU fits, chosen GPU index)
+    prices: dict[int, tuple[int, float | None, int]] = field(default_factory=dict)
+
+    @property
+    def cpu_free(self) -> int:
+        return self.trace.cpu_milli - self.cpu_used
+
+    @property
+    def memory_free(self) -> int:
+        return self.trace.memory_mib - self.memory_used
+
+    def admits(self, pod: TracePod) -> bool:
+        """kube-scheduler's own filters."""
+        if pod.cpu_milli > self.cpu_free or pod.memory_mib > self.memory_free or self.pods >= MAX_PODS:
+            return False
+        return not pod.models or self.trace.model in pod.models
+
+
+def inventory_of(node: TraceNode) -> GpuInventory:
+    return GpuInventory(
+        unit=MemoryUnit.MIB,
+        gpus=tuple(
+            GpuInfo(index=i, uuid=f"{node.name}-gpu{i}", model=node.model, memory=GPU_MIB, memory_mib=GPU_MIB)
+            for i in range(node.gpus)
+        ),
+    )
+
+
+class SimCluster:
+    def __init__(self, nodes: Sequence[TraceNode], *, policy: Policy, mix: RequestMix, rng: random.Random) -> None:
+        self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n))) for n in nodes]
+        self.policy = policy
+        self.mix = mix
+        self.rng = rng
+        self.capacity_mib = sum(n.ledger.inventory.total for n in self.nodes)
+        self.allocated_mib = 0
+        self._serial = 0
+
+    def place(self, pod: TracePod) -> bool:
+        """Schedule one pod; whether it was bound. Multi-GPU tasks are not placed (no gpu-count yet)."""
+        if pod.num_gpu == 0:
+            return self._place_cpu_only(pod)
+        if pod.num_gpu > 1:
+            return False
+        need = pod.memory_request
+        request = PodRequest(containers=(ContainerRequest(name="main", amount=need),))
+        best: float | None = None
+        cheapest: list[tuple[SimNode, int]] = []
+        for node in self.nodes:
+            if not node.admits(pod) or node.ledger.inventory.total - node.ledger.used_total < need:
+                continue
+            cost, gpu = self._price(node, request)
+            if cost is None:
+                continue
+            if best is None or cost < best - EQUAL_COST:
+                best, cheapest = cost, [(node, gpu)]
+            elif cost <= best + EQUAL_COST:
+                cheapest.append((node, gpu))
+        if not cheapest:
+            return False
+        top = max(self._in_tree(node, pod) for node, _ in cheapest)
+        cheapest = [(node, gpu) for node, gpu in cheapest if self._in_tree(node, pod) == top]
+        node, index = cheapest[self.rng.randrange(len(cheapest))]
+        self._serial += 1
+        uid = f"pod-{self._serial}"
+        chosen = node.ledger.inventory.gpus[index]
+        node.ledger.add(holding_for(request, chosen, uid=uid, namespace="replay", name=pod.name))
+        self._count(node, pod)
+        self.allocated_mib += need
+        return True
+
+    def _price(self, node: SimNode, request: PodRequest) -> tuple[float | None, int]:
+        need = request.total
+        known = node.prices.get(need)
+        if known is not None and known[0] == node.version:
+            return known[1], known[2]
+        choice = self.policy.choose(judge(node.ledger, request), request, self.mix)
+        cost = None if choice is None else self.policy.cost(choice, need, self.mix)
+        index = -1 if choice is None else choice.gpu.index
+        node.prices[need] = (node.version, cost, index)
+        return cost, index
+
+    def _place_cpu_only(self, pod: TracePod) -> bool:
+        """kube-scheduler alone: LeastAllocated plus BalancedAllocation (weights 1), the best at random."""
+        best = -1
+        tied: list[SimNode] = []
+        for node in self.nodes:
+            if not node.admits(pod):
+                continue
+            score = self._in_tree(node, pod)
+            if score > best:
+                best, tied = score, [node]
+            elif score == best:
+                tied.append(node)
+        if not tied:
+            return False
+        self._count(tied[self.rng.randrange(len(tied))], pod)
+        return True
+
+    def _in_tree(self, node: SimNode, pod: TracePod) -> int:
+        """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated
+        plus NodeResourcesBalancedAllocation, weight 1 each."""
+        cpu = (node.cpu_used + pod.cpu_milli) / node.trace.cpu_milli
+        memory = (node.memory_used + pod.memory_mib) / node.trace.memory_mib
+        return int((1 - (cpu + memory) / 2) * 100) + int((1 - abs(cpu - memory)) * 100)
+
+    def _count(self, node: SimNode, pod: TracePod) -> None:
+        node.cpu_used += pod.cpu_milli
+        node.memory_used += pod.memory_mib
+        node.pods += 1
+        node.version += 1
+
+    # --- measures ------------------------------------------------------------------------------------------
+
+    @property
+    def allocation(self) -> float:
+        """Allocated GPU memory, % of the cluster's."""
+        return 100 * self.allocated_mib / self.capacity_mib
+
+    def fragmentation_rate(self, typical: Sequence[tuple[TracePod, float]]) -> float:
+        """The paper's fragmentation rate: GPU memory that the typical pods (each with its share of the
+        workload) cannot use, % of the unallocated. A node's free GPU is all fragment for a pod the node
+        cannot host (short of CPU, or of GPUs with room); for one it can host, the GPUs with less free than
+        the pod needs are. CPU-only pods count all free GPU as fragment, as in the paper."""
+        fragment = 0.0
+        for node in self.nodes:
+            free = [node.ledger.free(gpu) for gpu in node.ledger.inventory.gpus]
+            total = sum(free)
+            if total == 0:
+                continue
+            for pod, share in typical:
+                per_gpu = round(pod.gpu_milli * GPU_MIB / 1000)
+                hosts = (
+                    pod.num_gpu > 0
+                    and pod.cpu_milli <= node.cpu_free
+                    and (not pod.models or node.trace.model in pod.models)
+                    and sum(1 for f in free if f >= per_gpu) >= pod.num_gpu
+                )
+                fragment += share * (sum(f for f in free if f < per_gpu) if hosts else total)
+        unallocated = self.capacity_mib - self.allocated_mib
+        return 100 * fragment / unallocated if unallocated else 0.0

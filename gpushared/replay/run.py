@@ -1,0 +1,98 @@
+"""One replay as the FGD paper runs it (Weng et al., ATC'23, and its simulator): arrivals only, no
+departures; the trace's tasks plus tasks drawn from it at random until their GPU demand is ``ratio`` times the
+cluster's GPUs; shuffled with the seed; scheduled one by one; the allocation recorded at every 1 % of
+arrived workload (GPU demand of the tasks seen so far, % of the cluster's GPUs)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.placement import policy_named
+from gpushared.replay.cluster import SimCluster
+from gpushared.replay.trace import TraceNode, TracePod
+
+#: The paper's workload inflation ("tune") and seeds.
+RATIO = 1.3
+SEEDS = tuple(range(42, 52))
+#: Where the fragmentation rate is reported (% of arrived workload).
+FRAG_AT = 90
+
+
+@dataclass(frozen=True)
+class Replay:
+    policy: str
+    seed: int
+    #: allocation (% of cluster GPU memory) at 0, 1, ... RATIO*100 % arrived
+    allocation: list[float]
+    frag_rate: float
+    #: multi-GPU tasks that arrived, and the GPUs they asked for: never placed (no gpu-count support yet)
+    multi_gpu_tasks: int
+    multi_gpu_gpus: int
+    placed: int
+    failed: int
+
+
+def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: random.Random) -> list[TracePod]:
+    """The trace's tasks, then random draws from it until the next would pass ``ratio`` of capacity; shuffled."""
+    workload = list(pods)
+    demand = sum(p.gpu_demand for p in workload)
+    target = ratio * capacity_milli
+    while True:
+        draw = pods[rng.randrange(len(pods))]
+        if demand + draw.gpu_demand > target:
+            break
+        workload.append(draw)
+        demand += draw.gpu_demand
+    rng.shuffle(workload)
+    return workload
+
+
+def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str, seed: int) -> Replay:
+    rng = random.Random(seed)
+    capacity_milli = 1000 * sum(n.gpus for n in nodes)
+    workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
+    # What an extender that has watched this workload would have counted: the one-GPU tasks' requests.
+    mix = RequestMix(p.memory_request for p in workload)
+    cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng)
+    typical = _typical(workload)
+    allocation: list[float] = []
+    frag_rate = 0.0
+    arrived = placed = failed = multi_tasks = multi_gpus = 0
+    last = round(RATIO * 100)
+    for pod in workload:
+        if pod.num_gpu > 1:
+            multi_tasks, multi_gpus = multi_tasks + 1, multi_gpus + pod.num_gpu
+        if cluster.place(pod):
+            placed += 1
+        else:
+            failed += 1
+        arrived += pod.gpu_demand
+        while len(allocation) <= last and len(allocation) <= 100 * arrived / capacity_milli:
+            if len(allocation) == FRAG_AT:
+                frag_rate = cluster.fragmentation_rate(typical)
+            allocation.append(cluster.allocation)
+    while len(allocation) <= last:
+        allocation.append(cluster.allocation)
+    return Replay(
+        policy=policy,
+        seed=seed,
+        allocation=allocation,
+        frag_rate=frag_rate,
+        multi_gpu_tasks=multi_tasks,
+        multi_gpu_gpus=multi_gpus,
+        placed=placed,
+        failed=failed,
+    )
+
+
+def _typical(workload: Sequence[TracePod]) -> list[tuple[TracePod, float]]:
+    """Each kind of task (CPU, GPUs, share, models) with its share of the workload's tasks."""
+    kinds = Counter((p.cpu_milli, p.num_gpu, p.gpu_milli, p.models) for p in workload)
+    return [
+        (TracePod(name="typical", cpu_milli=c, memory_mib=0, num_gpu=n, gpu_milli=g, models=m), count / len(workload))
+        for (c, n, g, m), count in kinds.items()
+    ]

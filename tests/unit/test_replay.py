@@ -1,0 +1,76 @@
+"""The trace replay: the paper's workload tuning, kube-scheduler's filters, the extender's own policies."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.placement import BINPACK, FGD
+from gpushared.replay.cluster import SimCluster
+from gpushared.replay.run import replay, tuned
+from gpushared.replay.trace import GPU_MIB, TraceNode, TracePod, read_nodes, read_pods
+
+NODES = [
+    TraceNode(name="a", cpu_milli=32000, memory_mib=65536, gpus=2, model="T4"),
+    TraceNode(name="b", cpu_milli=32000, memory_mib=65536, gpus=4, model="V100M16"),
+    TraceNode(name="c", cpu_milli=4000, memory_mib=65536, gpus=2, model="T4"),
+]
+
+
+def task(milli: int, *, cpu: int = 1000, gpus: int = 1, models: frozenset[str] = frozenset()) -> TracePod:
+    return TracePod(name="t", cpu_milli=cpu, memory_mib=1024, num_gpu=gpus, gpu_milli=milli, models=models)
+
+
+def test_csv_reading_and_the_share_to_memory_mapping(tmp_path: Path) -> None:
+    (tmp_path / "nodes.csv").write_text("sn,cpu_milli,memory_mib,gpu,model\nn0,64000,262144,2,P100\nn1,96000,1,0,\n")
+    (tmp_path / "pods.csv").write_text(
+        "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time,scheduled_time\n"
+        "p0,12000,16384,1,500,V100M16|V100M32,LS,Running,0,1,0\np1,1000,1024,0,0,,BE,Running,0,1,0\n"
+    )
+    assert read_nodes(tmp_path / "nodes.csv") == [TraceNode("n0", 64000, 262144, 2, "P100")]  # CPU-only dropped
+    half, cpu_only = read_pods(tmp_path / "pods.csv")
+    assert half.models == {"V100M16", "V100M32"} and half.memory_request == GPU_MIB // 2
+    assert cpu_only.memory_request == 0 and not cpu_only.models
+
+
+def test_tuning_keeps_the_trace_and_draws_up_to_the_ratio() -> None:
+    pods = [task(500), task(1000), task(0, gpus=0), task(1000, gpus=2)]
+    workload = tuned(pods, capacity_milli=20_000, ratio=1.3, rng=random.Random(42))
+    assert sum(p.gpu_demand for p in workload) <= 26_000
+    assert sum(p.gpu_demand for p in workload) > 26_000 - 2000  # stops only when the next draw would pass
+    assert workload == tuned(pods, capacity_milli=20_000, ratio=1.3, rng=random.Random(42))
+    for pod in pods:
+        assert pod in workload
+
+
+def test_placement_honours_cpu_models_and_never_overfills_a_gpu() -> None:
+    cluster = SimCluster(NODES, policy=BINPACK, mix=RequestMix(), rng=random.Random(1))
+    assert not cluster.place(task(1000, models=frozenset({"A10"})))
+    assert not cluster.place(task(1000, gpus=2))  # multi-GPU: not placed until gpu-count lands
+    assert not cluster.place(task(100, cpu=40000))
+    rng = random.Random(7)
+    for _ in range(200):
+        cluster.place(task(rng.choice([100, 250, 500, 1000]), cpu=rng.choice([500, 2000])))
+    for node in cluster.nodes:
+        assert node.cpu_used <= node.trace.cpu_milli
+        assert all(node.ledger.free(gpu) >= 0 for gpu in node.ledger.inventory.gpus)
+    used = sum(node.ledger.used_total for node in cluster.nodes)
+    assert used == cluster.allocated_mib and 0 < cluster.allocation <= 100
+
+
+def test_binpack_fills_the_fullest_fitting_gpu_across_nodes() -> None:
+    cluster = SimCluster(NODES[:2], policy=BINPACK, mix=RequestMix(), rng=random.Random(3))
+    assert cluster.place(task(700))
+    first = next(n for n in cluster.nodes if n.ledger.used_total)
+    assert cluster.place(task(300))  # the only GPU with 300 left is where the 700 went
+    assert first.ledger.used_total == round(700 * GPU_MIB / 1000) + round(300 * GPU_MIB / 1000)
+
+
+def test_a_replay_records_every_percent_and_never_loses_allocation() -> None:
+    pods = [task(500), task(250, cpu=2000), task(1000), task(0, gpus=0), task(1000, gpus=2)]
+    result = replay(NODES, pods, policy=FGD.name, seed=42)
+    assert len(result.allocation) == 131
+    assert result.allocation == sorted(result.allocation) and result.allocation[-1] <= 100
+    assert result.multi_gpu_tasks > 0 and result.multi_gpu_gpus == 2 * result.multi_gpu_tasks
+    assert 0 <= result.frag_rate <= 100
