@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -67,3 +67,7 @@ deb:
 # Build, lint, install and purge the .deb in a debootstrapped Debian 12 chroot (root).
 deb-test: venv
 	WORLD_PYTHON=$(BIN)/python scripts/deb-test
+
+# Placement quality on the Alibaba trace (needs the trace: GPUSHARED_TRACE_DIR, default ../shared/data/...).
+bench: venv
+	$(BIN)/python scripts/bench_openb.py

@@ -28,25 +28,25 @@ from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
 @dataclass
 class SimNode:
+    """One node: its GPUs as a production ledger, and what kube-scheduler counts (kept as plain numbers,
+    since every pod looks at every node)."""
+
     trace: TraceNode
     ledger: Ledger
-    cpu_used: int = 0
-    memory_used: int = 0
+    cpu_free: int = 0
+    memory_free: int = 0
+    gpu_free: int = 0  # the gpu-mem extended resource left, as NodeResourcesFit counts it
     pods: int = 0
     version: int = 0
     #: request size -> (version priced at, cost or None when no GPU fits, chosen GPU index)
     prices: dict[int, tuple[int, float | None, int]] = field(default_factory=dict)
 
-    @property
-    def cpu_free(self) -> int:
-        return self.trace.cpu_milli - self.cpu_used
-
-    @property
-    def memory_free(self) -> int:
-        return self.trace.memory_mib - self.memory_used
+    def __post_init__(self) -> None:
+        self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
+        self.gpu_free = self.ledger.inventory.total
 
     def admits(self, pod: TracePod) -> bool:
-        """kube-scheduler's own filters."""
+        """kube-scheduler's own filters: NodeResourcesFit (CPU, memory, pods) and node affinity."""
         if pod.cpu_milli > self.cpu_free or pod.memory_mib > self.memory_free or self.pods >= MAX_PODS:
             return False
         return not pod.models or self.trace.model in pod.models
@@ -83,7 +83,7 @@ class SimCluster:
         best: float | None = None
         cheapest: list[tuple[SimNode, int]] = []
         for node in self.nodes:
-            if not node.admits(pod) or node.ledger.inventory.total - node.ledger.used_total < need:
+            if node.gpu_free < need or not node.admits(pod):
                 continue
             cost, gpu = self._price(node, request)
             if cost is None:
@@ -94,16 +94,23 @@ class SimCluster:
                 cheapest.append((node, gpu))
         if not cheapest:
             return False
-        top = max(self._in_tree(node, pod) for node, _ in cheapest)
-        cheapest = [(node, gpu) for node, gpu in cheapest if self._in_tree(node, pod) == top]
-        node, index = cheapest[self.rng.randrange(len(cheapest))]
+        node, index = self._pick(cheapest, pod)
         self._serial += 1
         uid = f"pod-{self._serial}"
         chosen = node.ledger.inventory.gpus[index]
         node.ledger.add(holding_for(request, chosen, uid=uid, namespace="replay", name=pod.name))
         self._count(node, pod)
+        node.gpu_free -= need
         self.allocated_mib += need
         return True
+
+    def _pick(self, cheapest: list[tuple[SimNode, int]], pod: TracePod) -> tuple[SimNode, int]:
+        """Among the extender's cheapest: the best in-tree score, then at random."""
+        if len(cheapest) > 1:
+            scored = [(self._in_tree(node, pod), node, gpu) for node, gpu in cheapest]
+            top = max(score for score, _, _ in scored)
+            cheapest = [(node, gpu) for score, node, gpu in scored if score == top]
+        return cheapest[self.rng.randrange(len(cheapest))]
 
     def _price(self, node: SimNode, request: PodRequest) -> tuple[float | None, int]:
         need = request.total
@@ -136,13 +143,13 @@ class SimCluster:
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated
         plus NodeResourcesBalancedAllocation, weight 1 each."""
-        cpu = (node.cpu_used + pod.cpu_milli) / node.trace.cpu_milli
-        memory = (node.memory_used + pod.memory_mib) / node.trace.memory_mib
+        cpu = 1 - (node.cpu_free - pod.cpu_milli) / node.trace.cpu_milli
+        memory = 1 - (node.memory_free - pod.memory_mib) / node.trace.memory_mib
         return int((1 - (cpu + memory) / 2) * 100) + int((1 - abs(cpu - memory)) * 100)
 
     def _count(self, node: SimNode, pod: TracePod) -> None:
-        node.cpu_used += pod.cpu_milli
-        node.memory_used += pod.memory_mib
+        node.cpu_free -= pod.cpu_milli
+        node.memory_free -= pod.memory_mib
         node.pods += 1
         node.version += 1
 
@@ -152,6 +159,17 @@ class SimCluster:
     def allocation(self) -> float:
         """Allocated GPU memory, % of the cluster's."""
         return 100 * self.allocated_mib / self.capacity_mib
+
+    def leftovers(self, tasks: Sequence[TracePod]) -> tuple[float, float]:
+        """GPUs unallocated, and those on nodes where none of ``tasks`` fits by CPU and memory any more."""
+        smallest_cpu = min((t.cpu_milli for t in tasks), default=0)
+        smallest_memory = min((t.memory_mib for t in tasks), default=0)
+        unallocated = stranded = 0
+        for node in self.nodes:
+            unallocated += node.gpu_free
+            if node.cpu_free < smallest_cpu or node.memory_free < smallest_memory or node.pods >= MAX_PODS:
+                stranded += node.gpu_free
+        return unallocated / GPU_MIB, stranded / GPU_MIB
 
     def fragmentation_rate(self, typical: Sequence[tuple[TracePod, float]]) -> float:
         """The paper's fragmentation rate: GPU memory that the typical pods (each with its share of the

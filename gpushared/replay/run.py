@@ -34,6 +34,10 @@ class Replay:
     multi_gpu_gpus: int
     placed: int
     failed: int
+    #: at the end: GPUs unallocated, and those of them on nodes that no one-GPU task of the workload fits by
+    #: CPU or memory any more (stranded by CPU, not by GPU memory)
+    unallocated_gpus: float = 0.0
+    stranded_gpus: float = 0.0
 
 
 def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: random.Random) -> list[TracePod]:
@@ -77,6 +81,7 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
             allocation.append(cluster.allocation)
     while len(allocation) <= last:
         allocation.append(cluster.allocation)
+    unallocated, stranded = cluster.leftovers([p for p in workload if p.num_gpu == 1])
     return Replay(
         policy=policy,
         seed=seed,
@@ -86,6 +91,8 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
         multi_gpu_gpus=multi_gpus,
         placed=placed,
         failed=failed,
+        unallocated_gpus=unallocated,
+        stranded_gpus=stranded,
     )
 
 

@@ -22,3 +22,50 @@ def test_bench_allocate_runs_and_reports() -> None:
     assert report["Allocate"]["count"] == 4
     assert report["GetPreferredAllocation"]["count"] == 4
     assert report["Allocate"]["p99_ms"] > 0
+
+
+def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: Path) -> None:
+    data = tmp_path / "trace"
+    data.mkdir()
+    (data / "openb_node_list_gpu_node.csv").write_text(
+        "sn,cpu_milli,memory_mib,gpu,model\n"
+        + "".join(f"n{i},32000,131072,{2 + 2 * (i % 2)},{'T4' if i % 2 else 'G2'}\n" for i in range(12))
+    )
+    header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time"
+    header += ",scheduled_time\n"
+    rows = [(4000, 1, 1000, ""), (2000, 1, 500, ""), (1000, 1, 250, "T4"), (8000, 0, 0, ""), (8000, 2, 1000, "")]
+    (data / "openb_pod_list_default.csv").write_text(
+        header + "".join(f"p{i},{c},4096,{n},{g},{m},LS,Running,0,1,0\n" for i, (c, n, g, m) in enumerate(rows))
+    )
+    out = tmp_path / "results"
+    script = str(ROOT / "scripts" / "bench_openb.py")
+    subprocess.run(
+        [sys.executable, script, "--data", str(data), "--seeds", "42", "43", "--jobs", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    summary = json.loads((out / "openb.json").read_text())
+    assert set(summary) == {"default"} and set(summary["default"]) == {"binpack", "spread", "fgd"}
+    for numbers in summary["default"].values():
+        assert set(numbers) == {"100", "130", "frag90"} and 0 < numbers["130"] <= 100
+    details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]
+    assert len(details["allocation"]) == 131 and details["multiGpuTasksNotPlaced"] > 0
+    assert (out / "openb-default.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_extender_runs_in_process_and_over_http() -> None:
+    sizes = ["--nodes", "20", "--pods", "100", "--candidates", "20", "--requests", "10", "--seconds", "1"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_extender.py"), *sizes, "--rate-pods", "20"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(out.stdout)
+    for where in ("inProcess", "http"):
+        assert report[where]["filter"]["count"] == 10 and report[where]["filter"]["p99_ms"] > 0
+        assert report[where]["bind"]["count"] > 0
+    assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0

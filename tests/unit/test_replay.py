@@ -53,7 +53,10 @@ def test_placement_honours_cpu_models_and_never_overfills_a_gpu() -> None:
     for _ in range(200):
         cluster.place(task(rng.choice([100, 250, 500, 1000]), cpu=rng.choice([500, 2000])))
     for node in cluster.nodes:
-        assert node.cpu_used <= node.trace.cpu_milli
+        assert (
+            0 <= node.cpu_free <= node.trace.cpu_milli
+            and node.gpu_free == node.ledger.inventory.total - node.ledger.used_total
+        )
         assert all(node.ledger.free(gpu) >= 0 for gpu in node.ledger.inventory.gpus)
     used = sum(node.ledger.used_total for node in cluster.nodes)
     assert used == cluster.allocated_mib and 0 < cluster.allocation <= 100

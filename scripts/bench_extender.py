@@ -1,0 +1,237 @@
+"""Extender speed: filter, prioritize and bind latency, in-process and over loopback HTTP, and memory.
+
+A fake API server (tests/fakes/apiserver.py, HTTP on loopback) holds ``--nodes`` gpushared nodes of 8 GPUs of
+16 GiB and ``--pods`` running pods already placed on them (1-4 GiB each, packed by the extender's own
+binpack, so the ledgers look like a busy cluster's). Then:
+
+- in-process: the production ClusterCache, synced from that API server through the kubernetes client, and
+  the production Scheduler; each pending pod (1-8 GiB) is filtered and prioritized against
+  ``--candidates`` node names, as kube-scheduler sends them (``nodeCacheCapable: true``), and bound;
+- over HTTP: the real ``gpushared-extender`` process against the same API server, called the way
+  kube-scheduler calls it (one keep-alive connection, JSON bodies); its RSS is read after its cache synced;
+- sustained: filter + bind of new pods one after another for ``--seconds`` over HTTP.
+
+    .venv/bin/python scripts/bench_extender.py --nodes 1000 --pods 20000 --candidates 1000
+    .venv/bin/python scripts/bench_extender.py --nodes 5000 --pods 150000 --candidates 500
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import platform
+import random
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpushared import contract
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.ledger import Ledger
+from gpushared.core.placement import BINPACK, bind_annotations, holding_for, judge, policy_named
+from gpushared.core.requests import pod_request
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.scheduler import Scheduler
+from gpushared.extender.wire import BindingArgs, ExtenderArgs
+from gpushared.kube.api import Api, connect
+from tests.builders import inventory, pod
+from tests.extender_harness import PREFIX, Extender, gpu_node
+from tests.fakes.apiserver import FakeApiServer
+
+GPUS, GPU_GIB = 8, 16
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return round(1000 * ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))], 3)
+
+    return {"p50_ms": at(0.50), "p99_ms": at(0.99), "max_ms": round(1000 * ordered[-1], 3), "count": len(samples)}
+
+
+def timed(samples: list[float], call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)``, its duration appended to ``samples``."""
+    started = time.perf_counter()
+    result = call(*args)
+    samples.append(time.perf_counter() - started)
+    return result
+
+
+def binding_of(body: dict[str, Any], node: str) -> dict[str, str]:
+    meta = body["metadata"]
+    return {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+
+
+def populate(api: FakeApiServer, *, nodes: int, pods: int, rng: random.Random) -> list[str]:
+    """Nodes, and running pods placed by the extender's binpack; the node names."""
+    names = [f"node-{i:05d}" for i in range(nodes)]
+    inv = inventory(*[GPU_GIB] * GPUS)
+    ledgers = {}
+    for name in names:
+        api.create(gpu_node(name, inv=inv))
+        ledgers[name] = Ledger.build(inv)
+    no_mix = RequestMix()  # binpack, whatever policy is measured: the same cluster every run
+    for i in range(pods):
+        body = pod(f"run-{i:06d}", rng.randint(1, 4), node=None, phase="Running", uid=f"uid-run-{i:06d}")
+        request = pod_request(body)
+        for _ in range(20):
+            node = names[rng.randrange(nodes)]
+            choice = BINPACK.choose(judge(ledgers[node], request), request, no_mix)
+            if choice is not None:
+                break
+        else:
+            continue
+        body["spec"]["nodeName"] = node
+        body["metadata"]["annotations"] = bind_annotations(request, choice.gpu, unit=inv.unit, now_ns=i)
+        ledgers[node].add(holding_for(request, choice.gpu, uid=body["metadata"]["uid"], namespace="default", name=""))
+        api.create(body)
+    return names
+
+
+def pending(api: FakeApiServer, name: str, rng: random.Random) -> dict[str, Any]:
+    return api.create(pod(name, rng.randint(1, 8), uid=f"uid-{name}"))
+
+
+def in_process(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    kubeconfig = Path(tempfile.mkdtemp(prefix="gps-bench-")) / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+    client = Api(connect(kubeconfig))
+    cache = ClusterCache(
+        list_nodes=client.core.list_node,
+        list_pods=client.core.list_pod_for_all_namespaces,
+        resources=contract.DEFAULT_RESOURCES,
+    )
+    started = time.perf_counter()
+    cache.start()
+    cache.nodes.wait_synced(600)
+    cache.pods.wait_synced(600)
+    synced = time.perf_counter() - started
+    scheduler = Scheduler(
+        cache=cache, api=client, policy=policy_named(args.policy), resources=contract.DEFAULT_RESOURCES
+    )
+    filters: list[float] = []
+    prioritizes: list[float] = []
+    binds: list[float] = []
+    for i in range(args.requests):
+        body = pending(api, f"ip-{i:05d}", rng)
+        candidates = rng.sample(names, min(args.candidates, len(names)))
+        passed, _, _ = timed(filters, scheduler.filter, ExtenderArgs(pod=body, node_names=candidates, nodes=None))
+        timed(prioritizes, scheduler.prioritize, ExtenderArgs(pod=body, node_names=passed, nodes=None))
+        if passed:
+            wire = binding_of(body, passed[0])
+            binding = BindingArgs(
+                pod_name=wire["PodName"], pod_namespace=wire["PodNamespace"], pod_uid=wire["PodUID"], node=wire["Node"]
+            )
+            timed(binds, scheduler.bind, binding)
+    cache.stop()
+    return {
+        "cacheSyncSeconds": round(synced, 2),
+        "filter": percentiles(filters),
+        "prioritize": percentiles(prioritizes),
+        "bind": percentiles(binds),
+    }
+
+
+class Client:
+    """One keep-alive connection, as kube-scheduler's HTTP client keeps."""
+
+    def __init__(self, port: int) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def post(self, verb: str, body: dict[str, Any]) -> Any:
+        self.connection.request("POST", f"{PREFIX}/{verb}", body=json.dumps(body).encode())
+        response = self.connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{verb}: {response.status} {data[:200]!r}")
+        return json.loads(data)
+
+
+def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    extender = Extender(api=api, workdir=Path(tempfile.mkdtemp(prefix="gps-bench-")), args=["--policy", args.policy])
+    extender.start()
+    try:
+        started = time.perf_counter()
+        extender.wait_ready(900)
+        synced = time.perf_counter() - started
+        assert extender.process is not None
+        process = psutil.Process(extender.process.pid)
+        rss_synced = process.memory_info().rss
+        client = Client(extender.port)
+        filters: list[float] = []
+        prioritizes: list[float] = []
+        binds: list[float] = []
+        for i in range(args.requests):
+            body = pending(api, f"http-{i:05d}", rng)
+            candidates = rng.sample(names, min(args.candidates, len(names)))
+            passed = timed(filters, client.post, "filter", {"Pod": body, "NodeNames": candidates})["NodeNames"] or []
+            timed(prioritizes, client.post, "prioritize", {"Pod": body, "NodeNames": passed})
+            if passed:
+                timed(binds, client.post, "bind", binding_of(body, passed[0]))
+        bodies = [pending(api, f"rate-{i:06d}", rng) for i in range(args.rate_pods)]
+        done = 0
+        started = time.perf_counter()
+        for body in bodies:
+            if time.perf_counter() - started > args.seconds:
+                break
+            candidates = rng.sample(names, min(args.candidates, len(names)))
+            passed = client.post("filter", {"Pod": body, "NodeNames": candidates})["NodeNames"] or []
+            if passed:
+                client.post("bind", binding_of(body, passed[0]))
+            done += 1
+        rate = done / (time.perf_counter() - started)
+        return {
+            "cacheSyncSeconds": round(synced, 2),
+            "rssMiBSynced": round(rss_synced / 2**20, 1),
+            "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
+            "filter": percentiles(filters),
+            "prioritize": percentiles(prioritizes),
+            "bind": percentiles(binds),
+            "filterPlusBindPerSecond": round(rate, 1),
+        }
+    finally:
+        extender.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=1000)
+    parser.add_argument("--pods", type=int, default=20000, help="running pods in the cache")
+    parser.add_argument("--candidates", type=int, default=1000, help="node names per filter call")
+    parser.add_argument("--requests", type=int, default=300, help="timed filter/prioritize/bind rounds")
+    parser.add_argument("--seconds", type=float, default=20, help="length of the sustained filter+bind run")
+    parser.add_argument("--rate-pods", type=int, default=20000, help="pods created for the sustained run")
+    parser.add_argument("--policy", default="binpack")
+    parser.add_argument("--skip-http", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(42)
+    with FakeApiServer(history=1_000_000) as api:
+        started = time.perf_counter()
+        names = populate(api, nodes=args.nodes, pods=args.pods, rng=rng)
+        report: dict[str, Any] = {
+            "nodes": args.nodes,
+            "gpus": args.nodes * GPUS,
+            "pods": args.pods,
+            "candidates": args.candidates,
+            "policy": args.policy,
+            "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
+            "populateSeconds": round(time.perf_counter() - started, 1),
+        }
+        report["inProcess"] = in_process(api, names, args, rng)
+        if not args.skip_http:
+            report["http"] = over_http(api, names, args, rng)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""Placement quality on the Alibaba GPU trace ("openb", cluster-trace-gpu-v2023), the FGD paper's method.
+
+Every pod list of the trace (or those named), every policy the extender serves (or those named), seeds
+42-51: each run replays the trace through ``gpushared.replay`` (the extender's own policy code) and records
+the GPU allocation at every 1 % of arrived workload. Writes, under ``--out``:
+
+- ``openb.json``: ``{trace: {policy: {"100": pct, "130": pct, "frag90": pct}}}``, means over the seeds;
+- ``openb-details.json``: the mean curves, every seed's numbers, the multi-GPU tasks that arrived and were
+  not placed, the machine and the command;
+- ``openb-<trace>.png``: allocation vs arrived workload, ours beside the paper's published curves.
+
+    .venv/bin/python scripts/bench_openb.py                      # what `make bench` runs
+    .venv/bin/python scripts/bench_openb.py --traces default --policies binpack fgd --seeds 42
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpushared.core.placement import POLICIES
+from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay
+from gpushared.replay.trace import read_nodes, read_pods
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_DATA = Path(os.environ.get("GPUSHARED_TRACE_DIR", ROOT.parent / "shared" / "data" / "alibaba-gpu-v2023"))
+NODE_LIST = "openb_node_list_gpu_node.csv"
+POD_LIST = "openb_pod_list_{}.csv"
+#: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
+PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}
+
+
+def traces_in(data: Path) -> list[str]:
+    return sorted(p.name[len("openb_pod_list_") : -len(".csv")] for p in data.glob(POD_LIST.format("*")))
+
+
+@functools.cache
+def _inputs(data: str, trace: str) -> tuple[Any, Any]:
+    return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
+
+
+def _run(job: tuple[str, str, str, int]) -> tuple[str, Replay]:
+    data, trace, policy, seed = job
+    nodes, pods = _inputs(data, trace)
+    return trace, replay(nodes, pods, policy=policy, seed=seed)
+
+
+def paper_curves(data: Path) -> dict[str, dict[str, list[float]]]:
+    """The authors' published allocation curves, mean over their seeds: {trace: {policy: [0..130]}}."""
+    path = data / "fgd-expected-results" / "analysis_allo_discrete.csv"
+    if not path.exists():
+        return {}
+    runs: dict[tuple[str, str], list[list[float]]] = defaultdict(list)
+    with path.open(newline="") as stream:
+        for row in csv.DictReader(stream):
+            if row["sc_policy"] in PAPER and float(row["tune"]) == RATIO:
+                trace = row["workload"].removeprefix("openb_pod_list_")
+                runs[(trace, row["sc_policy"])].append([float(row[str(k)]) for k in range(round(RATIO * 100) + 1)])
+    curves: dict[str, dict[str, list[float]]] = defaultdict(dict)
+    for (trace, policy), seeds in runs.items():
+        curves[trace][policy] = [statistics.fmean(column) for column in zip(*seeds, strict=True)]
+    return curves
+
+
+def summarize(results: Iterable[tuple[str, Replay]]) -> tuple[dict[str, Any], dict[str, Any]]:
+    by: dict[str, dict[str, list[Replay]]] = defaultdict(lambda: defaultdict(list))
+    for trace, result in results:
+        by[trace][result.policy].append(result)
+    summary: dict[str, Any] = {}
+    details: dict[str, Any] = {}
+    for trace in sorted(by):
+        summary[trace], details[trace] = {}, {}
+        for policy in sorted(by[trace], key=list(POLICIES).index):
+            runs = sorted(by[trace][policy], key=lambda r: r.seed)
+            curve = [statistics.fmean(column) for column in zip(*(r.allocation for r in runs), strict=True)]
+            summary[trace][policy] = {
+                "100": round(curve[100], 2),
+                "130": round(curve[round(RATIO * 100)], 2),
+                f"frag{FRAG_AT}": round(statistics.fmean(r.frag_rate for r in runs), 2),
+            }
+            details[trace][policy] = {
+                "allocation": [round(v, 3) for v in curve],
+                "seeds": {
+                    r.seed: {
+                        "100": round(r.allocation[100], 2),
+                        "130": round(r.allocation[-1], 2),
+                        f"frag{FRAG_AT}": round(r.frag_rate, 2),
+                        "placed": r.placed,
+                        "failed": r.failed,
+                        "multiGpuTasks": r.multi_gpu_tasks,
+                        "multiGpuGpus": r.multi_gpu_gpus,
+                    }
+                    for r in runs
+                },
+                "stdev130": round(statistics.pstdev(r.allocation[-1] for r in runs), 2),
+                "unallocatedGpusAtEnd": round(statistics.fmean(r.unallocated_gpus for r in runs), 1),
+                "strandedByCpuGpusAtEnd": round(statistics.fmean(r.stranded_gpus for r in runs), 1),
+                "multiGpuTasksNotPlaced": round(statistics.fmean(r.multi_gpu_tasks for r in runs), 1),
+                "multiGpuGpusNotPlaced": round(statistics.fmean(r.multi_gpu_gpus for r in runs), 1),
+            }
+    return summary, details
+
+
+#: One colour per policy family: ours solid, the paper's nearest policy dashed in the same colour.
+COLOURS = {
+    "binpack": "tab:blue",
+    "05-BestFit": "tab:blue",
+    "fgd": "tab:green",
+    "06-FGD": "tab:green",
+    "spread": "tab:red",
+    "01-Random": "tab:gray",
+}
+#: Drawn wide and pale, so that a policy drawn over it with the same numbers still shows.
+UNDERLAY = {"binpack"}
+
+
+def plot(trace: str, ours: dict[str, Any], paper: dict[str, list[float]], path: Path, *, cluster: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arrived = list(range(round(RATIO * 100) + 1))
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=110)
+    axes.plot(arrived, arrived, color="0.8", linewidth=1, label="arrived (upper bound)")
+    for policy, result in ours.items():
+        wide = policy in UNDERLAY
+        axes.plot(
+            arrived,
+            result["allocation"],
+            linewidth=4 if wide else 1.8,
+            alpha=0.45 if wide else 1.0,
+            color=COLOURS.get(policy),
+            label=f"gpushared {policy}",
+        )
+    for name, curve in paper.items():
+        axes.plot(arrived, curve, linestyle="--", linewidth=1.3, color=COLOURS.get(name), label=PAPER[name])
+    axes.set_xlim(0, arrived[-1])
+    axes.set_ylim(0, 100)
+    axes.set_xlabel("arrived workload (% of cluster GPU capacity)")
+    axes.set_ylabel("GPU allocation (%)")
+    seeds = len(next(iter(ours.values()))["seeds"])
+    axes.set_title(f"openb {trace}: {cluster}, mean of {seeds} seed{'s' if seeds > 1 else ''}")
+    axes.grid(alpha=0.3)
+    axes.legend(loc="lower right", fontsize=8)
+    inset = figure.add_axes((0.17, 0.55, 0.3, 0.28))
+    zoom = arrived[80:]
+    for policy, result in ours.items():
+        wide = policy in UNDERLAY
+        inset.plot(
+            zoom,
+            result["allocation"][80:],
+            linewidth=3 if wide else 1.3,
+            alpha=0.45 if wide else 1,
+            color=COLOURS.get(policy),
+        )
+    for name, curve in paper.items():
+        inset.plot(zoom, curve[80:], linestyle="--", linewidth=1, color=COLOURS.get(name))
+    inset.set_ylim(80, 100)
+    inset.tick_params(labelsize=7)
+    inset.grid(alpha=0.3)
+    figure.savefig(path, bbox_inches="tight")
+    plt.close(figure)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the trace's directory")
+    parser.add_argument("--traces", nargs="*", help="pod list suffixes (default: every one in --data)")
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--replot", action="store_true", help="only draw the plots again from --out's details")
+    args = parser.parse_args()
+    if args.replot:
+        details = json.loads((args.out / "openb-details.json").read_text())["traces"]
+        draw(args.data, details, paper_curves(args.data), args.out)
+        return
+    if not (args.data / NODE_LIST).exists():
+        parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
+    traces = args.traces or traces_in(args.data)
+    jobs = [(str(args.data), t, p, s) for t in traces for p in args.policies for s in args.seeds]
+    started = time.monotonic()
+    with Pool(min(args.jobs, len(jobs))) as pool:
+        results = []
+        for done, result in enumerate(pool.imap_unordered(_run, jobs), 1):
+            results.append(result)
+            print(f"\r{done}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    summary, details = summarize(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "openb.json").write_text(json.dumps(summary, indent=2) + "\n")
+    paper = paper_curves(args.data)
+    (args.out / "openb-details.json").write_text(
+        json.dumps(
+            {
+                "command": " ".join(["scripts/bench_openb.py", *sys.argv[1:]]),
+                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+                "seconds": round(time.monotonic() - started),
+                "traces": details,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    if not args.no_plots:
+        draw(args.data, details, paper, args.out)
+    print(json.dumps(summary, indent=2))
+
+
+def draw(data: Path, details: dict[str, Any], paper: dict[str, dict[str, list[float]]], out: Path) -> None:
+    nodes = read_nodes(data / NODE_LIST)
+    cluster = f"{len(nodes):,} nodes, {sum(n.gpus for n in nodes):,} GPUs"
+    for trace, ours in details.items():
+        plot(trace, ours, paper.get(trace, {}), out / f"openb-{trace}.png", cluster=cluster)
+
+
+if __name__ == "__main__":
+    main()
