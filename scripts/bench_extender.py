@@ -8,7 +8,9 @@ binpack, so the ledgers look like a busy cluster's). Then:
   the production Scheduler; each pending pod (1-8 GiB) is filtered and prioritized against
   ``--candidates`` node names, as kube-scheduler sends them (``nodeCacheCapable: true``), and bound;
 - over HTTP: the real ``gpushared-extender`` process against the same API server, called the way
-  kube-scheduler calls it (one keep-alive connection, JSON bodies); its RSS is read after its cache synced;
+  kube-scheduler calls it (one keep-alive connection, JSON bodies): filter alone with the cluster at rest,
+  then, as in-process, a new pending pod before each round (its watch event reaches the extender as the
+  filter does); its RSS is read after its cache synced and at the end;
 - sustained: filter + bind of new pods one after another for ``--seconds`` over HTTP.
 
     .venv/bin/python scripts/bench_extender.py --nodes 1000 --pods 20000 --candidates 1000
@@ -168,6 +170,11 @@ def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rn
         process = psutil.Process(extender.process.pid)
         rss_synced = process.memory_info().rss
         client = Client(extender.port)
+        at_rest: list[float] = []  # nothing else happening: no pods created or bound meanwhile
+        body = pending(api, "http-at-rest", rng)
+        for _ in range(args.requests):
+            candidates = rng.sample(names, min(args.candidates, len(names)))
+            timed(at_rest, client.post, "filter", {"Pod": body, "NodeNames": candidates})
         filters: list[float] = []
         prioritizes: list[float] = []
         binds: list[float] = []
@@ -194,6 +201,7 @@ def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rn
             "cacheSyncSeconds": round(synced, 2),
             "rssMiBSynced": round(rss_synced / 2**20, 1),
             "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
+            "filterAtRest": percentiles(at_rest),
             "filter": percentiles(filters),
             "prioritize": percentiles(prioritizes),
             "bind": percentiles(binds),

@@ -179,6 +179,7 @@ class Ledger:
     _used: dict[int, int] = field(default_factory=dict)
     _mps: dict[int, int] = field(default_factory=dict)
     _shared: dict[int, int] = field(default_factory=dict)
+    _version: int = 0
 
     @classmethod
     def build(cls, inventory: GpuInventory, holdings: Iterable[Holding] = ()) -> Ledger:
@@ -190,6 +191,11 @@ class Ledger:
     @property
     def unit(self) -> MemoryUnit:
         return self.inventory.unit
+
+    @property
+    def version(self) -> int:
+        """Changes whenever a holding comes or goes: what is derived from a ledger can be kept until then."""
+        return self._version
 
     def add(self, holding: Holding) -> None:
         """Record ``holding``, replacing what the same pod held before."""
@@ -204,6 +210,7 @@ class Ledger:
         return holding
 
     def _count(self, holding: Holding, sign: int) -> None:
+        self._version += 1
         modes = self._mps if holding.mps else self._shared
         for index, amount in holding.gpus.items():
             _bump(self._used, index, sign * amount)

@@ -62,6 +62,26 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
     return verdicts
 
 
+def most_free(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS) -> int:
+    """The most units free on one GPU that a pod of this kind (MPS or not) may take; -1 when none may.
+
+    :func:`judge` finds a GPU that fits a request exactly when the request is positive and at most this, so
+    a filter can answer from one number per node, kept until the ledger changes, instead of judging every GPU
+    of every candidate on every call."""
+    best = -1
+    for gpu in ledger.inventory.gpus:
+        if not gpu.healthy:
+            continue
+        mode = ledger.mode(gpu.index)
+        if mps:
+            if not gpu.mps_capable or mode is GpuMode.SHARED or ledger.mps_clients(gpu.index) >= max_mps_clients:
+                continue
+        elif mode is GpuMode.MPS:
+            continue
+        best = max(best, ledger.free(gpu))
+    return best
+
+
 def explain(verdicts: list[GpuVerdict]) -> str:
     """One line for a node that cannot take the pod (the extender's FailedNodes entry)."""
     if not verdicts:

@@ -22,7 +22,7 @@ from typing import Any
 from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.placement import GpuVerdict, judge
+from gpushared.core.placement import GpuVerdict, Policy, explain, judge, most_free
 from gpushared.core.requests import PodRequest
 from gpushared.kube.informer import Informer, uid_of
 
@@ -43,6 +43,8 @@ class NodeState:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod bound here
     ledger: Ledger | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises binds to this node
+    #: what filter derived from the ledger: key -> (ledger version, value); emptied when the ledger is rebuilt
+    memo: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict)
 
 
 class ClusterCache:
@@ -61,6 +63,7 @@ class ClusterCache:
         self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
         self._next_expiry = 0.0
         self._mix = RequestMix()
+        self._mix_generation = 0
         self._mix_counted = -MIX_SECONDS
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
         self.pods = Informer(list_pods, name="pods", handler=self._on_pod)
@@ -82,21 +85,75 @@ class ClusterCache:
     def judge(self, name: str, request: PodRequest) -> list[GpuVerdict] | str:
         """The node's verdict per GPU for ``request``, or why the node is not a candidate at all.
 
-        Judged under the cache lock against the live ledger: no copy per node, so filtering a thousand
-        nodes stays cheap, and the informers cannot change a ledger half-way through.
+        Judged under the cache lock against the live ledger: no copy per node, and the informers cannot
+        change a ledger half-way through.
         """
         with self._lock:
             self._expire_assumed()
-            state = self._nodes.get(name)
-            if state is None:
-                return f"node {name} is not in the extender's cache (unknown node)"
-            if state.problem:
-                return f"node {name} is not usable: {state.problem}"
-            if state.ledger is None:
-                return (
-                    f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
-                )
-            return judge(state.ledger, request)
+            usable = self._usable(name)
+            return usable if isinstance(usable, str) else judge(usable[1], request)
+
+    def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
+        """The nodes with a GPU that fits ``request``, and why each other one has none.
+
+        Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes, under
+        one hold of the lock: a thousand candidates cost a thousand dict lookups. A node that does not fit
+        is judged GPU by GPU once per ledger change and request, for the reason kube-scheduler reports.
+        """
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        need, mps = request.total, request.mps
+        with self._lock:
+            self._expire_assumed()
+            for name in names:
+                usable = self._usable(name)
+                if isinstance(usable, str):
+                    failed[name] = usable
+                    continue
+                state, ledger = usable
+                best = state.memo.get(("most", mps))
+                if best is None or best[0] != ledger.version:
+                    best = state.memo[("most", mps)] = (ledger.version, most_free(ledger, mps=mps))
+                if 0 < need <= best[1]:
+                    passed.append(name)
+                    continue
+                why = state.memo.get(("why", need, mps))
+                if why is None or why[0] != ledger.version:
+                    why = _remember(state, ("why", need, mps), ledger.version, explain(judge(ledger, request)))
+                failed[name] = why[1]
+        return passed, failed
+
+    def node_costs(self, names: list[str], request: PodRequest, policy: Policy) -> list[float | None]:
+        """``policy``'s price of each node for ``request`` (None: it does not fit), kept per node until its
+        ledger or the request mix changes."""
+        costs: list[float | None] = []
+        with self._lock:
+            self._expire_assumed()
+            mix = self.request_mix()
+            key = ("cost", policy.name, request.total, request.mps, self._mix_generation)
+            for name in names:
+                usable = self._usable(name)
+                if isinstance(usable, str):
+                    costs.append(None)
+                    continue
+                state, ledger = usable
+                known = state.memo.get(key)
+                if known is None or known[0] != ledger.version:
+                    cost = policy.node_cost(judge(ledger, request), request, mix)
+                    known = _remember(state, key, ledger.version, cost)
+                costs.append(known[1])
+        return costs
+
+    def _usable(self, name: str) -> tuple[NodeState, Ledger] | str:
+        """The node and its ledger, or why it is no candidate at all."""
+        state = self._nodes.get(name)
+        if state is None:
+            return f"node {name} is not in the extender's cache (unknown node)"
+        if state.problem:
+            return f"node {name} is not usable: {state.problem}"
+        if state.ledger is None:
+            return f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
+        return state, state.ledger
 
     def request_mix(self) -> RequestMix:
         """What the pods on gpushared nodes ask for, counted again at most every MIX_SECONDS: the mix moves
@@ -104,6 +161,7 @@ class ClusterCache:
         with self._lock:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
+                self._mix_generation += 1
                 self._mix = RequestMix(
                     sum(h.gpus.values()) + h.pending
                     for state in self._nodes.values()
@@ -244,6 +302,7 @@ class ClusterCache:
                     state.ledger.remove(uid)
 
     def _rebuild(self, state: NodeState) -> None:
+        state.memo.clear()
         if state.inventory is None:
             state.ledger = None
             return
@@ -256,6 +315,17 @@ class ClusterCache:
     def _holding(self, pod: dict[str, Any], state: NodeState) -> Holding | None:
         assert state.inventory is not None
         return holding_from_pod(pod, unit=state.inventory.unit, resources=self.resources)  # type: ignore[arg-type]
+
+
+#: Entries a node's memo keeps: one per request size and kind seen since its ledger last changed.
+MEMO_LIMIT = 256
+
+
+def _remember(state: NodeState, key: tuple[Any, ...], version: int, value: Any) -> tuple[int, Any]:
+    if len(state.memo) >= MEMO_LIMIT:
+        state.memo.clear()  # old sizes and mixes: cheaper to forget all than to track which
+    entry = state.memo[key] = (version, value)
+    return entry
 
 
 def _pod_key(state: NodeState | None, uid: str) -> tuple[str, str]:

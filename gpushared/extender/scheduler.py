@@ -62,16 +62,7 @@ class Scheduler:
             request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
         except ContractError as exc:
             return [], {}, f"pod {pod}: {exc}"
-        passed: list[str] = []
-        failed: dict[str, str] = {}
-        for name in args.names:
-            verdicts = self.cache.judge(name, request)
-            if isinstance(verdicts, str):
-                failed[name] = verdicts
-            elif any(v.fits for v in verdicts):
-                passed.append(name)
-            else:
-                failed[name] = explain(verdicts)
+        passed, failed = self.cache.filter(args.names, request)
         return passed, failed, ""
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
@@ -79,11 +70,7 @@ class Scheduler:
             request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
         except ContractError:
             return [(name, 0) for name in args.names]
-        mix = self.cache.request_mix()
-        costs = []
-        for name in args.names:
-            verdicts = self.cache.judge(name, request)
-            costs.append(None if isinstance(verdicts, str) else self.policy.node_cost(verdicts, request, mix))
+        costs = self.cache.node_costs(args.names, request, self.policy)
         return list(zip(args.names, node_scores(costs), strict=True))
 
     def bind(self, args: BindingArgs) -> None:

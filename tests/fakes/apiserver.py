@@ -14,6 +14,7 @@ Every request is logged in :attr:`FakeApiServer.requests` so tests can assert wh
 
 from __future__ import annotations
 
+import bisect
 import copy
 import datetime
 import itertools
@@ -517,6 +518,12 @@ class FakeApiServer:
             raise ApiError(400, "BadRequest", str(exc)) from None
         return self._events_of(resource, namespace, query, fields, labels)
 
+    def _events_after(self, since: int, plural: str) -> list[_Event]:
+        """History is in resourceVersion order: find the start by bisection, not by scanning all of it
+        on every wake of every watch (which made benchmarks with 100k objects measure this fake)."""
+        start = bisect.bisect_right(self._events, since, key=lambda e: e.rv)
+        return [e for e in self._events[start:] if e.plural == plural]
+
     def _events_of(
         self, resource: Resource, namespace: str | None, query: dict[str, str], fields: Any, labels: Any
     ) -> Iterator[dict[str, Any] | None]:
@@ -560,10 +567,10 @@ class FakeApiServer:
             yield from initial
             while True:
                 with self._lock:
-                    pending = [e for e in self._events if e.rv > since and e.plural == resource.plural]
+                    pending = self._events_after(since, resource.plural)
                     if not pending and not (watch.expire or watch.cut):
                         self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-                        pending = [e for e in self._events if e.rv > since and e.plural == resource.plural]
+                        pending = self._events_after(since, resource.plural)
                     cut, expired = watch.cut, watch.expire
                 if cut:
                     raise ConnectionAbortedError("watch cut by the test")

@@ -18,8 +18,8 @@ from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge
-from gpushared.core.requests import ContainerRequest, peak, pod_request
+from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge, most_free
+from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM
 
 EXAMPLES = 300
@@ -146,6 +146,14 @@ class PlacementHistory(RuleBasedStateMachine):
         if self.ledger is not None and uid:
             self.ledger.remove(uid)
             del self.bodies[uid]
+
+    @rule(amount=st.integers(0, 64), mps=st.booleans())
+    def the_filter_shortcut_agrees_with_judging_every_gpu(self, amount: int, mps: bool) -> None:
+        if self.ledger is None:
+            return
+        request = PodRequest(containers=(ContainerRequest("c", amount),) if amount else (), mps=mps)
+        fits = any(v.fits for v in judge(self.ledger, request))
+        assert fits == (0 < amount <= most_free(self.ledger, mps=mps))
 
     @invariant()
     def no_gpu_over_capacity_or_mixed(self) -> None:
