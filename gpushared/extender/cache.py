@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.core.bodies import slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.placement import GpuVerdict, Policy, explain, judge, most_free
@@ -66,7 +67,7 @@ class ClusterCache:
         self._mix_generation = 0
         self._mix_counted = -MIX_SECONDS
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
-        self.pods = Informer(list_pods, name="pods", handler=self._on_pod)
+        self.pods = Informer(list_pods, name="pods", handler=self._on_pod, transform=slim_pod)
 
     def start(self) -> None:
         self.nodes.start()

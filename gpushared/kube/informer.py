@@ -41,6 +41,10 @@ def version_of(obj: dict[str, Any]) -> int:
     return int(text) if text.isdigit() else 0
 
 
+#: Objects per list page: client-go's default.
+PAGE = 500
+
+
 class Informer:
     """``list_call`` is a kubernetes client list method (e.g. ``CoreV1Api.list_node``)."""
 
@@ -53,8 +57,11 @@ class Informer:
         watch_seconds: int = 300,
         relist_seconds: float = 1800.0,
         handler: Handler | None = None,
+        transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.list_call = list_call
+        #: applied to every object before it is kept: a cache that keeps only what it reads stays small
+        self.transform = transform or (lambda obj: obj)
         self.name = name
         self.field_selector = field_selector
         self.watch_seconds = watch_seconds
@@ -106,7 +113,7 @@ class Informer:
             known = self._objects.get(key_of(obj))
             if known is not None and uid_of(known) == uid_of(obj) and version_of(known) >= version_of(obj):
                 return
-            self._set(obj)
+            self._set(self.transform(obj))
 
     # --- the thread ----------------------------------------------------------------------------------------
 
@@ -144,12 +151,24 @@ class Informer:
             raise KubeError(f"{self.name}: {exc}", status=status if isinstance(status, int) else None) from exc
 
     def _list(self) -> str:
-        response = self._call(_request_timeout=REQUEST_TIMEOUT)
-        listing = json.loads(response.data)
-        items = {key_of(obj): obj for obj in listing.get("items") or []}
+        """Everything, in pages (as client-go lists): each page is parsed and transformed before the next
+        is read, so a cache of 150k pods never holds them all whole at once."""
+        items: dict[Key, dict[str, Any]] = {}
+        token = ""
+        while True:
+            response = self._call(
+                _request_timeout=REQUEST_TIMEOUT, limit=PAGE, **({"_continue": token} if token else {})
+            )
+            listing = json.loads(response.data)
+            for obj in listing.get("items") or []:
+                items[key_of(obj)] = self.transform(obj)
+            token = (listing.get("metadata") or {}).get("continue") or ""
+            if not token:
+                break
         with self._lock:
             old = self._objects
             self._objects = dict(items)
+            changes: list[tuple[dict[str, Any] | None, dict[str, Any] | None]]
             changes = [(old.get(k), None) for k in old.keys() - items.keys()]
             changes += [(old.get(k), obj) for k, obj in items.items() if old.get(k) != obj]
             for before, after in changes:
@@ -200,7 +219,7 @@ class Informer:
                     del self._objects[key_of(obj)]
                     self._notify(known, None)
             else:
-                self._set(obj)
+                self._set(self.transform(obj))
             self._lock.notify_all()
         return str((obj.get("metadata") or {}).get("resourceVersion", version))
 

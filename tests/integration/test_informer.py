@@ -106,3 +106,18 @@ def test_remember_keeps_the_newer_copy(api: FakeApiServer) -> None:
     informer.remember(stale)
     assert informer.get("", "a") == current
     informer.stop()
+
+
+def test_lists_in_pages_and_keeps_only_what_the_transform_leaves(api: FakeApiServer) -> None:
+    for i in range(1201):
+        api.create(node_body(f"n{i:04d}"))
+    informer = start(api, Recorder(), transform=lambda node: {"metadata": node["metadata"]})
+    try:
+        assert len(informer.objects()) == 1201
+        assert all(set(o) == {"metadata"} for o in informer.objects())
+        lists = [r for r in api.requests if r.method == "GET" and r.path.endswith("/nodes") and "watch" not in r.query]
+        assert [r.query.get("limit") for r in lists] == ["500", "500", "500"]
+        api.create(node_body("late"))
+        wait_until(lambda: "late" in names(informer), message="watched after the paged list")
+    finally:
+        informer.stop()

@@ -16,6 +16,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.bodies import slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
 from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge, most_free
@@ -182,3 +183,26 @@ class PlacementHistory(RuleBasedStateMachine):
 
 PlacementHistory.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
 TestPlacementHistory = PlacementHistory.TestCase
+
+
+@settings(max_examples=200)
+@given(inventory=inventories(), body=pod_bodies(), now=st.integers(0, 2**62))
+def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
+    inventory: GpuInventory, body: dict[str, Any], now: int
+) -> None:
+    """The extender's cache keeps pods slim: nothing it reads may be lost."""
+    request = pod_request(body)
+    if inventory.gpus and request.total:
+        body["metadata"]["annotations"] = {
+            **(body["metadata"].get("annotations") or {}),
+            **bind_annotations(request, inventory.gpus[0], unit=inventory.unit, now_ns=now),
+            "kubectl.kubernetes.io/last-applied-configuration": "{...}",
+        }
+    body["spec"]["nodeName"] = "n1"
+    body["spec"]["volumes"] = [{"name": "data", "emptyDir": {}}]
+    body.setdefault("status", {})["phase"] = "Running"
+    slim = slim_pod(body)
+    assert pod_request(slim) == request
+    assert holding_from_pod(slim, unit=inventory.unit) == holding_from_pod(body, unit=inventory.unit)
+    assert "volumes" not in slim["spec"]
+    assert "kubectl.kubernetes.io/last-applied-configuration" not in slim["metadata"].get("annotations", {})
