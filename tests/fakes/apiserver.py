@@ -482,22 +482,22 @@ class FakeApiServer:
             labels = label_selector(query.get("labelSelector"))
         except SelectorError as exc:
             raise ApiError(400, "BadRequest", str(exc)) from None
+        limit = int(query.get("limit") or 0)
+        start = int(query["continue"]) if query.get("continue") else 0
+        meta: dict[str, Any] = {}
         with self._lock:
-            items = [
-                copy.deepcopy(obj)
+            selected = [
+                obj
                 for (plural, ns, _), obj in sorted(self._objects.items())
                 if plural == resource.plural and (namespace is None or ns == namespace) and fields(obj) and labels(obj)
             ]
-            rv = str(self._current_rv)
-        meta: dict[str, Any] = {"resourceVersion": rv}
-        limit = int(query.get("limit") or 0)
-        start = int(query["continue"]) if query.get("continue") else 0
-        if limit:
-            page = items[start : start + limit]
-            if start + limit < len(items):
-                meta["continue"] = str(start + limit)
-                meta["remainingItemCount"] = len(items) - start - limit
-            items = page
+            if limit:
+                if start + limit < len(selected):
+                    meta["continue"] = str(start + limit)
+                    meta["remainingItemCount"] = len(selected) - start - limit
+                selected = selected[start : start + limit]
+            items = [copy.deepcopy(obj) for obj in selected]  # only the page: a 150k-pod list is 300 pages
+            meta["resourceVersion"] = str(self._current_rv)
         return {
             "kind": f"{resource.kind}List",
             "apiVersion": resource.api_version,
