@@ -69,11 +69,6 @@ def timed(samples: list[float], call: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def binding_of(body: dict[str, Any], node: str) -> dict[str, str]:
-    meta = body["metadata"]
-    return {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
-
-
 def populate(api: FakeApiServer, *, nodes: int, pods: int, rng: random.Random) -> list[str]:
     """Nodes, and running pods placed by the extender's binpack; the node names."""
     names = [f"node-{i:05d}" for i in range(nodes)]
@@ -104,6 +99,73 @@ def pending(api: FakeApiServer, name: str, rng: random.Random) -> dict[str, Any]
     return api.create(pod(name, rng.randint(1, 8), uid=f"uid-{name}"))
 
 
+class InProcess:
+    """The verbs called on the production Scheduler directly."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def filter(self, body: dict[str, Any], names: list[str]) -> list[str]:
+        passed, _, _ = self.scheduler.filter(ExtenderArgs(pod=body, node_names=names, nodes=None))
+        return passed
+
+    def prioritize(self, body: dict[str, Any], names: list[str]) -> Any:
+        return self.scheduler.prioritize(ExtenderArgs(pod=body, node_names=names, nodes=None))
+
+    def bind(self, body: dict[str, Any], node: str) -> None:
+        meta = body["metadata"]
+        self.scheduler.bind(
+            BindingArgs(pod_name=meta["name"], pod_namespace=meta["namespace"], pod_uid=meta["uid"], node=node)
+        )
+
+
+class OverHttp:
+    """The verbs posted to the extender process on one keep-alive connection, as kube-scheduler's client does."""
+
+    def __init__(self, port: int) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+
+    def post(self, verb: str, body: dict[str, Any]) -> Any:
+        self.connection.request("POST", f"{PREFIX}/{verb}", body=json.dumps(body).encode())
+        response = self.connection.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise RuntimeError(f"{verb}: {response.status} {data[:200]!r}")
+        return json.loads(data)
+
+    def filter(self, body: dict[str, Any], names: list[str]) -> list[str]:
+        return list(self.post("filter", {"Pod": body, "NodeNames": names})["NodeNames"] or [])
+
+    def prioritize(self, body: dict[str, Any], names: list[str]) -> Any:
+        return self.post("prioritize", {"Pod": body, "NodeNames": names})
+
+    def bind(self, body: dict[str, Any], node: str) -> None:
+        meta = body["metadata"]
+        self.post(
+            "bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+        )
+
+
+Verbs = InProcess | OverHttp
+
+
+def rounds(
+    api: FakeApiServer, verbs: Verbs, names: list[str], args: argparse.Namespace, rng: random.Random
+) -> dict[str, Any]:
+    """Per round: a new pending pod, filter against a sample of the nodes, prioritize what passed, bind."""
+    filters: list[float] = []
+    prioritizes: list[float] = []
+    binds: list[float] = []
+    tag = type(verbs).__name__.lower()
+    for i in range(args.requests):
+        body = pending(api, f"{tag}-{i:05d}", rng)
+        passed = timed(filters, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
+        timed(prioritizes, verbs.prioritize, body, passed)
+        if passed:
+            timed(binds, verbs.bind, body, passed[0])
+    return {"filter": percentiles(filters), "prioritize": percentiles(prioritizes), "bind": percentiles(binds)}
+
+
 def in_process(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     kubeconfig = Path(tempfile.mkdtemp(prefix="gps-bench-")) / "kubeconfig"
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
@@ -118,45 +180,12 @@ def in_process(api: FakeApiServer, names: list[str], args: argparse.Namespace, r
     cache.nodes.wait_synced(600)
     cache.pods.wait_synced(600)
     synced = time.perf_counter() - started
-    scheduler = Scheduler(
-        cache=cache, api=client, policy=policy_named(args.policy), resources=contract.DEFAULT_RESOURCES
-    )
-    filters: list[float] = []
-    prioritizes: list[float] = []
-    binds: list[float] = []
-    for i in range(args.requests):
-        body = pending(api, f"ip-{i:05d}", rng)
-        candidates = rng.sample(names, min(args.candidates, len(names)))
-        passed, _, _ = timed(filters, scheduler.filter, ExtenderArgs(pod=body, node_names=candidates, nodes=None))
-        timed(prioritizes, scheduler.prioritize, ExtenderArgs(pod=body, node_names=passed, nodes=None))
-        if passed:
-            wire = binding_of(body, passed[0])
-            binding = BindingArgs(
-                pod_name=wire["PodName"], pod_namespace=wire["PodNamespace"], pod_uid=wire["PodUID"], node=wire["Node"]
-            )
-            timed(binds, scheduler.bind, binding)
-    cache.stop()
-    return {
-        "cacheSyncSeconds": round(synced, 2),
-        "filter": percentiles(filters),
-        "prioritize": percentiles(prioritizes),
-        "bind": percentiles(binds),
-    }
-
-
-class Client:
-    """One keep-alive connection, as kube-scheduler's HTTP client keeps."""
-
-    def __init__(self, port: int) -> None:
-        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-
-    def post(self, verb: str, body: dict[str, Any]) -> Any:
-        self.connection.request("POST", f"{PREFIX}/{verb}", body=json.dumps(body).encode())
-        response = self.connection.getresponse()
-        data = response.read()
-        if response.status != 200:
-            raise RuntimeError(f"{verb}: {response.status} {data[:200]!r}")
-        return json.loads(data)
+    policy = policy_named(args.policy)
+    scheduler = Scheduler(cache=cache, api=client, policy=policy, resources=contract.DEFAULT_RESOURCES)
+    try:
+        return {"cacheSyncSeconds": round(synced, 2), **rounds(api, InProcess(scheduler), names, args, rng)}
+    finally:
+        cache.stop()
 
 
 def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
@@ -169,32 +198,21 @@ def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rn
         assert extender.process is not None
         process = psutil.Process(extender.process.pid)
         rss_synced = process.memory_info().rss
-        client = Client(extender.port)
+        verbs = OverHttp(extender.port)
         at_rest: list[float] = []  # nothing else happening: no pods created or bound meanwhile
         body = pending(api, "http-at-rest", rng)
         for _ in range(args.requests):
-            candidates = rng.sample(names, min(args.candidates, len(names)))
-            timed(at_rest, client.post, "filter", {"Pod": body, "NodeNames": candidates})
-        filters: list[float] = []
-        prioritizes: list[float] = []
-        binds: list[float] = []
-        for i in range(args.requests):
-            body = pending(api, f"http-{i:05d}", rng)
-            candidates = rng.sample(names, min(args.candidates, len(names)))
-            passed = timed(filters, client.post, "filter", {"Pod": body, "NodeNames": candidates})["NodeNames"] or []
-            timed(prioritizes, client.post, "prioritize", {"Pod": body, "NodeNames": passed})
-            if passed:
-                timed(binds, client.post, "bind", binding_of(body, passed[0]))
+            timed(at_rest, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
+        measured = rounds(api, verbs, names, args, rng)
         bodies = [pending(api, f"rate-{i:06d}", rng) for i in range(args.rate_pods)]
         done = 0
         started = time.perf_counter()
         for body in bodies:
             if time.perf_counter() - started > args.seconds:
                 break
-            candidates = rng.sample(names, min(args.candidates, len(names)))
-            passed = client.post("filter", {"Pod": body, "NodeNames": candidates})["NodeNames"] or []
+            passed = verbs.filter(body, rng.sample(names, min(args.candidates, len(names))))
             if passed:
-                client.post("bind", binding_of(body, passed[0]))
+                verbs.bind(body, passed[0])
             done += 1
         rate = done / (time.perf_counter() - started)
         return {
@@ -202,9 +220,7 @@ def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rn
             "rssMiBSynced": round(rss_synced / 2**20, 1),
             "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
             "filterAtRest": percentiles(at_rest),
-            "filter": percentiles(filters),
-            "prioritize": percentiles(prioritizes),
-            "bind": percentiles(binds),
+            **measured,
             "filterPlusBindPerSecond": round(rate, 1),
         }
     finally:

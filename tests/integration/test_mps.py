@@ -258,6 +258,17 @@ def test_in_a_sandbox_the_shm_mounts_come_from_mps_prepare_and_daemons_survive_r
         subprocess.run(["umount", str(root)], check=True)
 
 
+def mps_prepare(mps: Daemon) -> str:
+    """`gpushared mps prepare`, as the unit's ExecStartPre runs it: from the host's namespace."""
+    return subprocess.run(
+        [sys.executable, "-m", "gpushared.cli.daemon", "mps", "prepare", "--config", str(mps.config_path)],
+        env={**os.environ, **mps.nvml.env()},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+
+
 def sandboxed(mps: Daemon, root: Path) -> None:
     mps.launcher = ["unshare", "--mount", "--propagation", "slave"]
     mps.start()
@@ -269,14 +280,8 @@ def sandboxed(mps: Daemon, root: Path) -> None:
     assert "a mount made here would be hidden from the kubelet" in rows[0]["problem"]
     assert not shm_mounts(root) and not control_daemons(root)
     assert not any(gpu["healthy"] for gpu in mps.status()["gpus"])  # no MPS pod lands meanwhile
-    prepare = subprocess.run(
-        [sys.executable, "-m", "gpushared.cli.daemon", "mps", "prepare", "--config", str(mps.config_path)],
-        env={**os.environ, **mps.nvml.env()},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert prepare.stdout.count(" mounted") == 4, prepare.stdout
+    prepared = mps_prepare(mps)
+    assert prepared.count(" mounted") == 4, prepared
     assert shm_mounts(root) == {str(root / r["uuid"] / "shm") for r in rows}  # in the host's namespace
     before = {r["uuid"]: r["pid"] for r in all_running(mps)}  # the supervisor's next try starts them
     mps.kubelet.wait_for(GPU_MEM, capacity=60)
@@ -284,14 +289,7 @@ def sandboxed(mps: Daemon, root: Path) -> None:
     started(mps)  # a new namespace, as a restarted unit gets
     rows = all_running(mps)
     assert {r["uuid"]: r["pid"] for r in rows} == before and all(r["adopted"] for r in rows)
-    again = subprocess.run(
-        [sys.executable, "-m", "gpushared.cli.daemon", "mps", "prepare", "--config", str(mps.config_path)],
-        env={**os.environ, **mps.nvml.env()},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert again.stdout.count("already mounted") == 4
+    assert mps_prepare(mps).count("already mounted") == 4
 
 
 def started_mib(daemon: Daemon) -> None:
