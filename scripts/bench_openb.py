@@ -187,7 +187,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--replot", action="store_true", help="only draw the plots again from --out's details")
+    parser.add_argument("--table", action="store_true", help="only print --out's results as docs' markdown table")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads((args.out / "openb.json").read_text()), paper_curves(args.data)))
+        return
     if args.replot:
         details = json.loads((args.out / "openb-details.json").read_text())["traces"]
         draw(args.data, details, paper_curves(args.data), args.out)
@@ -222,6 +226,21 @@ def main() -> None:
     if not args.no_plots:
         draw(args.data, details, paper, args.out)
     print(json.dumps(summary, indent=2))
+
+
+def table(summary: dict[str, Any], paper: dict[str, dict[str, list[float]]]) -> str:
+    """Allocation at 130 % arrived per trace: ours and the paper's BestFit and FGD (means over seeds)."""
+    policies = [p for p in POLICIES if any(p in by for by in summary.values())]
+    last = round(RATIO * 100)
+    head = ["trace", *[f"{p} 100 / 130 / frag{FRAG_AT}" for p in policies], "paper BestFit 130", "paper FGD 130"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for trace, by in summary.items():
+        ours = [
+            " / ".join(f"{by[p][k]:.2f}" for k in ("100", "130", f"frag{FRAG_AT}")) if p in by else "" for p in policies
+        ]
+        theirs = [f"{paper[trace][n][last]:.2f}" if n in paper.get(trace, {}) else "" for n in ("05-BestFit", "06-FGD")]
+        lines.append("| " + " | ".join([trace, *ours, *theirs]) + " |")
+    return "\n".join(lines)
 
 
 def draw(data: Path, details: dict[str, Any], paper: dict[str, dict[str, list[float]]], out: Path) -> None:
