@@ -36,27 +36,34 @@ class GpuVerdict:
         return self.reason is None
 
 
+def _refusal(ledger: Ledger, gpu: GpuInfo, *, mps: bool, max_mps_clients: int) -> str | None:
+    """Why a pod of this kind (MPS or not) may not use ``gpu`` whatever it asks for; None when it may."""
+    mode = ledger.mode(gpu.index)
+    if not gpu.healthy:
+        return f"GPU {gpu.index} is unhealthy"
+    if mps and not gpu.mps_capable:
+        return f"GPU {gpu.index} runs no MPS server"
+    if mps and mode is GpuMode.SHARED:
+        return f"GPU {gpu.index} is shared by pods without MPS"
+    if not mps and mode is GpuMode.MPS:
+        return f"GPU {gpu.index} serves MPS pods"
+    if mps and ledger.mps_clients(gpu.index) >= max_mps_clients:
+        return f"GPU {gpu.index} has {ledger.mps_clients(gpu.index)} MPS clients, the most it takes"
+    return None
+
+
 def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
     unit = ledger.unit.value
     need = request.total
     verdicts = []
     for gpu in ledger.inventory.gpus:
         free = ledger.free(gpu)
-        mode = ledger.mode(gpu.index)
-        reason: str | None = None
-        if need <= 0:
-            reason = "pod requests no GPU memory"
-        elif not gpu.healthy:
-            reason = f"GPU {gpu.index} is unhealthy"
-        elif request.mps and not gpu.mps_capable:
-            reason = f"GPU {gpu.index} runs no MPS server"
-        elif request.mps and mode is GpuMode.SHARED:
-            reason = f"GPU {gpu.index} is shared by pods without MPS"
-        elif not request.mps and mode is GpuMode.MPS:
-            reason = f"GPU {gpu.index} serves MPS pods"
-        elif request.mps and ledger.mps_clients(gpu.index) >= max_mps_clients:
-            reason = f"GPU {gpu.index} has {ledger.mps_clients(gpu.index)} MPS clients, the most it takes"
-        elif free < need:
+        reason = (
+            "pod requests no GPU memory"
+            if need <= 0
+            else _refusal(ledger, gpu, mps=request.mps, max_mps_clients=max_mps_clients)
+        )
+        if reason is None and free < need:
             reason = f"GPU {gpu.index} has {max(free, 0)} {unit} free, pod needs {need} {unit}"
         verdicts.append(GpuVerdict(gpu=gpu, free=free, reason=reason))
     return verdicts
@@ -68,18 +75,12 @@ def most_free(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIEN
     :func:`judge` finds a GPU that fits a request exactly when the request is positive and at most this, so
     a filter can answer from one number per node, kept until the ledger changes, instead of judging every GPU
     of every candidate on every call."""
-    best = -1
-    for gpu in ledger.inventory.gpus:
-        if not gpu.healthy:
-            continue
-        mode = ledger.mode(gpu.index)
-        if mps:
-            if not gpu.mps_capable or mode is GpuMode.SHARED or ledger.mps_clients(gpu.index) >= max_mps_clients:
-                continue
-        elif mode is GpuMode.MPS:
-            continue
-        best = max(best, ledger.free(gpu))
-    return best
+    usable = (
+        ledger.free(gpu)
+        for gpu in ledger.inventory.gpus
+        if _refusal(ledger, gpu, mps=mps, max_mps_clients=max_mps_clients) is None
+    )
+    return max(usable, default=-1)
 
 
 def explain(verdicts: list[GpuVerdict]) -> str:
