@@ -23,7 +23,7 @@ from gpushared.contract import ContractError, GpuInventory, MemoryUnit, Resource
 from gpushared.core.bodies import slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.placement import GpuVerdict, Policy, explain, judge, most_free
+from gpushared.core.placement import GpuVerdict, Policy, explain, idle_gpu_mib, judge, most_free
 from gpushared.core.requests import PodRequest
 from gpushared.kube.informer import Informer, uid_of
 
@@ -143,6 +143,16 @@ class ClusterCache:
                     cost = policy.node_cost(judge(ledger, request), request, mix)
                     known = _remember(state, key, ledger.version, cost)
                 costs.append(known[1])
+        return costs
+
+    def idle_costs(self, names: list[str]) -> list[float]:
+        """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
+        with self._lock:
+            self._expire_assumed()
+            costs: list[float] = []
+            for name in names:
+                state = self._nodes.get(name)
+                costs.append(float(idle_gpu_mib(state.ledger if state is not None else None)))
         return costs
 
     def _usable(self, name: str) -> tuple[NodeState, Ledger] | str:

@@ -73,6 +73,18 @@ class Scheduler:
         costs = self.cache.node_costs(args.names, request, self.policy)
         return list(zip(args.names, node_scores(costs), strict=True))
 
+    def prioritize_no_gpu(self, args: ExtenderArgs) -> list[tuple[str, int]]:
+        """Scores for a pod that asks for no GPU memory: the nodes where it strands the least free GPU memory
+        score highest. kube-scheduler calls this for every pod (a second extender entry, without managed
+        resources), so pods that do ask for GPU memory get 0 everywhere: ``prioritize`` scores those."""
+        try:
+            request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
+        except ContractError:
+            return [(name, 0) for name in args.names]
+        if request.total > 0:
+            return [(name, 0) for name in args.names]
+        return list(zip(args.names, node_scores(self.cache.idle_costs(args.names)), strict=True))
+
     def bind(self, args: BindingArgs) -> None:
         """Raises :class:`BindError` with a message for the pod's events."""
         where = f"pod {args.pod_namespace}/{args.pod_name}"

@@ -79,6 +79,7 @@ def build_app(
     prefix = config.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", routes.verb("filter", routes.filter))
     app.router.add_post(f"{prefix}/prioritize", routes.verb("prioritize", routes.prioritize))
+    app.router.add_post(f"{prefix}/prioritize-no-gpu", routes.verb("prioritize-no-gpu", routes.prioritize_no_gpu))
     app.router.add_post(f"{prefix}/bind", routes.verb("bind", routes.bind))
     app.router.add_get(f"{prefix}/inspect", routes.inspect_all)
     app.router.add_get(f"{prefix}/inspect/{{node}}", routes.inspect_node)
@@ -170,6 +171,10 @@ class _Routes:
     async def prioritize(self, raw: bytes) -> web.Response:
         args = wire.parse_args(raw, verb="prioritize")
         return _json(wire.priority_list(await self._run(lambda: self.scheduler.prioritize(args))))
+
+    async def prioritize_no_gpu(self, raw: bytes) -> web.Response:
+        args = wire.parse_args(raw, verb="prioritize-no-gpu")
+        return _json(wire.priority_list(await self._run(lambda: self.scheduler.prioritize_no_gpu(args))))
 
     async def bind(self, raw: bytes) -> web.Response:
         args = wire.parse_binding(raw)

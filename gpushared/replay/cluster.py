@@ -1,12 +1,13 @@
 """A cluster of trace nodes scheduled as kube-scheduler with the gpushared extender would schedule it.
 
 kube-scheduler's part is modelled: its filters (NodeResourcesFit on CPU, memory, pod count and the gpu-mem
-extended resource; node affinity for the task's GPU models) and, for pods the extender does not manage
-(CPU-only), its default scores (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The
-extender's part is not modelled but run: every node's GPUs are a production :class:`Ledger`, judged by
-:func:`judge`, priced and chosen by the production :class:`Policy`; the node the scheduler takes is one
-that :func:`node_scores` would give the top score (the cheapest). The extender's weight is assumed to
-dominate the in-tree scores, which then only break its ties (the rest at random, as selectHost does).
+extended resource; node affinity for the task's GPU models) and its default scores
+(NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's part is not modelled but
+run, as deploy/'s scheduler configs wire it: every node's GPUs are a production :class:`Ledger`, judged by
+:func:`judge`, priced and chosen by the production :class:`Policy`; pods without GPU are priced by
+:func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is one that
+:func:`node_scores` would give the top score (the cheapest): the extender's weight (100) dominates the
+in-tree scores, which then only break its ties (the rest at random, as selectHost does).
 
 A node's price for a request size is kept until the node changes, so one placement costs a re-judging of
 one node, not of the cluster.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import EQUAL_COST, Policy, holding_for, judge
+from gpushared.core.placement import EQUAL_COST, Policy, holding_for, idle_gpu_mib, judge
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
@@ -74,8 +75,6 @@ class SimCluster:
 
     def place(self, pod: TracePod) -> bool:
         """Schedule one pod; whether it was bound. Multi-GPU tasks are not placed (no gpu-count yet)."""
-        if pod.num_gpu == 0:
-            return self._place_cpu_only(pod)
         if pod.num_gpu > 1:
             return False
         need = pod.memory_request
@@ -85,7 +84,8 @@ class SimCluster:
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
                 continue
-            cost, gpu = self._price(node, request)
+            # A pod without GPU goes through the extender's prioritize-no-gpu, one with GPU through prioritize.
+            cost, gpu = (float(idle_gpu_mib(node.ledger)), -1) if need == 0 else self._price(node, request)
             if cost is None:
                 continue
             if best is None or cost < best - EQUAL_COST:
@@ -95,13 +95,13 @@ class SimCluster:
         if not cheapest:
             return False
         node, index = self._pick(cheapest, pod)
-        self._serial += 1
-        uid = f"pod-{self._serial}"
-        chosen = node.ledger.inventory.gpus[index]
-        node.ledger.add(holding_for(request, chosen, uid=uid, namespace="replay", name=pod.name))
         self._count(node, pod)
-        node.gpu_free -= need
-        self.allocated_mib += need
+        if need:
+            self._serial += 1
+            chosen = node.ledger.inventory.gpus[index]
+            node.ledger.add(holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name))
+            node.gpu_free -= need
+            self.allocated_mib += need
         return True
 
     def _pick(self, cheapest: list[tuple[SimNode, int]], pod: TracePod) -> tuple[SimNode, int]:
@@ -122,23 +122,6 @@ class SimCluster:
         index = -1 if choice is None else choice.gpu.index
         node.prices[need] = (node.version, cost, index)
         return cost, index
-
-    def _place_cpu_only(self, pod: TracePod) -> bool:
-        """kube-scheduler alone: LeastAllocated plus BalancedAllocation (weights 1), the best at random."""
-        best = -1
-        tied: list[SimNode] = []
-        for node in self.nodes:
-            if not node.admits(pod):
-                continue
-            score = self._in_tree(node, pod)
-            if score > best:
-                best, tied = score, [node]
-            elif score == best:
-                tied.append(node)
-        if not tied:
-            return False
-        self._count(tied[self.rng.randrange(len(tied))], pod)
-        return True
 
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated

@@ -10,6 +10,7 @@ import os
 import subprocess
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 
 import pytest
@@ -260,3 +261,43 @@ def test_an_mps_pod_gets_the_gpus_daemon_and_plain_pods_stay_off_its_gpu(
     assert gpu_of(kube, second)[0] == index
     assert kube.env_of(namespace, "mps-b")["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "25"
     assert_no_gpu_over_capacity(kube)
+
+
+def test_a_pod_without_gpu_goes_where_no_gpu_memory_is_free(kube: Kube, cluster: LocalCluster, namespace: str) -> None:
+    """The second extender entry of the shipped config (prioritize-no-gpu) steers a CPU-only pod off the GPU
+    node, whose GPUs are all free, onto a node without GPUs that kube-scheduler alone would not pick: it is
+    smaller (LeastAllocated) and lacks the image (ImageLocality). The node is an API object only; no kubelet
+    runs it, so the pod is only bound, then removed with the node."""
+    gpuless = "gpuless-e2e"
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    kube.core.create_node({"metadata": {"name": gpuless, "labels": {"kubernetes.io/hostname": gpuless}}})
+    try:
+        kube.core.patch_node_status(
+            gpuless,
+            {
+                "status": {
+                    "capacity": {"cpu": "1", "memory": "1Gi", "pods": "10"},
+                    "allocatable": {"cpu": "1", "memory": "1Gi", "pods": "10"},
+                    "conditions": [
+                        {
+                            "type": "Ready",
+                            "status": "True",
+                            "reason": "KubeletReady",
+                            "lastHeartbeatTime": now,
+                            "lastTransitionTime": now,
+                        }
+                    ],
+                }
+            },
+        )
+        kube.create(namespace, gpu_pod("cpu-only", 0))
+        bound = wait_for(
+            lambda: kube.pod(namespace, "cpu-only")["spec"].get("nodeName"), timeout=30, what="cpu-only bound"
+        )
+        assert bound == gpuless, kube.describe(namespace, "cpu-only")
+        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports.extender}/metrics", timeout=5) as response:
+            metrics = response.read().decode()
+        assert 'gpushared_extender_request_seconds_count{verb="prioritize-no-gpu"}' in metrics
+    finally:
+        cluster.kubectl("-n", namespace, "delete", "pod", "cpu-only", "--grace-period=0", "--force", check=False)
+        kube.core.delete_node(gpuless)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
-from tests.builders import GPU_MEM, pod
+from tests.builders import GPU_MEM, container, pod
 from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
@@ -86,6 +86,29 @@ def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> 
     big = created(api, "r", 12)
     _, result = extender.post("prioritize", {"Pod": big, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})
     assert [r["Score"] for r in result] == [10, 0, 0]
+
+
+def test_pods_without_gpu_are_steered_off_free_gpu_memory(api: FakeApiServer, extender: Extender) -> None:
+    names = ["n1", "aliyun-node", "cpu-node", "ghost"]
+    cpu_only = api.create({**pod("cpu-only"), "spec": {"containers": [container("c0")]}})
+    status, result = extender.post("prioritize-no-gpu", {"Pod": cpu_only, "NodeNames": names})
+    assert status == 200
+    # Free GPU memory: n1 24 GiB, aliyun-node 16 GiB, none on the nodes without (known) GPUs.
+    assert result == [
+        {"Host": "n1", "Score": 0},
+        {"Host": "aliyun-node", "Score": 3},
+        {"Host": "cpu-node", "Score": 10},
+        {"Host": "ghost", "Score": 10},
+    ]
+    status, result = extender.bind(created(api, "big", 16), "n1")
+    assert (status, result) == (200, {"Error": ""})
+    _, result = extender.post("prioritize-no-gpu", {"Pod": cpu_only, "NodeNames": names[:2]})
+    assert result == [{"Host": "n1", "Score": 10}, {"Host": "aliyun-node", "Score": 0}]  # 8 GiB left vs 16
+    # kube-scheduler sends every pod here; those that ask for GPU memory are prioritize's to score.
+    _, result = extender.post("prioritize-no-gpu", {"Pod": created(api, "gpu", 4), "NodeNames": names})
+    assert [r["Score"] for r in result] == [0, 0, 0, 0]
+    status, result = extender.post("prioritize-no-gpu", {"Pod": {"metadata": {}}, "NodeNames": [1]})
+    assert (status, result) == (400, {"Error": "prioritize-no-gpu: 'NodeNames' must be a list of node names"})
 
 
 def test_bind_writes_the_annotations_and_the_binding(api: FakeApiServer, extender: Extender) -> None:

@@ -27,7 +27,7 @@ def documents(name: str) -> list[dict[str, Any]]:
 def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
     (config,) = documents(name)
     assert config["apiVersion"] == api_version
-    (extender,) = config["extenders"]
+    extender, no_gpu = config["extenders"]
     assert extender["urlPrefix"].endswith("/gpushare-scheduler")
     assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
         "filter",
@@ -40,6 +40,11 @@ def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
         "aliyun.com/gpu-mem": False,
         "aliyun.com/gpu-count": False,
     }
+    # Every pod, so that those without GPU are scored too; never needed for a pod to schedule.
+    assert no_gpu["urlPrefix"] == extender["urlPrefix"]
+    assert no_gpu["prioritizeVerb"] == "prioritize-no-gpu"
+    assert "managedResources" not in no_gpu and "filterVerb" not in no_gpu and "bindVerb" not in no_gpu
+    assert no_gpu["ignorable"] is True and no_gpu["nodeCacheCapable"] is True
 
 
 def test_extender_deployment_runs_the_built_image_with_election() -> None:

@@ -8,7 +8,17 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
-from gpushared.core.placement import BINPACK, FGD, SPREAD, bind_annotations, explain, judge, node_scores, policy_named
+from gpushared.core.placement import (
+    BINPACK,
+    FGD,
+    SPREAD,
+    bind_annotations,
+    explain,
+    idle_gpu_mib,
+    judge,
+    node_scores,
+    policy_named,
+)
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
 from tests.builders import inventory, pod
 
@@ -149,3 +159,17 @@ def test_a_pod_without_gpu_memory_is_not_placed() -> None:
     verdicts = judge(Ledger.build(inventory(8, 8)), nothing)
     assert BINPACK.choose(verdicts, nothing, NO_MIX) is None
     assert explain(verdicts) == "pod requests no GPU memory"
+
+
+def test_a_pod_without_gpu_is_priced_by_the_gpu_memory_it_would_strand() -> None:
+    inv = inventory(16, 8, 8)
+    sick = GpuInventory(unit=inv.unit, gpus=(*inv.gpus[:2], GpuInfo(**{**inv.gpus[2].__dict__, "healthy": False})))
+    ledger = Ledger.build(sick)
+    used(ledger, 0, 10)
+    assert idle_gpu_mib(ledger) == (6 + 8) * 1024  # GiB in MiB; the unhealthy GPU takes no pod anyway
+    used(ledger, 1, 8)
+    assert idle_gpu_mib(ledger) == 6 * 1024
+    assert idle_gpu_mib(Ledger.build(inventory(3000, unit=MemoryUnit.MIB))) == 3000
+    assert idle_gpu_mib(None) == 0  # no GPUs known: nothing to strand
+    # The fullest node scores highest: the pod's CPU goes where no GPU waits for it.
+    assert node_scores([idle_gpu_mib(None), 6 * 1024.0, 14 * 1024.0]) == [10, 5, 0]

@@ -70,6 +70,17 @@ def test_binpack_fills_the_fullest_fitting_gpu_across_nodes() -> None:
     assert first.ledger.used_total == round(700 * GPU_MIB / 1000) + round(300 * GPU_MIB / 1000)
 
 
+def test_pods_without_gpu_go_where_the_least_gpu_memory_is_free() -> None:
+    cluster = SimCluster(NODES[:2], policy=BINPACK, mix=RequestMix(), rng=random.Random(5))
+    assert cluster.place(task(1000, cpu=1000))
+    fullest = min(cluster.nodes, key=lambda n: n.gpu_free)
+    pods = fullest.pods
+    for _ in range(5):
+        assert cluster.place(task(0, gpus=0, cpu=4000))
+    assert fullest.pods == pods + 5  # all where the fewest GPUs are free, whatever LeastAllocated says
+    assert sum(n.pods for n in cluster.nodes) == 6
+
+
 def test_a_replay_records_every_percent_and_never_loses_allocation() -> None:
     pods = [task(500), task(250, cpu=2000), task(1000), task(0, gpus=0), task(1000, gpus=2)]
     result = replay(NODES, pods, policy=FGD.name, seed=42)
