@@ -7,6 +7,8 @@ the extender's own bind code on 8 GPUs, are admitted one after another. Reported
 to answer each GetPreferredAllocation and Allocate, as the kubelet measures it.
 
     .venv/bin/python scripts/bench_allocate.py --pods 300 --background 100
+
+Then the daemon is left alone for ``--idle-seconds`` with those pods on the node: its CPU and memory idle.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -39,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=300)
     parser.add_argument("--background", type=int, default=100)
+    parser.add_argument("--idle-seconds", type=float, default=60, help="how long the idle daemon is watched")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="gpsb-", dir="/tmp"))
     (root / "device-plugins").mkdir()
@@ -63,6 +68,8 @@ def main() -> None:
             for i in range(args.pods):
                 daemon.admit(daemon.place(f"pod-{i}", 1, gpu=i % 8))
             wall = time.perf_counter() - started
+            assert daemon.process is not None
+            idle = idle_cost(psutil.Process(daemon.process.pid), seconds=args.idle_seconds)
             daemon.stop()
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -77,7 +84,30 @@ def main() -> None:
             "mean_ms": round(statistics.fmean(times), 2),
         }
     report["admissions_per_second"] = round(args.pods / wall, 1)
+    report["idle"] = idle
     print(json.dumps(report, indent=2))
+
+
+def idle_cost(process: psutil.Process, *, seconds: float) -> dict[str, float]:
+    """CPU (% of one core) the daemon spends while nothing is admitted, over ``seconds``, and its memory.
+
+    Idle is not nothing: the watchdog ping, NVML health polling, the pod watch and ListAndWatch keep it busy
+    a little; all threads and children count."""
+
+    def cpu() -> float:
+        times = process.cpu_times()
+        return times.user + times.system + times.children_user + times.children_system
+
+    before, started = cpu(), time.perf_counter()
+    time.sleep(seconds)
+    used, wall = cpu() - before, time.perf_counter() - started
+    memory = process.memory_full_info()
+    return {
+        "seconds": round(wall, 1),
+        "cpu_percent_of_one_core": round(100 * used / wall, 2),
+        "rss_mib": round(memory.rss / 2**20, 1),
+        "uss_mib": round(memory.uss / 2**20, 1),
+    }
 
 
 def _cpus() -> int:

@@ -109,6 +109,8 @@ def summarize(results: Iterable[tuple[str, Replay]]) -> tuple[dict[str, Any], di
                 "stdev130": round(statistics.pstdev(r.allocation[-1] for r in runs), 2),
                 "unallocatedGpusAtEnd": round(statistics.fmean(r.unallocated_gpus for r in runs), 1),
                 "strandedByCpuGpusAtEnd": round(statistics.fmean(r.stranded_gpus for r in runs), 1),
+                "oneGpuTasksFailed": round(statistics.fmean(r.gpu_failed for r in runs), 1),
+                "oneGpuTasksFailedWithGpuRoom": round(statistics.fmean(r.gpu_failed_with_room for r in runs), 1),
                 "multiGpuTasksNotPlaced": round(statistics.fmean(r.multi_gpu_tasks for r in runs), 1),
                 "multiGpuGpusNotPlaced": round(statistics.fmean(r.multi_gpu_gpus for r in runs), 1),
             }

@@ -71,6 +71,10 @@ class SimCluster:
         self.rng = rng
         self.capacity_mib = sum(n.ledger.inventory.total for n in self.nodes)
         self.allocated_mib = 0
+        #: one-GPU tasks not placed, and of them those that a GPU had room for, on a node that kube-scheduler's
+        #: own filters (CPU, memory, pod count, GPU model) refused: what GPU placement alone cannot win back
+        self.gpu_failed = 0
+        self.gpu_failed_with_room = 0
         self._serial = 0
 
     def place(self, pod: TracePod) -> bool:
@@ -93,6 +97,11 @@ class SimCluster:
             elif cost <= best + EQUAL_COST:
                 cheapest.append((node, gpu))
         if not cheapest:
+            if need:
+                self.gpu_failed += 1
+                self.gpu_failed_with_room += any(
+                    node.gpu_free >= need and self._price(node, request)[0] is not None for node in self.nodes
+                )
             return False
         node, index = self._pick(cheapest, pod)
         self._count(node, pod)

@@ -38,6 +38,9 @@ class Replay:
     #: CPU or memory any more (stranded by CPU, not by GPU memory)
     unallocated_gpus: float = 0.0
     stranded_gpus: float = 0.0
+    #: one-GPU tasks not placed, and of them those a GPU had room for on a node short of CPU or memory
+    gpu_failed: int = 0
+    gpu_failed_with_room: int = 0
 
 
 def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: random.Random) -> list[TracePod]:
@@ -93,6 +96,8 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
         failed=failed,
         unallocated_gpus=unallocated,
         stranded_gpus=stranded,
+        gpu_failed=cluster.gpu_failed,
+        gpu_failed_with_room=cluster.gpu_failed_with_room,
     )
 
 

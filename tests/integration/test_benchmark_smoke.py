@@ -12,7 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_allocate_runs_and_reports() -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_allocate.py"), "--pods", "4", "--background", "4"],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_allocate.py"),
+            "--pods",
+            "4",
+            "--background",
+            "4",
+            "--idle-seconds",
+            "1",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -22,6 +31,7 @@ def test_bench_allocate_runs_and_reports() -> None:
     assert report["Allocate"]["count"] == 4
     assert report["GetPreferredAllocation"]["count"] == 4
     assert report["Allocate"]["p99_ms"] > 0
+    assert report["idle"]["rss_mib"] > 0 and report["idle"]["cpu_percent_of_one_core"] >= 0
 
 
 def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: Path) -> None:

@@ -49,6 +49,12 @@ def test_placement_honours_cpu_models_and_never_overfills_a_gpu() -> None:
     assert not cluster.place(task(1000, models=frozenset({"A10"})))
     assert not cluster.place(task(1000, gpus=2))  # multi-GPU: not placed until gpu-count lands
     assert not cluster.place(task(100, cpu=40000))
+    # Both had GPU room, on nodes that the task's model or CPU ruled out.
+    assert (cluster.gpu_failed, cluster.gpu_failed_with_room) == (2, 2)
+    small = SimCluster(NODES[2:], policy=BINPACK, mix=RequestMix(), rng=random.Random(1))
+    assert small.place(task(1000)) and small.place(task(1000))
+    assert not small.place(task(500))
+    assert (small.gpu_failed, small.gpu_failed_with_room) == (1, 0)  # no GPU had room
     rng = random.Random(7)
     for _ in range(200):
         cluster.place(task(rng.choice([100, 250, 500, 1000]), cpu=rng.choice([500, 2000])))
