@@ -1,8 +1,10 @@
 """Extender speed: filter, prioritize and bind latency, in-process and over loopback HTTP, and memory.
 
-A fake API server (tests/fakes/apiserver.py, HTTP on loopback) holds ``--nodes`` gpushared nodes of 8 GPUs of
-16 GiB and ``--pods`` running pods already placed on them (1-4 GiB each, packed by the extender's own
-binpack, so the ledgers look like a busy cluster's). Then:
+An API server holds ``--nodes`` gpushared nodes of 8 GPUs of 16 GiB and ``--pods`` running pods already placed
+on them (1-4 GiB each, packed by the extender's own binpack, so the ledgers look like a busy cluster's): the
+fake one (tests/fakes/apiserver.py, HTTP on loopback, in this process), or with ``--apiserver real`` the
+real kube-apiserver 1.20 and etcd of tests/e2e's local cluster (started for the run, without controllers
+or kubelet). Then:
 
 - in-process: the production ClusterCache, synced from that API server through the kubernetes client, and
   the production Scheduler; each pending pod (1-8 GiB) is filtered and prioritized against
@@ -11,27 +13,34 @@ binpack, so the ledgers look like a busy cluster's). Then:
   kube-scheduler calls it (one keep-alive connection, JSON bodies): filter alone with the cluster at rest,
   then, as in-process, a new pending pod before each round (its watch event reaches the extender as the
   filter does); its RSS is read after its cache synced and at the end;
-- sustained: filter + bind of new pods one after another for ``--seconds`` over HTTP.
+- sustained: for ``--seconds`` over HTTP, filter of new pods one after another, each bound in the
+  background (``--bind-workers`` in flight), as kube-scheduler's serial scheduling cycle and its
+  asynchronous binding cycle call the extender.
 
     .venv/bin/python scripts/bench_extender.py --nodes 1000 --pods 20000 --candidates 1000
     .venv/bin/python scripts/bench_extender.py --nodes 5000 --pods 150000 --candidates 500
+    .venv/bin/python scripts/bench_extender.py --nodes 1000 --pods 20000 --candidates 1000 --apiserver real
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import platform
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import psutil
+import urllib3
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -46,6 +55,7 @@ from gpushared.extender.scheduler import Scheduler
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.api import Api, connect
 from tests.builders import inventory, pod
+from tests.e2e.cluster import LocalCluster
 from tests.extender_harness import PREFIX, Extender, gpu_node
 from tests.fakes.apiserver import FakeApiServer
 
@@ -69,15 +79,62 @@ def timed(samples: list[float], call: Callable[..., Any], *args: Any) -> Any:
     return result
 
 
-def populate(api: FakeApiServer, *, nodes: int, pods: int, rng: random.Random) -> list[str]:
+class FakeBackend:
+    """The fake API server, in this process: objects are stored without HTTP."""
+
+    def __init__(self, api: FakeApiServer) -> None:
+        self.api = api
+        self.kubeconfig = Path(tempfile.mkdtemp(prefix="gps-bench-")) / "kubeconfig"
+        self.kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        return self.api.create(body)
+
+    def create_all(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self.api.create(body) for body in bodies]
+
+
+class RealBackend:
+    """The real kube-apiserver and etcd of tests/e2e's local cluster; the extender authenticates as the
+    ServiceAccount of deploy/, so the RBAC we ship is what the API server enforces."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.cluster = cluster
+        self.kubeconfig = cluster.kubeconfig_for("gpushared-extender")
+        self.http = urllib3.PoolManager(maxsize=CREATORS, ca_certs=str(cluster.state / "pki" / "ca.crt"))
+        self.headers = {"Authorization": f"Bearer {cluster.tokens['admin']}", "Content-Type": "application/json"}
+        # Pod admission wants the namespace's default ServiceAccount, which no controller creates here.
+        self._post("/api/v1/namespaces/default/serviceaccounts", {"metadata": {"name": "default"}})
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        answer = self.http.request("POST", self.cluster.server + path, body=json.dumps(body), headers=self.headers)
+        if answer.status >= 300:
+            raise RuntimeError(f"POST {path}: {answer.status} {answer.data[:300]!r}")
+        return json.loads(answer.data)  # type: ignore[no-any-return]
+
+    def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        if body["kind"] == "Node":
+            return self._post("/api/v1/nodes", body)  # a node's status may be set at creation
+        return self._post(f"/api/v1/namespaces/{body['metadata']['namespace']}/pods", body)
+
+    def create_all(self, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        with ThreadPoolExecutor(CREATORS) as pool:
+            return list(pool.map(self.create, bodies))
+
+
+Backend = FakeBackend | RealBackend
+#: Concurrent creations when filling the real API server.
+CREATORS = 16
+
+
+def populate(backend: Backend, *, nodes: int, pods: int, rng: random.Random) -> list[str]:
     """Nodes, and running pods placed by the extender's binpack; the node names."""
     names = [f"node-{i:05d}" for i in range(nodes)]
     inv = inventory(*[GPU_GIB] * GPUS)
-    ledgers = {}
-    for name in names:
-        api.create(gpu_node(name, inv=inv))
-        ledgers[name] = Ledger.build(inv)
+    backend.create_all([gpu_node(name, inv=inv) for name in names])
+    ledgers = {name: Ledger.build(inv) for name in names}
     no_mix = RequestMix()  # binpack, whatever policy is measured: the same cluster every run
+    bodies = []
     for i in range(pods):
         body = pod(f"run-{i:06d}", rng.randint(1, 4), node=None, phase="Running", uid=f"uid-run-{i:06d}")
         request = pod_request(body)
@@ -89,14 +146,22 @@ def populate(api: FakeApiServer, *, nodes: int, pods: int, rng: random.Random) -
         else:
             continue
         body["spec"]["nodeName"] = node
+        body["spec"]["automountServiceAccountToken"] = False
         body["metadata"]["annotations"] = bind_annotations(request, choice.gpu, unit=inv.unit, now_ns=i)
         ledgers[node].add(holding_for(request, choice.gpu, uid=body["metadata"]["uid"], namespace="default", name=""))
-        api.create(body)
+        bodies.append(body)
+    backend.create_all(bodies)
     return names
 
 
-def pending(api: FakeApiServer, name: str, rng: random.Random) -> dict[str, Any]:
-    return api.create(pod(name, rng.randint(1, 8), uid=f"uid-{name}"))
+def pending_body(name: str, rng: random.Random) -> dict[str, Any]:
+    body = pod(name, rng.randint(1, 8), uid=f"uid-{name}")
+    body["spec"]["automountServiceAccountToken"] = False
+    return body
+
+
+def pending(backend: Backend, name: str, rng: random.Random) -> dict[str, Any]:
+    return backend.create(pending_body(name, rng))
 
 
 class InProcess:
@@ -139,18 +204,20 @@ class OverHttp:
     def prioritize(self, body: dict[str, Any], names: list[str]) -> Any:
         return self.post("prioritize", {"Pod": body, "NodeNames": names})
 
-    def bind(self, body: dict[str, Any], node: str) -> None:
+    def bind(self, body: dict[str, Any], node: str) -> str:
+        """The extender's error for this bind; empty when it bound."""
         meta = body["metadata"]
-        self.post(
+        answer = self.post(
             "bind", {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
         )
+        return str(answer.get("Error") or "")
 
 
 Verbs = InProcess | OverHttp
 
 
 def rounds(
-    api: FakeApiServer, verbs: Verbs, names: list[str], args: argparse.Namespace, rng: random.Random
+    backend: Backend, verbs: Verbs, names: list[str], args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
     """Per round: a new pending pod, filter against a sample of the nodes, prioritize what passed, bind."""
     filters: list[float] = []
@@ -158,7 +225,7 @@ def rounds(
     binds: list[float] = []
     tag = type(verbs).__name__.lower()
     for i in range(args.requests):
-        body = pending(api, f"{tag}-{i:05d}", rng)
+        body = pending(backend, f"{tag}-{i:05d}", rng)
         passed = timed(filters, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
         timed(prioritizes, verbs.prioritize, body, passed)
         if passed:
@@ -166,10 +233,8 @@ def rounds(
     return {"filter": percentiles(filters), "prioritize": percentiles(prioritizes), "bind": percentiles(binds)}
 
 
-def in_process(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    kubeconfig = Path(tempfile.mkdtemp(prefix="gps-bench-")) / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
-    client = Api(connect(kubeconfig))
+def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    client = Api(connect(backend.kubeconfig))
     cache = ClusterCache(
         list_nodes=client.core.list_node,
         list_pods=client.core.list_pod_for_all_namespaces,
@@ -183,13 +248,18 @@ def in_process(api: FakeApiServer, names: list[str], args: argparse.Namespace, r
     policy = policy_named(args.policy)
     scheduler = Scheduler(cache=cache, api=client, policy=policy, resources=contract.DEFAULT_RESOURCES)
     try:
-        return {"cacheSyncSeconds": round(synced, 2), **rounds(api, InProcess(scheduler), names, args, rng)}
+        return {"cacheSyncSeconds": round(synced, 2), **rounds(backend, InProcess(scheduler), names, args, rng)}
     finally:
         cache.stop()
 
 
-def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
-    extender = Extender(api=api, workdir=Path(tempfile.mkdtemp(prefix="gps-bench-")), args=["--policy", args.policy])
+def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
+    extender = Extender(
+        api=backend.api if isinstance(backend, FakeBackend) else None,
+        kubeconfig=backend.kubeconfig,
+        workdir=Path(tempfile.mkdtemp(prefix="gps-bench-")),
+        args=["--policy", args.policy],
+    )
     extender.start()
     try:
         started = time.perf_counter()
@@ -200,31 +270,55 @@ def over_http(api: FakeApiServer, names: list[str], args: argparse.Namespace, rn
         rss_synced = process.memory_info().rss
         verbs = OverHttp(extender.port)
         at_rest: list[float] = []  # nothing else happening: no pods created or bound meanwhile
-        body = pending(api, "http-at-rest", rng)
+        body = pending(backend, "http-at-rest", rng)
         for _ in range(args.requests):
             timed(at_rest, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
-        measured = rounds(api, verbs, names, args, rng)
-        bodies = [pending(api, f"rate-{i:06d}", rng) for i in range(args.rate_pods)]
-        done = 0
-        started = time.perf_counter()
+        measured = rounds(backend, verbs, names, args, rng)
+        return {
+            "cacheSyncSeconds": round(synced, 2),
+            "rssMiBSynced": round(rss_synced / 2**20, 1),
+            "filterAtRest": percentiles(at_rest),
+            **measured,
+            **sustained(backend, extender.port, names, args, rng),
+            "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
+        }
+    finally:
+        extender.stop()
+
+
+def sustained(
+    backend: Backend, port: int, names: list[str], args: argparse.Namespace, rng: random.Random
+) -> dict[str, Any]:
+    """Filter one new pod after another and bind each in the background, as kube-scheduler does: its
+    scheduling cycle (filter, prioritize) is serial, its binding cycle runs beside the next pods'."""
+    bodies = backend.create_all([pending_body(f"rate-{i:06d}", rng) for i in range(args.rate_pods)])
+    local = threading.local()
+
+    def bind(body: dict[str, Any], node: str) -> str:
+        if not hasattr(local, "verbs"):
+            local.verbs = OverHttp(port)
+        return str(local.verbs.bind(body, node))
+
+    verbs = OverHttp(port)
+    done = 0
+    binds = []
+    started = time.perf_counter()
+    with ThreadPoolExecutor(args.bind_workers) as pool:
         for body in bodies:
             if time.perf_counter() - started > args.seconds:
                 break
             passed = verbs.filter(body, rng.sample(names, min(args.candidates, len(names))))
             if passed:
-                verbs.bind(body, passed[0])
+                binds.append(pool.submit(bind, body, passed[0]))
             done += 1
-        rate = done / (time.perf_counter() - started)
-        return {
-            "cacheSyncSeconds": round(synced, 2),
-            "rssMiBSynced": round(rss_synced / 2**20, 1),
-            "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
-            "filterAtRest": percentiles(at_rest),
-            **measured,
-            "filterPlusBindPerSecond": round(rate, 1),
-        }
-    finally:
-        extender.stop()
+        errors = sum(1 for bound in binds if bound.result())
+    elapsed = time.perf_counter() - started
+    return {
+        "filterPlusBindPerSecond": round(done / elapsed, 1),
+        "sustainedBinds": len(binds),
+        "sustainedBindErrors": errors,
+        "bindWorkers": args.bind_workers,
+    }
 
 
 def main() -> None:
@@ -234,26 +328,41 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=1000, help="node names per filter call")
     parser.add_argument("--requests", type=int, default=300, help="timed filter/prioritize/bind rounds")
     parser.add_argument("--seconds", type=float, default=20, help="length of the sustained filter+bind run")
-    parser.add_argument("--rate-pods", type=int, default=20000, help="pods created for the sustained run")
+    parser.add_argument("--rate-pods", type=int, default=10000, help="pods created for the sustained run")
     parser.add_argument("--policy", default="binpack")
+    parser.add_argument("--bind-workers", type=int, default=16, help="binds in flight in the sustained run")
     parser.add_argument("--skip-http", action="store_true")
+    parser.add_argument(
+        "--apiserver",
+        choices=("fake", "real"),
+        default="fake",
+        help="the fake API server in this process, or the real kube-apiserver and etcd of tests/e2e's local "
+        "cluster (root; make k8s-testbins)",
+    )
     args = parser.parse_args()
     rng = random.Random(42)
-    with FakeApiServer(history=1_000_000) as api:
+    with contextlib.ExitStack() as stack:
+        backend: Backend
+        if args.apiserver == "real":
+            cluster = LocalCluster(state=Path(tempfile.mkdtemp(prefix="gps-bench-cluster-")))
+            backend = RealBackend(stack.enter_context(cluster.api_only()))
+        else:
+            backend = FakeBackend(stack.enter_context(FakeApiServer(history=1_000_000)))
         started = time.perf_counter()
-        names = populate(api, nodes=args.nodes, pods=args.pods, rng=rng)
+        names = populate(backend, nodes=args.nodes, pods=args.pods, rng=rng)
         report: dict[str, Any] = {
             "nodes": args.nodes,
             "gpus": args.nodes * GPUS,
             "pods": args.pods,
             "candidates": args.candidates,
             "policy": args.policy,
+            "apiserver": args.apiserver,
             "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
             "populateSeconds": round(time.perf_counter() - started, 1),
         }
-        report["inProcess"] = in_process(api, names, args, rng)
+        report["inProcess"] = in_process(backend, names, args, rng)
         if not args.skip_http:
-            report["http"] = over_http(api, names, args, rng)
+            report["http"] = over_http(backend, names, args, rng)
     print(json.dumps(report, indent=2))
 
 

@@ -63,16 +63,19 @@ def gpushared_cluster(api: FakeApiServer) -> None:
 
 @dataclass
 class Extender:
-    api: FakeApiServer
+    #: the API server it watches and binds through: the fake one, or (None) the one ``kubeconfig`` names
+    api: FakeApiServer | None
     workdir: Path
     args: list[str] = field(default_factory=list)
     port: int = 0
     process: subprocess.Popen[str] | None = None
     name: str = "extender"
+    kubeconfig: Path | None = None
 
     def start(self, *extra: str) -> Extender:
-        kubeconfig = self.workdir / "kubeconfig"
-        kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
+        kubeconfig = self.kubeconfig or self.workdir / "kubeconfig"
+        if self.api is not None:
+            kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
         self.port = self.port or free_port()
         log = (self.workdir / f"{self.name}.log").open("a")
         self.process = subprocess.Popen(

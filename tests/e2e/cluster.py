@@ -196,15 +196,8 @@ class LocalCluster:
         (self.state / "owns-kubelet-dirs").touch()
         if not Path("/run/containerd").exists():  # containerd's shims put their sockets there, whatever the config
             (self.state / "owns-run-containerd").touch()
-        self._ports = Ports.pick()
-        (self.state / "ports.json").write_text(json.dumps(asdict(self._ports)))
-        self._tokens = {user: secrets.token_hex(16) for user in USERS}
-        (self.state / "tokens.json").write_text(json.dumps(self._tokens))
         try:
-            self._pki()
-            self._start_etcd()
-            self._start_apiserver()
-            self._bootstrap()
+            self._start_api()
             self._start_controller_manager()
             self._start_containerd()
             self._node_address()
@@ -217,6 +210,32 @@ class LocalCluster:
         except BaseException:
             self.down()
             raise
+
+    @contextlib.contextmanager
+    def api_only(self) -> Iterator[LocalCluster]:
+        """etcd and kube-apiserver with deploy/'s identities and RBAC, and nothing else: the real API server
+        for benchmarks. No controllers, so nodes without a kubelet are never tainted nor their pods evicted;
+        no kubelet, so stopping it touches nothing outside ``state`` (a cluster running beside it is safe)."""
+        if self.running():
+            raise ClusterError(f"a cluster is already running from {self.state}")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start_api()
+            yield self
+        finally:
+            self.stop("kube-apiserver")
+            self.stop("etcd")
+            shutil.rmtree(self.state, ignore_errors=True)
+
+    def _start_api(self) -> None:
+        self._ports = Ports.pick()
+        (self.state / "ports.json").write_text(json.dumps(asdict(self._ports)))
+        self._tokens = {user: secrets.token_hex(16) for user in USERS}
+        (self.state / "tokens.json").write_text(json.dumps(self._tokens))
+        self._pki()
+        self._start_etcd()
+        self._start_apiserver()
+        self._bootstrap()
 
     def _pki(self) -> None:
         pki = self.state / "pki"
