@@ -7,6 +7,7 @@ the daemon's pod lookups, the inspect tool and the trace replay.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, TypedDict
 
 from gpushared import contract
@@ -82,46 +83,114 @@ class NodeBody(TypedDict, total=False):
     status: NodeStatus
 
 
+#: Aliyun's annotations that say what a pod holds; the others (_DEV, _ASSUME_TIME) only the node reads.
 _ALIYUN_KEYS = frozenset(
     {
         contract.ALIYUN_GPU_MEM_IDX,
-        contract.ALIYUN_GPU_MEM_DEV,
         contract.ALIYUN_GPU_MEM_POD,
         contract.ALIYUN_GPU_MEM_ASSIGNED,
-        contract.ALIYUN_GPU_MEM_ASSUME_TIME,
         contract.ALIYUN_FRAMEWORK_ALLOCATION,
     }
 )
+#: Of those, the ones with a few values in all (a GPU index, an amount, true/false).
+_SMALL_VALUES = frozenset({contract.ALIYUN_GPU_MEM_IDX, contract.ALIYUN_GPU_MEM_POD, contract.ALIYUN_GPU_MEM_ASSIGNED})
+#: The extended resources a pod's GPU request is made of, whatever their domain.
+_GPU_RESOURCES = ("/gpu-mem", "/gpu-count")
 
 
 def _ours(key: str) -> bool:
     return key in _ALIYUN_KEYS or key.startswith(contract.ANNOTATION_DOMAIN + "/")
 
 
+def _slim_container(container: dict[str, Any]) -> dict[str, Any]:
+    """Name, restart policy and GPU resources only. A container without GPU stays, as its name alone, so that
+    positions in error messages (``spec.containers[2]``) stay those of the pod."""
+    slim: dict[str, Any] = {"name": sys.intern(container.get("name", ""))}
+    resources = container.get("resources") or {}
+    kept = {
+        kind: {sys.intern(k): v for k, v in amounts.items() if k.endswith(_GPU_RESOURCES)}
+        for kind, amounts in resources.items()
+        if kind in ("limits", "requests") and amounts
+    }
+    kept = {kind: amounts for kind, amounts in kept.items() if amounts}
+    if kept:
+        slim["resources"] = kept
+    if "restartPolicy" in container:
+        slim["restartPolicy"] = sys.intern(container["restartPolicy"])
+    return slim
+
+
+#: Parts of slim pods seen, by content: pods of one workload ask alike, on a few thousand nodes, so their
+#: container lists (~0.8 KiB), specs and statuses repeat.
+_SHARED: dict[tuple[Any, ...], Any] = {}
+_SHARED_LIMIT = 1 << 17
+
+
+def _shared(key: tuple[Any, ...], value: Any) -> Any:
+    """The value already kept for ``key``, else ``value``, kept. Slim pods are read, never changed in place (a
+    change is a new object from the watch), so equal parts can be one object. The table forgets all when it
+    grows past its limit (a cluster of unlike pods): that costs sharing, never correctness."""
+    known = _SHARED.get(key)
+    if known is None:
+        if len(_SHARED) >= _SHARED_LIMIT:
+            _SHARED.clear()
+        known = _SHARED[key] = value
+    return known
+
+
+def _shared_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    key = tuple(
+        (
+            c["name"],
+            c.get("restartPolicy"),
+            tuple((kind, tuple(sorted(amounts.items()))) for kind, amounts in sorted(c.get("resources", {}).items())),
+        )
+        for c in containers
+    )
+    return _shared(("containers", *key), containers)  # type: ignore[no-any-return]
+
+
 def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
-    """The pod with only what gpushared reads: its identity and resourceVersion, our and Aliyun's
-    annotations, node, containers' names, resources and restart policy, phase and container states.
+    """The pod with only what the extender reads: its identity and resourceVersion, the annotations that say
+    what it holds, its node, its containers' names and GPU resources, its phase, and, once it is being
+    deleted, which of its containers have terminated (before that, no container state changes what it holds).
 
     A watch cache of 150k pods holds each one for as long as it runs; whole pod objects (env, volumes,
-    managed fields, last-applied annotations) cost several KiB each, these a few hundred bytes."""
+    managed fields, last-applied annotations) cost several KiB each. Keys and the values many pods share
+    (namespace, node, container names) are interned, so 150k pods keep one copy of each."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
     status = pod.get("status") or {}
-    slim_meta = {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp") if k in meta}
-    annotations = {k: v for k, v in (meta.get("annotations") or {}).items() if _ours(k)}
+    slim_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "deletionTimestamp") if k in meta}
+    if "namespace" in meta:
+        slim_meta["namespace"] = sys.intern(meta["namespace"])
+    annotations = {
+        sys.intern(k): sys.intern(v) if k in _SMALL_VALUES and isinstance(v, str) else v
+        for k, v in (meta.get("annotations") or {}).items()
+        if _ours(k)
+    }
     if annotations:
         slim_meta["annotations"] = annotations
     slim_spec: dict[str, Any] = {}
     if spec.get("nodeName"):
-        slim_spec["nodeName"] = spec["nodeName"]
+        slim_spec["nodeName"] = sys.intern(spec["nodeName"])
     for part in ("initContainers", "containers"):
         if spec.get(part):
-            slim_spec[part] = [{k: c[k] for k in ("name", "resources", "restartPolicy") if k in c} for c in spec[part]]
-    slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}
-    slim_status = {k: status[k] for k in ("phase",) if k in status}
-    for part in ("containerStatuses", "initContainerStatuses"):
-        if status.get(part):
-            slim_status[part] = [{k: c[k] for k in ("name", "state") if k in c} for c in status[part]]
-    if slim_status:
+            slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
+    # The containers are shared already, so their identity stands for their content (and stays alive with
+    # the spec that holds them).
+    spec_key = ("spec", slim_spec.get("nodeName"), id(slim_spec.get("initContainers")), id(slim_spec.get("containers")))
+    slim: dict[str, Any] = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
+    slim_status: dict[str, Any] = {}
+    if "phase" in status:
+        slim_status["phase"] = sys.intern(status["phase"])
+    if meta.get("deletionTimestamp") and status.get("containerStatuses"):
+        slim_status["containerStatuses"] = [
+            {"name": c.get("name", ""), "state": {"terminated": (c.get("state") or {}).get("terminated")}}
+            for c in status["containerStatuses"]
+        ]
+    if len(slim_status) == 1 and "phase" in slim_status:
+        slim["status"] = _shared(("status", slim_status["phase"]), slim_status)
+    elif slim_status:
         slim["status"] = slim_status
     return slim

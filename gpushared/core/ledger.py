@@ -27,7 +27,7 @@ class GpuMode(enum.Enum):
     MPS = "mps"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Holding:
     """What one pod holds on this node. ``gpus`` maps GPU index to units held at the pod's peak;
     ``pending`` is memory of a pod bound here without a GPU choice (it bypassed the extender, or its

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from hypothesis import given, settings
@@ -186,11 +187,26 @@ TestPlacementHistory = PlacementHistory.TestCase
 
 
 @settings(max_examples=200)
-@given(inventory=inventories(), body=pod_bodies(), now=st.integers(0, 2**62))
+@given(
+    inventory=inventories(),
+    body=pod_bodies(),
+    now=st.integers(0, 2**62),
+    deleting=st.booleans(),
+    terminated=st.lists(st.booleans(), max_size=3),
+)
 def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
-    inventory: GpuInventory, body: dict[str, Any], now: int
+    inventory: GpuInventory, body: dict[str, Any], now: int, deleting: bool, terminated: list[bool]
 ) -> None:
     """The extender's cache keeps pods slim: nothing it reads may be lost."""
+    if deleting:
+        body["metadata"]["deletionTimestamp"] = "2026-11-22T21:00:00Z"
+    body["status"]["containerStatuses"] = [
+        {"name": f"c{i}", "ready": False, "state": {"terminated": {"exitCode": 0}} if done else {"running": {}}}
+        for i, done in enumerate(terminated)
+    ]
+    for container in body["spec"]["containers"]:
+        container["image"] = "busybox"
+        container.setdefault("resources", {}).setdefault("requests", {})["cpu"] = "100m"
     request = pod_request(body)
     if inventory.gpus and request.total:
         body["metadata"]["annotations"] = {
@@ -205,4 +221,6 @@ def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
     assert pod_request(slim) == request
     assert holding_from_pod(slim, unit=inventory.unit) == holding_from_pod(body, unit=inventory.unit)
     assert "volumes" not in slim["spec"]
+    assert "cpu" not in str(slim) and "image" not in str(slim)
+    assert slim_pod(copy.deepcopy(body)) == slim  # equal pods share their parts, and still read the same
     assert "kubectl.kubernetes.io/last-applied-configuration" not in slim["metadata"].get("annotations", {})
