@@ -62,6 +62,8 @@ class ClusterCache:
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeState] = {}
         self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
+        #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
+        self._node_of: dict[str, str] = {}
         self._next_expiry = 0.0
         self._mix = RequestMix()
         self._mix_generation = 0
@@ -225,11 +227,8 @@ class ClusterCache:
         uid = uid_of(pod)
         with self._lock:
             self._assumed.pop(uid, None)
-            state = self._nodes.get(node)
-            if state is not None and uid in state.pods:
-                del state.pods[uid]
-                if state.ledger is not None:
-                    state.ledger.remove(uid)
+            if self._node_of.get(uid) == node:
+                self._remove(uid)
 
     def _expire_assumed(self) -> None:
         """Release binds the watch never confirmed. Called on reads, so at most once a second: a filter
@@ -294,9 +293,10 @@ class ClusterCache:
 
     def _place(self, pod: dict[str, Any]) -> None:
         node = (pod.get("spec") or {}).get("nodeName", "")
-        state = self._nodes.setdefault(node, NodeState(name=node))
         uid = uid_of(pod)
+        state = self._nodes.setdefault(node, NodeState(name=node))
         state.pods[uid] = pod
+        self._node_of[uid] = node
         if state.ledger is not None:
             holding = self._holding(pod, state)
             if holding is None:
@@ -305,12 +305,13 @@ class ClusterCache:
                 state.ledger.add(holding)
 
     def _unplace(self, pod: dict[str, Any]) -> None:
-        uid = uid_of(pod)
-        for state in self._nodes.values():
-            if uid in state.pods:
-                del state.pods[uid]
-                if state.ledger is not None:
-                    state.ledger.remove(uid)
+        self._remove(uid_of(pod))
+
+    def _remove(self, uid: str) -> None:
+        node = self._node_of.pop(uid, None)
+        state = self._nodes.get(node) if node is not None else None
+        if state is not None and state.pods.pop(uid, None) is not None and state.ledger is not None:
+            state.ledger.remove(uid)
 
     def _rebuild(self, state: NodeState) -> None:
         state.memo.clear()
