@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class RequestMix:
@@ -26,7 +26,17 @@ class RequestMix:
     """
 
     def __init__(self, sizes: Iterable[int] = ()) -> None:
-        counts = Counter(size for size in sizes if size > 0)
+        self._count(Counter(sizes))
+
+    @classmethod
+    def of_counts(cls, counts: Mapping[int, int]) -> RequestMix:
+        """The mix of ``counts[size]`` requests of each size: what a cache that keeps counts hands over."""
+        mix = cls()
+        mix._count(counts)
+        return mix
+
+    def _count(self, given: Mapping[int, int]) -> None:
+        counts = {size: n for size, n in given.items() if size > 0 and n > 0}
         self._total = sum(counts.values())
         self._sizes = tuple(sorted(counts))
         above: list[float] = []  # above[i]: share of requests larger than sizes[i - 1]

@@ -14,6 +14,7 @@ import copy
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -66,6 +67,7 @@ class ClusterCache:
         self._node_of: dict[str, str] = {}
         self._next_expiry = 0.0
         self._mix = RequestMix()
+        self._sizes: Counter[int] = Counter()  # request size -> holdings of that size on gpushared nodes
         self._mix_generation = 0
         self._mix_counted = -MIX_SECONDS
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
@@ -169,18 +171,14 @@ class ClusterCache:
         return state, state.ledger
 
     def request_mix(self) -> RequestMix:
-        """What the pods on gpushared nodes ask for, counted again at most every MIX_SECONDS: the mix moves
-        slowly, and counting 150k pods on every request would cost more than it tells."""
+        """What the pods on gpushared nodes ask for, as of at most MIX_SECONDS ago: the mix moves slowly, and
+        a new one invalidates every node's prices. The sizes are counted as holdings come and go, so taking
+        a new mix costs the number of distinct sizes, not of pods."""
         with self._lock:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
                 self._mix_generation += 1
-                self._mix = RequestMix(
-                    sum(h.gpus.values()) + h.pending
-                    for state in self._nodes.values()
-                    if state.ledger is not None
-                    for h in state.ledger.holdings()
-                )
+                self._mix = RequestMix.of_counts(self._sizes)
             return self._mix
 
     def unit_of(self, name: str) -> MemoryUnit:
@@ -254,7 +252,8 @@ class ClusterCache:
                     name = (old.get("metadata") or {}).get("name", "")
                     state = self._nodes.get(name)
                     if state is not None:
-                        state.inventory, state.ledger, state.problem = None, None, None
+                        state.inventory, state.problem = None, None
+                        self._rebuild(state)
                 return
             name = (new.get("metadata") or {}).get("name", "")
             state = self._nodes.setdefault(name, NodeState(name=name))
@@ -298,11 +297,11 @@ class ClusterCache:
         state.pods[uid] = pod
         self._node_of[uid] = node
         if state.ledger is not None:
+            self._uncount(state.ledger.remove(uid))
             holding = self._holding(pod, state)
-            if holding is None:
-                state.ledger.remove(uid)
-            else:
+            if holding is not None:
                 state.ledger.add(holding)
+                self._sizes[_size(holding)] += 1
 
     def _unplace(self, pod: dict[str, Any]) -> None:
         self._remove(uid_of(pod))
@@ -311,10 +310,20 @@ class ClusterCache:
         node = self._node_of.pop(uid, None)
         state = self._nodes.get(node) if node is not None else None
         if state is not None and state.pods.pop(uid, None) is not None and state.ledger is not None:
-            state.ledger.remove(uid)
+            self._uncount(state.ledger.remove(uid))
+
+    def _uncount(self, holding: Holding | None) -> None:
+        if holding is not None:
+            size = _size(holding)
+            self._sizes[size] -= 1
+            if not self._sizes[size]:
+                del self._sizes[size]
 
     def _rebuild(self, state: NodeState) -> None:
+        """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
         state.memo.clear()
+        for held in state.ledger.holdings() if state.ledger is not None else ():
+            self._uncount(held)
         if state.inventory is None:
             state.ledger = None
             return
@@ -323,6 +332,7 @@ class ClusterCache:
             holding = self._holding(pod, state)
             if holding is not None:
                 state.ledger.add(holding)
+                self._sizes[_size(holding)] += 1
 
     def _holding(self, pod: dict[str, Any], state: NodeState) -> Holding | None:
         assert state.inventory is not None
@@ -338,6 +348,11 @@ def _remember(state: NodeState, key: tuple[Any, ...], version: int, value: Any) 
         state.memo.clear()  # old sizes and mixes: cheaper to forget all than to track which
     entry = state.memo[key] = (version, value)
     return entry
+
+
+def _size(holding: Holding) -> int:
+    """A holding's size in the request mix: all it holds or waits for, on whatever GPUs."""
+    return sum(holding.gpus.values()) + holding.pending
 
 
 def _pod_key(state: NodeState | None, uid: str) -> tuple[str, str]:

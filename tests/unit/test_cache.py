@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpushared import contract
+from gpushared.core.fragmentation import RequestMix
 from gpushared.core.placement import bind_annotations
 from gpushared.core.requests import pod_request
-from gpushared.extender.cache import ClusterCache
+from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node
 
@@ -29,15 +30,17 @@ class CacheHistory(RuleBasedStateMachine):
             list_nodes=lambda **_: None,
             list_pods=lambda **_: None,
             resources=contract.DEFAULT_RESOURCES,
-            clock=lambda: 0.0,  # assumed binds never expire here
+            clock=lambda: self.now,
         )
+        self.now = 0.0
         for name in NODES:
             self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
         self.watched: dict[str, dict[str, Any]] = {}  # what the watch last said of each pod
-        self.assumed: dict[str, str] = {}  # pods this extender bound and the watch has not shown bound yet
+        #: pods this extender bound and the watch has not shown bound yet: node and when the bind expires
+        self.assumed: dict[str, tuple[str, float]] = {}
 
     def _body(self, uid: str, node: str | None) -> dict[str, Any]:
-        body = pod(uid, 2, uid=uid)
+        body = pod(uid, 1 + UIDS.index(uid), uid=uid)  # sizes 1-4, so the mix tells them apart
         body["metadata"]["annotations"] = bind_annotations(
             pod_request(body), INVENTORY.gpus[0], unit=INVENTORY.unit, now_ns=1
         )
@@ -71,33 +74,32 @@ class CacheHistory(RuleBasedStateMachine):
     def bind_assumed(self, uid: str, node: str) -> None:
         if uid in self.watched and not self.watched[uid]["spec"].get("nodeName") and uid not in self.assumed:
             self.cache.assume(self._body(uid, None), node)
-            self.assumed[uid] = node
+            self.assumed[uid] = (node, self.now + ASSUME_SECONDS)
 
     @rule(uid=st.sampled_from(UIDS))
     def bind_failed(self, uid: str) -> None:
         if uid in self.assumed:
-            self.cache.forget(self._body(uid, None), self.assumed.pop(uid))
+            self.cache.forget(self._body(uid, None), self.assumed.pop(uid)[0])
 
     @invariant()
-    def each_pod_counted_once_where_it_is(self) -> None:
-        for uid in UIDS:
-            bound = (self.watched.get(uid) or {}).get("spec", {}).get("nodeName")
-            expected = {bound or self.assumed[uid]} if bound or uid in self.assumed else set()
-            counted = set()
-            for name in NODES:
-                snapshot = self.cache.snapshot(name)
-                assert snapshot is not None
-                if any(h.uid == uid for h in snapshot[1]):
-                    counted.add(name)
-            assert counted == expected, (uid, counted, expected)
-
-    @invariant()
-    def ledgers_match_what_is_counted(self) -> None:
+    def each_pod_counted_once_where_it_is_and_in_the_mix(self) -> None:
+        # Time passes: binds the watch never confirmed are released after ASSUME_SECONDS, and the request
+        # mix may be taken anew.
+        self.now += MIX_SECONDS
+        self.assumed = {uid: (node, end) for uid, (node, end) in self.assumed.items() if end >= self.now}
+        holdings = []
         for name in NODES:
             snapshot = self.cache.snapshot(name)
             assert snapshot is not None
-            held = sum(sum(h.gpus.values()) for h in snapshot[1])
-            assert held == 2 * len(snapshot[1])
+            holdings += [(name, h) for h in snapshot[1]]
+        for uid in UIDS:
+            bound = (self.watched.get(uid) or {}).get("spec", {}).get("nodeName")
+            expected = {bound or self.assumed[uid][0]} if bound or uid in self.assumed else set()
+            assert {name for name, h in holdings if h.uid == uid} == expected, uid
+        mix = self.cache.request_mix()
+        truth = RequestMix(sum(h.gpus.values()) + h.pending for _, h in holdings)
+        assert len(mix) == len(truth) == len(holdings)
+        assert [mix.larger_than(free) for free in range(18)] == [truth.larger_than(free) for free in range(18)]
 
 
 CacheHistory.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
