@@ -9,6 +9,7 @@ which under-counts a pod whose init container is the larger one.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -50,8 +51,9 @@ class PodRequest:
     mps: bool = False
     thread_percentage: int | None = None
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
+        """Units held at the pod's peak (``peak``): asked for on every candidate node, worked out once."""
         return peak(self.containers)
 
     @property

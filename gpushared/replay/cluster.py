@@ -88,8 +88,7 @@ class SimCluster:
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
                 continue
-            # A pod without GPU goes through the extender's prioritize-no-gpu, one with GPU through prioritize.
-            cost, gpu = (float(idle_gpu_mib(node.ledger)), -1) if need == 0 else self._price(node, request)
+            cost, gpu = self._price(node, request)
             if cost is None:
                 continue
             if best is None or cost < best - EQUAL_COST:
@@ -126,9 +125,13 @@ class SimCluster:
         known = node.prices.get(need)
         if known is not None and known[0] == node.version:
             return known[1], known[2]
-        choice = self.policy.choose(judge(node.ledger, request), request, self.mix)
-        cost = None if choice is None else self.policy.cost(choice, need, self.mix)
-        index = -1 if choice is None else choice.gpu.index
+        cost: float | None
+        if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
+            cost, index = float(idle_gpu_mib(node.ledger)), -1
+        else:  # prioritize
+            choice = self.policy.choose(judge(node.ledger, request), request, self.mix)
+            cost = None if choice is None else self.policy.cost(choice, need, self.mix)
+            index = -1 if choice is None else choice.gpu.index
         node.prices[need] = (node.version, cost, index)
         return cost, index
 
