@@ -326,3 +326,7 @@ def test_a_conflict_while_binding_is_read_again_and_retried(api: FakeApiServer, 
     assert extender.bind(body, "n1")[1] == {"Error": ""}
     assert conflict.hits == 1
     assert api.get("pods", "p", "default")["spec"]["nodeName"] == "n1"  # type: ignore[index]
+
+
+def test_the_synced_cache_is_kept_out_of_the_garbage_collectors_walks(extender: Extender) -> None:
+    wait_until(lambda: "kept out of the garbage collector's walks" in extender.log(), timeout=10)
