@@ -10,7 +10,6 @@ taken back out at once.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -214,8 +213,8 @@ class ClusterCache:
 
     def assume(self, pod: dict[str, Any], node: str) -> None:
         """Count a pod this extender just bound, until the watch delivers it bound (or the time runs out)."""
-        bound = copy.deepcopy(pod)
-        bound.setdefault("spec", {})["nodeName"] = node
+        slim = slim_pod(pod)  # kept as the watch would keep it; its parts may be shared, so copied, not changed
+        bound = {**slim, "spec": {**slim["spec"], "nodeName": node}}
         with self._lock:
             self._assumed[uid_of(bound)] = (node, self.clock() + ASSUME_SECONDS)
             self._place(bound)
