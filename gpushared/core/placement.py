@@ -69,6 +69,20 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
     return verdicts
 
 
+def fitting(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
+    """The verdicts of :func:`judge` that fit, without working out why the others do not: what pricing a
+    node needs, a thousand nodes at a time (a property test holds the two together)."""
+    need = request.total
+    if need <= 0:
+        return []
+    fits = []
+    for gpu in ledger.inventory.gpus:
+        free = ledger.free(gpu)
+        if free >= need and _refusal(ledger, gpu, mps=request.mps, max_mps_clients=max_mps_clients) is None:
+            fits.append(GpuVerdict(gpu=gpu, free=free, reason=None))
+    return fits
+
+
 def most_free(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS) -> int:
     """The most units free on one GPU that a pod of this kind (MPS or not) may take; -1 when none may.
 

@@ -23,7 +23,7 @@ from gpushared.contract import ContractError, GpuInventory, MemoryUnit, Resource
 from gpushared.core.bodies import slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.placement import GpuVerdict, Policy, explain, idle_gpu_mib, judge, most_free
+from gpushared.core.placement import GpuVerdict, Policy, explain, fitting, idle_gpu_mib, judge, most_free
 from gpushared.core.requests import PodRequest
 from gpushared.kube.informer import Informer, uid_of
 
@@ -143,7 +143,7 @@ class ClusterCache:
                 state, ledger = usable
                 known = state.memo.get(key)
                 if known is None or known[0] != ledger.version:
-                    cost = policy.node_cost(judge(ledger, request), request, mix)
+                    cost = policy.node_cost(fitting(ledger, request), request, mix)
                     known = _remember(state, key, ledger.version, cost)
                 costs.append(known[1])
         return costs

@@ -4,10 +4,11 @@ kube-scheduler's part is modelled: its filters (NodeResourcesFit on CPU, memory,
 extended resource; node affinity for the task's GPU models) and its default scores
 (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's part is not modelled but
 run, as deploy/'s scheduler configs wire it: every node's GPUs are a production :class:`Ledger`, judged by
-:func:`judge`, priced and chosen by the production :class:`Policy`; pods without GPU are priced by
-:func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is one that
-:func:`node_scores` would give the top score (the cheapest): the extender's weight (100) dominates the
-in-tree scores, which then only break its ties (the rest at random, as selectHost does).
+:func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced and chosen by the
+production :class:`Policy`; pods without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu
+verb). The node the scheduler takes is one that :func:`node_scores` would give the top score (the
+cheapest): the extender's weight (100) dominates the in-tree scores, which then only break its ties (the
+rest at random, as selectHost does).
 
 A node's price for a request size is kept until the node changes, so one placement costs a re-judging of
 one node, not of the cluster.
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import EQUAL_COST, Policy, holding_for, idle_gpu_mib, judge
+from gpushared.core.placement import EQUAL_COST, Policy, fitting, holding_for, idle_gpu_mib
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
@@ -129,7 +130,7 @@ class SimCluster:
         if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
             cost, index = float(idle_gpu_mib(node.ledger)), -1
         else:  # prioritize
-            choice = self.policy.choose(judge(node.ledger, request), request, self.mix)
+            choice = self.policy.choose(fitting(node.ledger, request), request, self.mix)
             cost = None if choice is None else self.policy.cost(choice, need, self.mix)
             index = -1 if choice is None else choice.gpu.index
         node.prices[need] = (node.version, cost, index)

@@ -20,7 +20,7 @@ from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.bodies import slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.placement import POLICIES, bind_annotations, holding_for, judge, most_free
+from gpushared.core.placement import POLICIES, bind_annotations, fitting, holding_for, judge, most_free
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM
 
@@ -150,12 +150,14 @@ class PlacementHistory(RuleBasedStateMachine):
             del self.bodies[uid]
 
     @rule(amount=st.integers(0, 64), mps=st.booleans())
-    def the_filter_shortcut_agrees_with_judging_every_gpu(self, amount: int, mps: bool) -> None:
+    def the_shortcuts_agree_with_judging_every_gpu(self, amount: int, mps: bool) -> None:
         if self.ledger is None:
             return
         request = PodRequest(containers=(ContainerRequest("c", amount),) if amount else (), mps=mps)
-        fits = any(v.fits for v in judge(self.ledger, request))
+        verdicts = judge(self.ledger, request)
+        fits = any(v.fits for v in verdicts)
         assert fits == (0 < amount <= most_free(self.ledger, mps=mps))
+        assert fitting(self.ledger, request) == [v for v in verdicts if v.fits]
 
     @invariant()
     def no_gpu_over_capacity_or_mixed(self) -> None:
