@@ -279,7 +279,7 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
             "rssMiBSynced": round(rss_synced / 2**20, 1),
             "filterAtRest": percentiles(at_rest),
             **measured,
-            **sustained(backend, extender.port, names, args, rng),
+            **sustained(backend, names, args, rng, port=extender.port, extender=process),
             "rssMiBAfter": round(process.memory_info().rss / 2**20, 1),
         }
     finally:
@@ -287,10 +287,17 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
 
 
 def sustained(
-    backend: Backend, port: int, names: list[str], args: argparse.Namespace, rng: random.Random
+    backend: Backend,
+    names: list[str],
+    args: argparse.Namespace,
+    rng: random.Random,
+    *,
+    port: int,
+    extender: psutil.Process,
 ) -> dict[str, Any]:
     """Filter one new pod after another and bind each in the background, as kube-scheduler does: its
-    scheduling cycle (filter, prioritize) is serial, its binding cycle runs beside the next pods'."""
+    scheduling cycle (filter, prioritize) is serial, its binding cycle runs beside the next pods'. Also
+    what it cost: the extender's CPU per filter+bind, and how busy the whole machine was (all cores)."""
     bodies = backend.create_all([pending_body(f"rate-{i:06d}", rng) for i in range(args.rate_pods)])
     local = threading.local()
 
@@ -302,6 +309,8 @@ def sustained(
     verbs = OverHttp(port)
     done = 0
     binds = []
+    extender_cpu = sum(extender.cpu_times()[:2])
+    machine = psutil.cpu_times()
     started = time.perf_counter()
     with ThreadPoolExecutor(args.bind_workers) as pool:
         for body in bodies:
@@ -313,8 +322,14 @@ def sustained(
             done += 1
         errors = sum(1 for bound in binds if bound.result())
     elapsed = time.perf_counter() - started
+    extender_cpu = sum(extender.cpu_times()[:2]) - extender_cpu
+    after = psutil.cpu_times()
+    idle = (after.idle + after.iowait) - (machine.idle + machine.iowait)
+    total = sum(after) - sum(machine)
     return {
         "filterPlusBindPerSecond": round(done / elapsed, 1),
+        "extenderCpuMsPerFilterPlusBind": round(1000 * extender_cpu / max(done, 1), 2),
+        "machineBusyPercent": round(100 * (1 - idle / total), 1) if total else 0.0,
         "sustainedBinds": len(binds),
         "sustainedBindErrors": errors,
         "bindWorkers": args.bind_workers,
