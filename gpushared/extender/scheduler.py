@@ -78,10 +78,10 @@ class Scheduler:
         score highest. kube-scheduler calls this for every pod (a second extender entry, without managed
         resources), so pods that do ask for GPU memory get 0 everywhere: ``prioritize`` scores those."""
         try:
-            request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
+            asks_gpu = pod_request(args.pod, resources=self.resources).total > 0  # type: ignore[arg-type]
         except ContractError:
-            return [(name, 0) for name in args.names]
-        if request.total > 0:
+            asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
+        if asks_gpu:
             return [(name, 0) for name in args.names]
         return list(zip(args.names, node_scores(self.cache.idle_costs(args.names)), strict=True))
 
