@@ -571,6 +571,9 @@ class FakeApiServer:
                     if not pending and not (watch.expire or watch.cut):
                         self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
                         pending = self._events_after(since, resource.plural)
+                    # Everything up to here is seen, other kinds' events too: a node watch must not scan
+                    # every pod event since the last node changed on each wake.
+                    seen = self._current_rv
                     cut, expired = watch.cut, watch.expire
                 if cut:
                     raise ConnectionAbortedError("watch cut by the test")
@@ -578,10 +581,10 @@ class FakeApiServer:
                     yield {"type": "ERROR", "object": status_body(410, "Expired", "too old resource version")}
                     return
                 for event in pending:
-                    since = event.rv
                     translated = _translate(event, selected)
                     if translated is not None:
                         yield translated
+                since = max(since, seen)
                 if time.monotonic() >= deadline:
                     return
                 yield None
