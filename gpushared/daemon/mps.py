@@ -135,6 +135,11 @@ class MpsSupervisor:
         if control.dirs.stopped.exists():
             if daemon.state != "stopped":
                 log.warning("MPS on GPU %d stopped by an operator (gpushared mps start resumes it)", gpu.index)
+            # A restart decided just before the operator's stop can start a daemon just after it: the
+            # operator's word holds, so a daemon found running now is stopped too.
+            if control.pid() is not None:
+                pid = shut_down(control, settings=self.settings, backend=self.backend)
+                log.warning("MPS on GPU %d: quit control daemon %s, started as MPS was stopped", gpu.index, pid)
             self._set(daemon, "stopped", "MPS stopped by `gpushared mps stop`", pid=None)
             return
         if daemon.pid is None and daemon.state == "starting":
@@ -313,13 +318,26 @@ def stop_daemon(settings: MpsSettings, uuid: str, *, backend: GpuBackend) -> str
     """Quit one GPU's daemon on purpose; a running gpushared leaves it stopped until `gpushared mps start`."""
     control = MpsControl(binary=settings.binary, uuid=uuid, dirs=GpuDirs.of(settings.root, uuid))
     control.dirs.stopped.touch()  # first, so that the supervisor does not start it again meanwhile
+    pid = shut_down(control, settings=settings, backend=backend)
+    return f"GPU {uuid}: " + (f"MPS control daemon {pid} stopped" if pid else "no MPS control daemon was running")
+
+
+def shut_down(control: MpsControl, *, settings: MpsSettings, backend: GpuBackend) -> int | None:
+    """Quit the daemon if one runs, release its shm and give the GPU back its default compute mode; the
+    pid that was quit. The supervisor may be restarting the same daemon meanwhile (it probes, the operator
+    stops): a daemon gone by the time it is told to quit is as good as quit."""
     pid = control.pid()
-    control.quit()
+    if pid is not None:
+        try:
+            control.quit()
+        except MpsError:
+            if control.pid() is not None:
+                raise
     control.release_shm()
     if settings.exclusive_process:
         backend.start()
-        backend.set_exclusive_process(uuid, False)
-    return f"GPU {uuid}: " + (f"MPS control daemon {pid} stopped" if pid else "no MPS control daemon was running")
+        backend.set_exclusive_process(control.uuid, False)
+    return pid
 
 
 def prepare_mounts(settings: MpsSettings, *, backend: GpuBackend) -> list[str]:

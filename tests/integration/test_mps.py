@@ -45,11 +45,14 @@ def mps(daemon: Daemon, mps_control: Path, kubelet_root: Path) -> Iterator[Daemo
 
 
 def control_daemons(root: Path) -> list[psutil.Process]:
+    """The MPS control daemons under ``root``; not the short-lived clients of the same binary that the
+    supervisor's probes start (those run without ``-d`` and would be counted as a fifth daemon)."""
     found = []
-    for process in psutil.process_iter(["name"]):
+    for process in psutil.process_iter(["name", "cmdline"]):
         with contextlib.suppress(psutil.Error):
             named = "nvidia-cuda-mps" in (process.info["name"] or "")
-            if named and process.environ().get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(str(root)):
+            daemon = "-d" in (process.info["cmdline"] or [])[1:]
+            if named and daemon and process.environ().get("CUDA_MPS_PIPE_DIRECTORY", "").startswith(str(root)):
                 found.append(process)
     return found
 
@@ -138,13 +141,20 @@ def test_a_restarted_gpushared_adopts_the_running_daemons(mps: Daemon) -> None:
     assert "adopted the running control daemon" in mps.log()
 
 
+def mps_cli(daemon: Daemon, *args: str) -> str:
+    """`gpushared mps ...` against this daemon's config, as an operator runs it; its output."""
+    command = [sys.executable, "-m", "gpushared.cli.daemon", "mps", *args, "--config", str(daemon.config_path)]
+    result = subprocess.run(
+        command, capture_output=True, text=True, check=False, env={**os.environ, **daemon.nvml.env()}
+    )
+    assert result.returncode == 0, f"{' '.join(args)} failed ({result.returncode}): {result.stdout}{result.stderr}"
+    return result.stdout
+
+
 def test_mps_stop_quits_daemons_on_purpose_and_start_lets_them_run_again(mps: Daemon) -> None:
     started(mps)
     rows = all_running(mps)
-    run = [sys.executable, "-m", "gpushared.cli.daemon", "mps"]
-    config = ["--config", str(mps.config_path)]
-    out = subprocess.run([*run, "stop", *config, "--gpu", rows[2]["uuid"]], capture_output=True, text=True,
-                         check=True, env={**os.environ, **mps.nvml.env()}).stdout  # fmt: skip
+    out = mps_cli(mps, "stop", "--gpu", rows[2]["uuid"])
     assert f"MPS control daemon {rows[2]['pid']} stopped" in out
     wait_until(lambda: not psutil.pid_exists(rows[2]["pid"]) or psutil.Process(rows[2]["pid"]).status() == "zombie")
     wait_until(lambda: mps_status(mps)[2]["state"] == "stopped", message="stopped, not restarted")
@@ -155,14 +165,26 @@ def test_mps_stop_quits_daemons_on_purpose_and_start_lets_them_run_again(mps: Da
         subprocess.run(["findmnt", str(root / rows[2]["uuid"] / "shm")], capture_output=True, check=False).returncode
         != 0
     )
-    subprocess.run([*run, "start", *config, "--gpu", "2"], check=True, capture_output=True,
-                   env={**os.environ, **mps.nvml.env()})  # fmt: skip
+    mps_cli(mps, "start", "--gpu", "2")
     wait_until(lambda: mps_status(mps)[2]["state"] == "running", timeout=15, message="started again")
     assert gpu_healthy(mps, 2) or wait_until(lambda: gpu_healthy(mps, 2), timeout=5)
-    out = subprocess.run([*run, "stop", *config], capture_output=True, text=True, check=True,
-                         env={**os.environ, **mps.nvml.env()}).stdout  # fmt: skip
-    assert out.count("stopped") == 4
+    assert mps_cli(mps, "stop").count("stopped") == 4
     assert not control_daemons(root)
+
+
+def test_a_daemon_running_against_an_operators_stop_is_quit(mps: Daemon) -> None:
+    """The supervisor decides to restart a daemon, the operator runs `gpushared mps stop`, the restart lands
+    after it: a daemon runs although MPS was stopped. The marker says what the operator wants, so the
+    supervisor quits it. Here the race's outcome is made directly: the marker, with the daemon still up."""
+    started(mps)
+    rows = all_running(mps)
+    root = Path(mps.config["mps"]["root"])
+    (GpuDirs.of(root, rows[1]["uuid"]).stopped).touch()
+    wait_until(lambda: not psutil.pid_exists(rows[1]["pid"]) or psutil.Process(rows[1]["pid"]).status() == "zombie",
+               message="the daemon quit")  # fmt: skip
+    wait_until(lambda: mps_status(mps)[1]["state"] == "stopped", message="stopped")
+    assert [r["state"] for r in mps_status(mps)] == ["running", "stopped", "running", "running"]
+    assert "started as MPS was stopped" in mps.log()
 
 
 def test_allocate_gives_an_mps_container_its_env_and_mounts(mps: Daemon) -> None:
