@@ -129,6 +129,8 @@ class Policy:
 
     name: str
     cost: Callable[[GpuVerdict, int, RequestMix], float]
+    #: whether ``cost`` reads the mix: prices that do not are kept when a new mix is taken
+    reads_mix: bool = False
 
     def rank(self, verdict: GpuVerdict, need: int, mix: RequestMix) -> tuple[float, int, int]:
         return (self.cost(verdict, need, mix), verdict.free, verdict.gpu.index)
@@ -174,7 +176,7 @@ BINPACK: Final = Policy(name="binpack", cost=lambda v, need, mix: float(v.free -
 SPREAD: Final = Policy(name="spread", cost=lambda v, need, mix: float(need - v.free))
 #: Fragmentation gradient descent: the GPU whose expected fragment, for the mix of requests seen, grows
 #: least (gpushared.core.fragmentation); best fit among equals. With no mix yet it is best fit.
-FGD: Final = Policy(name="fgd", cost=lambda v, need, mix: mix.growth(v.free, need))
+FGD: Final = Policy(name="fgd", cost=lambda v, need, mix: mix.growth(v.free, need), reads_mix=True)
 
 POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
 

@@ -44,7 +44,8 @@ class NodeState:
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod bound here
     ledger: Ledger | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises binds to this node
-    #: what filter derived from the ledger: key -> (ledger version, value); emptied when the ledger is rebuilt
+    #: filter's reasons and prioritize's prices for this ledger: key -> (ledger version, value); emptied when
+    #: the ledger is rebuilt
     memo: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict)
 
 
@@ -64,6 +65,10 @@ class ClusterCache:
         self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
         self._node_of: dict[str, str] = {}
+        #: node -> the most units free on one GPU a plain and an MPS pod may take (``most_free``; -1: none, or
+        #: not a usable node); dropped whenever the node's ledger changes, so a filter answers most nodes with
+        #: one dict lookup and one comparison
+        self._room: dict[str, tuple[int, int]] = {}
         self._next_expiry = 0.0
         self._mix = RequestMix()
         self._sizes: Counter[int] = Counter()  # request size -> holdings of that size on gpushared nodes
@@ -79,10 +84,6 @@ class ClusterCache:
     def stop(self) -> None:
         self.nodes.stop()
         self.pods.stop()
-
-    @property
-    def synced(self) -> bool:
-        return self.nodes.synced and self.pods.synced
 
     # --- reads -----------------------------------------------------------------------------------------------
 
@@ -106,26 +107,49 @@ class ClusterCache:
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
-        need, mps = request.total, request.mps
+        need, kind = request.total, int(request.mps)
         with self._lock:
             self._expire_assumed()
+            room = self._room
             for name in names:
-                usable = self._usable(name)
-                if isinstance(usable, str):
-                    failed[name] = usable
-                    continue
-                state, ledger = usable
-                best = state.memo.get(("most", mps))
-                if best is None or best[0] != ledger.version:
-                    best = state.memo[("most", mps)] = (ledger.version, most_free(ledger, mps=mps))
-                if 0 < need <= best[1]:
+                known = room.get(name)
+                if known is None:
+                    known = self._room_of(name)
+                if 0 < need <= known[kind]:
                     passed.append(name)
-                    continue
-                why = state.memo.get(("why", need, mps))
-                if why is None or why[0] != ledger.version:
-                    why = _remember(state, ("why", need, mps), ledger.version, explain(judge(ledger, request)))
-                failed[name] = why[1]
+                else:
+                    failed[name] = self._why_not(name, request)
         return passed, failed
+
+    def warm(self) -> None:
+        """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
+        nodes GPU by GPU for the first time: 8 ms at p99 with 5,000 nodes, until the table filled."""
+        with self._lock:
+            for name in self._nodes.keys() - self._room.keys():
+                self._room_of(name)
+
+    def _room_of(self, name: str) -> tuple[int, int]:
+        usable = self._usable(name)
+        if isinstance(usable, str):
+            known = (-1, -1)
+        else:
+            ledger = usable[1]
+            known = (most_free(ledger, mps=False), most_free(ledger, mps=True))
+        if name in self._nodes:  # unknown names are not remembered: anyone may send any name
+            self._room[name] = known
+        return known
+
+    def _why_not(self, name: str, request: PodRequest) -> str:
+        """Why no GPU of the node fits: what kube-scheduler shows in the pod's events."""
+        usable = self._usable(name)
+        if isinstance(usable, str):
+            return usable
+        state, ledger = usable
+        key = ("why", request.total, request.mps)
+        why = state.memo.get(key)
+        if why is None or why[0] != ledger.version:
+            why = _remember(state, key, ledger.version, explain(judge(ledger, request)))
+        return str(why[1])
 
     def node_costs(self, names: list[str], request: PodRequest, policy: Policy) -> list[float | None]:
         """``policy``'s price of each node for ``request`` (None: it does not fit), kept per node until its
@@ -134,7 +158,7 @@ class ClusterCache:
         with self._lock:
             self._expire_assumed()
             mix = self.request_mix()
-            key = ("cost", policy.name, request.total, request.mps, self._mix_generation)
+            key = ("cost", policy.name, request.total, request.mps, self._mix_generation if policy.reads_mix else 0)
             for name in names:
                 usable = self._usable(name)
                 if isinstance(usable, str):
@@ -296,6 +320,7 @@ class ClusterCache:
         state.pods[uid] = pod
         self._node_of[uid] = node
         if state.ledger is not None:
+            self._room.pop(node, None)
             self._uncount(state.ledger.remove(uid))
             holding = self._holding(pod, state)
             if holding is not None:
@@ -309,6 +334,7 @@ class ClusterCache:
         node = self._node_of.pop(uid, None)
         state = self._nodes.get(node) if node is not None else None
         if state is not None and state.pods.pop(uid, None) is not None and state.ledger is not None:
+            self._room.pop(state.name, None)
             self._uncount(state.ledger.remove(uid))
 
     def _uncount(self, holding: Holding | None) -> None:
@@ -321,6 +347,7 @@ class ClusterCache:
     def _rebuild(self, state: NodeState) -> None:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
         state.memo.clear()
+        self._room.pop(state.name, None)
         for held in state.ledger.holdings() if state.ledger is not None else ():
             self._uncount(held)
         if state.inventory is None:
