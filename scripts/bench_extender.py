@@ -30,6 +30,7 @@ import http.client
 import json
 import platform
 import random
+import signal
 import sys
 import tempfile
 import threading
@@ -244,6 +245,7 @@ def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng
     cache.start()
     cache.nodes.wait_synced(600)
     cache.pods.wait_synced(600)
+    cache.warm()  # as the extender does before it says ready
     synced = time.perf_counter() - started
     policy = policy_named(args.policy)
     scheduler = Scheduler(cache=cache, api=client, policy=policy, resources=contract.DEFAULT_RESOURCES)
@@ -355,6 +357,8 @@ def main() -> None:
         "cluster (root; make k8s-testbins)",
     )
     args = parser.parse_args()
+    # SIGTERM (timeout, an impatient operator) unwinds like Ctrl-C, so the real API server and etcd stop too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rng = random.Random(42)
     with contextlib.ExitStack() as stack:
         backend: Backend

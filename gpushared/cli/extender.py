@@ -111,8 +111,10 @@ def main(
         else None
     )
 
+    prepared = threading.Event()
+
     def ready() -> tuple[bool, str]:
-        if not cache.synced:
+        if not prepared.is_set():
             return False, "the cache has not synced with the API server yet"
         return True, ""
 
@@ -135,7 +137,7 @@ def main(
         Scheduler(cache=cache, api=api, policy=chosen, resources=resources), config, ready=ready, leader=leader
     )
     cache.start()
-    threading.Thread(target=_freeze_when_synced, args=(cache,), name="gc-freeze", daemon=True).start()
+    threading.Thread(target=_prepare_when_synced, args=(cache, prepared), name="prepare", daemon=True).start()
     if elector is not None:
         elector.start()
 
@@ -154,18 +156,21 @@ def main(
         cache.stop()
 
 
-def _freeze_when_synced(cache: ClusterCache) -> None:
-    """Keep what the first sync cached out of the garbage collector's walks.
+def _prepare_when_synced(cache: ClusterCache, prepared: threading.Event) -> None:
+    """Once the first sync is done: warm the cache, keep what it holds out of the garbage collector's
+    walks, and only then say ready.
 
     Cached pods live as long as their pods do, and 150k of them are about a million tracked objects: every
     full collection would walk them all, a pause of tens of milliseconds in the middle of some filter.
     Frozen, they are still freed by reference counting when the watch drops them (they hold no cycles)."""
     if cache.nodes.wait_synced(SYNC_WAIT_SECONDS) and cache.pods.wait_synced(SYNC_WAIT_SECONDS):
+        cache.warm()
         gc.freeze()
         log.info("cache synced; %d objects kept out of the garbage collector's walks", gc.get_freeze_count())
+        prepared.set()
 
 
-#: How long the freeze waits for the first sync; a cache that never syncs never serves either.
+#: How long the startup thread waits for the first sync; a cache that never syncs never serves either.
 SYNC_WAIT_SECONDS = 24 * 3600.0
 
 
