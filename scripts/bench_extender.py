@@ -47,9 +47,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared import contract
-from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import BINPACK, bind_annotations, holding_for, judge, policy_named
+from gpushared.core.placement import BINPACK, Setting, bind_annotations, holding_for, judge, policy_named
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.scheduler import Scheduler
@@ -134,14 +133,14 @@ def populate(backend: Backend, *, nodes: int, pods: int, rng: random.Random) -> 
     inv = inventory(*[GPU_GIB] * GPUS)
     backend.create_all([gpu_node(name, inv=inv) for name in names])
     ledgers = {name: Ledger.build(inv) for name in names}
-    no_mix = RequestMix()  # binpack, whatever policy is measured: the same cluster every run
     bodies = []
     for i in range(pods):
         body = pod(f"run-{i:06d}", rng.randint(1, 4), node=None, phase="Running", uid=f"uid-run-{i:06d}")
         request = pod_request(body)
         for _ in range(20):
             node = names[rng.randrange(nodes)]
-            choice = BINPACK.choose(judge(ledgers[node], request), request, no_mix)
+            # binpack, whatever policy is measured: the same cluster every run
+            choice = BINPACK.choose(judge(ledgers[node], request), request, Setting(ledgers[node]))
             if choice is not None:
                 break
         else:

@@ -43,9 +43,13 @@ def pod(
     init: list[dict[str, Any]] | None = None,
     phase: str = "Pending",
     uid: str | None = None,
+    cpu: str | None = None,
 ) -> dict[str, Any]:
-    """A pod whose containers c0, c1, ... ask for ``amounts`` units of gpu-mem."""
+    """A pod whose containers c0, c1, ... ask for ``amounts`` units of gpu-mem (and c0 for ``cpu``)."""
     spec: dict[str, Any] = {"containers": [container(f"c{i}", amount) for i, amount in enumerate(amounts)]}
+    if cpu is not None:
+        spec["containers"] = spec["containers"] or [container("c0")]
+        spec["containers"][0].setdefault("resources", {})["requests"] = {"cpu": cpu}
     if init:
         spec["initContainers"] = init
     if node:

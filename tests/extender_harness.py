@@ -23,10 +23,13 @@ from tests.harness import free_port, wait_until
 PREFIX = "/gpushare-scheduler"
 
 
-def gpu_node(name: str, *sizes: int, address: str = "10.0.0.1", inv: GpuInventory | None = None) -> dict[str, Any]:
-    """A node as the gpushared daemon leaves it: inventory annotation and gpu-count capacity."""
+def gpu_node(
+    name: str, *sizes: int, address: str = "10.0.0.1", inv: GpuInventory | None = None, cpu: str | None = None
+) -> dict[str, Any]:
+    """A node as the gpushared daemon leaves it: inventory annotation and gpu-count capacity (and, given
+    ``cpu``, the allocatable CPU that kubelet reports)."""
     inv = inv or inventory(*sizes)
-    return {
+    node = {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "annotations": {contract.NODE_INVENTORY: contract.format_inventory(inv)}},
@@ -38,6 +41,9 @@ def gpu_node(name: str, *sizes: int, address: str = "10.0.0.1", inv: GpuInventor
             "addresses": [{"type": "InternalIP", "address": address}],
         },
     }
+    if cpu is not None:
+        node["status"]["allocatable"] = {"cpu": cpu}
+    return node
 
 
 def aliyun_node(name: str, total: int, count: int) -> dict[str, Any]:

@@ -38,6 +38,7 @@ class PodSpec(TypedDict, total=False):
     nodeName: str
     containers: list[Container]
     initContainers: list[Container]
+    overhead: dict[str, str | int]
 
 
 class ContainerStateTerminated(TypedDict, total=False):
@@ -96,6 +97,8 @@ _ALIYUN_KEYS = frozenset(
 _SMALL_VALUES = frozenset({contract.ALIYUN_GPU_MEM_IDX, contract.ALIYUN_GPU_MEM_POD, contract.ALIYUN_GPU_MEM_ASSIGNED})
 #: The extended resources a pod's GPU request is made of, whatever their domain.
 _GPU_RESOURCES = ("/gpu-mem", "/gpu-count")
+#: And the one other resource it weighs (fgd): the CPU request.
+_CPU_REQUEST = ("requests", "cpu")
 
 
 def _ours(key: str) -> bool:
@@ -103,12 +106,13 @@ def _ours(key: str) -> bool:
 
 
 def _slim_container(container: dict[str, Any]) -> dict[str, Any]:
-    """Name, restart policy and GPU resources only. A container without GPU stays, as its name alone, so that
-    positions in error messages (``spec.containers[2]``) stay those of the pod."""
+    """Name, restart policy, GPU resources and CPU request only (the fgd policy weighs nodes' CPU). A
+    container without them stays, as its name alone, so that positions in error messages
+    (``spec.containers[2]``) stay those of the pod."""
     slim: dict[str, Any] = {"name": sys.intern(container.get("name", ""))}
     resources = container.get("resources") or {}
     kept = {
-        kind: {sys.intern(k): v for k, v in amounts.items() if k.endswith(_GPU_RESOURCES)}
+        kind: {sys.intern(k): v for k, v in amounts.items() if k.endswith(_GPU_RESOURCES) or (kind, k) == _CPU_REQUEST}
         for kind, amounts in resources.items()
         if kind in ("limits", "requests") and amounts
     }
@@ -152,7 +156,7 @@ def _shared_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
     """The pod with only what the extender reads: its identity and resourceVersion, the annotations that say
-    what it holds, its node, its containers' names and GPU resources, its phase, and, once it is being
+    what it holds, its node, its containers' names, GPU resources and CPU requests, its phase, and, once it is being
     deleted, which of its containers have terminated (before that, no container state changes what it holds).
 
     A watch cache of 150k pods holds each one for as long as it runs; whole pod objects (env, volumes,
@@ -177,9 +181,18 @@ def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
     for part in ("initContainers", "containers"):
         if spec.get(part):
             slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
+    overhead = (spec.get("overhead") or {}).get("cpu")
+    if overhead is not None:
+        slim_spec["overhead"] = {"cpu": overhead}
     # The containers are shared already, so their identity stands for their content (and stays alive with
     # the spec that holds them).
-    spec_key = ("spec", slim_spec.get("nodeName"), id(slim_spec.get("initContainers")), id(slim_spec.get("containers")))
+    spec_key = (
+        "spec",
+        slim_spec.get("nodeName"),
+        id(slim_spec.get("initContainers")),
+        id(slim_spec.get("containers")),
+        overhead,
+    )
     slim: dict[str, Any] = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
     slim_status: dict[str, Any] = {}
     if "phase" in status:

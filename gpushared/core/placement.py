@@ -6,8 +6,9 @@ cannot disagree about what fits. A policy only prices the GPUs that fit.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -119,64 +120,170 @@ def explain(verdicts: list[GpuVerdict]) -> str:
 
 
 @dataclass(frozen=True)
+class NodeCpu:
+    """A node's CPU as kube-scheduler's NodeResourcesFit counts it, in milli-CPU: what pods may request in
+    all, and what the pods bound to it request."""
+
+    allocatable: int
+    requested: int
+
+
+_NO_MIX: Final = RequestMix()
+
+
+class Setting:
+    """What a policy may weigh beside the GPU it prices: the mix of pods seen, the free memory of every
+    healthy GPU of the node, and the node's CPU and the pod's (unknown CPU: None).
+
+    Worked out on first use: best fit and spread read none of it, and the extender prices a thousand nodes
+    per call.
+    """
+
+    def __init__(self, ledger: Ledger, *, mix: RequestMix = _NO_MIX, cpu: NodeCpu | None = None, pod_cpu: int = 0):
+        self.ledger = ledger
+        self.mix = mix
+        self.cpu = cpu
+        self.pod_cpu = pod_cpu
+
+    @functools.cached_property
+    def _gpus(self) -> tuple[dict[int, int], list[int], int]:
+        """(GPU index -> position, free units per position, units in all) of the healthy GPUs."""
+        healthy = [gpu for gpu in self.ledger.inventory.gpus if gpu.healthy]
+        frees = [max(self.ledger.free(gpu), 0) for gpu in healthy]
+        return {gpu.index: i for i, gpu in enumerate(healthy)}, frees, sum(gpu.memory for gpu in healthy)
+
+    @property
+    def cpu_free(self) -> int | None:
+        return None if self.cpu is None else self.cpu.allocatable - self.cpu.requested
+
+    @functools.cached_property
+    def _fragment(self) -> float:
+        return self.mix.fragment(self._gpus[1], cpu_free=self.cpu_free)
+
+    def growth(self, verdict: GpuVerdict, need: int) -> float:
+        """How much the node's expected fragment (``RequestMix.fragment``) grows when the pod takes ``need``
+        units of the verdict's GPU."""
+        position, frees, _ = self._gpus
+        after = list(frees)
+        after[position[verdict.gpu.index]] -= need
+        left = None if self.cpu is None else self.cpu.allocatable - self.cpu.requested - self.pod_cpu
+        return self.mix.fragment(after, cpu_free=left) - self._fragment
+
+    def imbalance(self, need: int) -> float:
+        """How far apart the node's shares of CPU and of GPU memory left would be with the pod on it. A node
+        that runs out of CPU first strands its GPU memory, and one that runs out of GPU memory its CPU."""
+        _, frees, capacity = self._gpus
+        if self.cpu is None or self.cpu.allocatable <= 0 or capacity <= 0:
+            return 0.0
+        cpu_left = (self.cpu.allocatable - self.cpu.requested - self.pod_cpu) / self.cpu.allocatable
+        return abs(cpu_left - (sum(frees) - need) / capacity)
+
+
+#: How a policy ranks a node: its price, then, among nodes priced equal, how unbalanced it would be.
+NodeKey = tuple[float, float]
+
+
+@dataclass(frozen=True)
 class Policy:
     """Where on a node a pod goes, and how good the node is for it.
 
-    ``cost`` prices putting ``need`` units on one fitting GPU (lower is better) given the mix of requests
-    seen; a node costs what its cheapest GPU costs. Equal costs go to the GPU with less free memory, then
-    the lower index, so choices are deterministic and, among equals, pack.
+    ``cost`` prices putting ``need`` units on one fitting GPU (lower is better) given the node's setting;
+    a node costs what its cheapest GPU costs. Equal costs go to the GPU with less free memory, then the
+    lower index, so choices are deterministic and, among equals, pack.
     """
 
     name: str
-    cost: Callable[[GpuVerdict, int, RequestMix], float]
+    cost: Callable[[GpuVerdict, int, Setting], float]
     #: whether ``cost`` reads the mix: prices that do not are kept when a new mix is taken
     reads_mix: bool = False
+    #: whether ``cost`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
+    #: until the node's CPU changes
+    reads_cpu: bool = False
+    #: whether nodes priced equal are told apart by ``Setting.imbalance``
+    balances: bool = False
 
-    def rank(self, verdict: GpuVerdict, need: int, mix: RequestMix) -> tuple[float, int, int]:
-        return (self.cost(verdict, need, mix), verdict.free, verdict.gpu.index)
+    def rank(self, verdict: GpuVerdict, need: int, setting: Setting) -> tuple[float, int, int]:
+        return (self.cost(verdict, need, setting), verdict.free, verdict.gpu.index)
 
-    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, mix: RequestMix) -> GpuVerdict | None:
+    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting) -> GpuVerdict | None:
         fitting = [v for v in verdicts if v.fits]
         if not fitting:
             return None
-        return min(fitting, key=lambda v: self.rank(v, request.total, mix))
+        return min(fitting, key=lambda v: self.rank(v, request.total, setting))
 
-    def node_cost(self, verdicts: Sequence[GpuVerdict], request: PodRequest, mix: RequestMix) -> float | None:
-        """The cost of the node's best GPU; None when no GPU fits."""
-        best = self.choose(verdicts, request, mix)
-        return None if best is None else self.cost(best, request.total, mix)
+    def appraise(
+        self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting
+    ) -> tuple[NodeKey, GpuVerdict] | None:
+        """How the node ranks for the pod, and the GPU it would get there; None when no GPU fits."""
+        best = self.choose(verdicts, request, setting)
+        if best is None:
+            return None
+        tiebreak = setting.imbalance(request.total) if self.balances else 0.0
+        return (self.cost(best, request.total, setting), tiebreak), best
 
 
-def node_scores(costs: Sequence[float | None]) -> list[int]:
-    """Extender scores (0..MAX_SCORE) for nodes with these costs: the cheapest get MAX_SCORE and nobody else
-    does, the rest 0..MAX_SCORE-1 by where they lie between the cheapest and the dearest. Relative, because
-    kube-scheduler only compares, and an extender has 11 levels: absolute buckets would tie nodes that the
-    policy tells apart. Nodes that cannot take the pod get 0."""
-    known = [c for c in costs if c is not None]
+def best_key(keys: Iterable[NodeKey | None]) -> NodeKey | None:
+    """The best of ``keys``: the lowest price, then among the nodes at that price the least imbalance."""
+    known = [k for k in keys if k is not None]
     if not known:
-        return [0 for _ in costs]
-    best, worst = min(known), max(known)
+        return None
+    cheapest = min(cost for cost, _ in known)
+    return cheapest, min(tiebreak for cost, tiebreak in known if cost <= cheapest + EQUAL_COST)
+
+
+def ties(key: NodeKey, best: NodeKey) -> bool:
+    """Whether a node ranked ``key`` is as good as the best (up to float sums): it earns MAX_SCORE."""
+    return key[0] <= best[0] + EQUAL_COST and key[1] <= best[1] + EQUAL_COST
+
+
+def node_scores(keys: Sequence[NodeKey | None]) -> list[int]:
+    """Extender scores (0..MAX_SCORE) for nodes ranked ``keys``: the best get MAX_SCORE and nobody else
+    does; nodes at the best price but less balanced MAX_SCORE-1; the rest 0..MAX_SCORE-1 by where their
+    price lies between the cheapest and the dearest. Relative, because kube-scheduler only compares, and
+    an extender has 11 levels: absolute buckets would tie nodes that the policy tells apart. Nodes that
+    cannot take the pod get 0."""
+    best = best_key(keys)
+    if best is None:
+        return [0 for _ in keys]
+    worst = max(k[0] for k in keys if k is not None)
     scores = []
-    for cost in costs:
-        if cost is None:
+    for key in keys:
+        if key is None:
             scores.append(0)
-        elif cost <= best + EQUAL_COST:
+        elif ties(key, best):
             scores.append(MAX_SCORE)
+        elif key[0] <= best[0] + EQUAL_COST:
+            scores.append(MAX_SCORE - 1)
         else:
-            scores.append(math.floor((MAX_SCORE - 1) * (worst - cost) / (worst - best) + EQUAL_COST))
+            scores.append(math.floor((MAX_SCORE - 1) * (worst - key[0]) / (worst - best[0]) + EQUAL_COST))
     return scores
 
 
 #: Costs closer than this are equal (they are sums of float shares).
 EQUAL_COST: Final = 1e-9
 
+#: Levels the fgd policy prices in: kube-scheduler's MaxNodeScore, to which the paper's FGD score plugin
+#: cuts a sigmoid of the fragment's growth.
+FGD_LEVELS: Final = 100
+
+
+def _fgd_cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+    """The growth of the node's expected fragment, in GPUs (of the verdict's size), through a sigmoid cut to
+    FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
+    apart costs more than it wins; among equals the balance of CPU and GPU decides (docs/benchmarks.md)."""
+    growth = setting.growth(verdict, need) / verdict.gpu.memory
+    return -float(math.floor(FGD_LEVELS / (1.0 + math.exp(growth))))
+
+
 #: Best fit (Aliyun's binpack): the GPU left with the least free memory after placement.
-BINPACK: Final = Policy(name="binpack", cost=lambda v, need, mix: float(v.free - need))
+BINPACK: Final = Policy(name="binpack", cost=lambda v, need, setting: float(v.free - need))
 #: The GPU left with the most free memory.
-SPREAD: Final = Policy(name="spread", cost=lambda v, need, mix: float(need - v.free))
-#: Fragmentation gradient descent: the GPU whose expected fragment, for the mix of requests seen, grows
-#: least (gpushared.core.fragmentation); best fit among equals. With no mix yet it is best fit.
-FGD: Final = Policy(name="fgd", cost=lambda v, need, mix: mix.growth(v.free, need), reads_mix=True)
+SPREAD: Final = Policy(name="spread", cost=lambda v, need, setting: float(need - v.free))
+#: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
+#: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
+#: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
+#: fit among balanced nodes.
+FGD: Final = Policy(name="fgd", cost=_fgd_cost, reads_mix=True, reads_cpu=True, balances=True)
 
 POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
 

@@ -1,4 +1,4 @@
-"""Kubernetes resource quantities, as far as extended resources use them.
+"""Kubernetes resource quantities, as far as extended resources and CPU requests use them.
 
 Extended resources such as ``aliyun.com/gpu-mem`` must be whole numbers, but the API server accepts any
 quantity spelling for them ("4", "4k", "1Ki", "2e3"). We read them all exactly and refuse fractions with a
@@ -8,7 +8,7 @@ message instead of rounding: a rounded request would be a silent wrong amount.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import ROUND_CEILING, Decimal, InvalidOperation
 from typing import Final
 
 from gpushared.contract import ContractError
@@ -36,6 +36,18 @@ _QUANTITY: Final = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE]
 
 def parse_whole_quantity(key: str, value: object) -> int:
     """The integer value of a quantity; ``key`` names the field in errors."""
+    number = _decimal(key, value)
+    if number != number.to_integral_value():
+        raise ContractError(key=key, value=value, reason="extended resources must be whole numbers")
+    return int(number)
+
+
+def parse_milli_quantity(key: str, value: object) -> int:
+    """A quantity in thousandths, rounded up as Kubernetes' MilliValue rounds ("1.5" CPUs: 1500, "1u": 1)."""
+    return int((_decimal(key, value) * 1000).to_integral_value(rounding=ROUND_CEILING))
+
+
+def _decimal(key: str, value: object) -> Decimal:
     if isinstance(value, bool):
         raise ContractError(key=key, value=value, reason="expected a quantity")
     if isinstance(value, int):
@@ -50,8 +62,6 @@ def parse_whole_quantity(key: str, value: object) -> int:
             raise ContractError(key=key, value=value, reason="not a Kubernetes quantity") from None
     else:
         raise ContractError(key=key, value=value, reason="expected a quantity")
-    if number != number.to_integral_value():
-        raise ContractError(key=key, value=value, reason="extended resources must be whole numbers")
     if number < 0:
         raise ContractError(key=key, value=value, reason="must not be negative")
-    return int(number)
+    return number

@@ -20,10 +20,22 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.bodies import slim_pod
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.bodies import PodBody, slim_pod
+from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
+from gpushared.core.fragmentation import Kind, RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.placement import GpuVerdict, Policy, explain, fitting, idle_gpu_mib, judge, most_free
+from gpushared.core.placement import (
+    GpuVerdict,
+    NodeCpu,
+    NodeKey,
+    Policy,
+    Setting,
+    explain,
+    fitting,
+    idle_gpu_mib,
+    judge,
+    most_free,
+)
 from gpushared.core.requests import PodRequest
 from gpushared.kube.informer import Informer, uid_of
 
@@ -35,6 +47,10 @@ ASSUME_SECONDS = 60.0
 MIX_SECONDS = 10.0
 
 
+#: What a memo entry was worked out against: (ledger version, CPU version).
+Version = tuple[int, int]
+
+
 @dataclass
 class NodeState:
     name: str
@@ -43,10 +59,21 @@ class NodeState:
     address: str = ""
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod bound here
     ledger: Ledger | None = None
+    #: milli-CPU pods may request here (None: the node does not say) and that the pods bound here request
+    cpu_allocatable: int | None = None
+    cpu_requested: int = 0
+    #: counts changes of the two: prices that read CPU are kept per (ledger version, CPU version)
+    cpu_version: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)  # serialises binds to this node
-    #: filter's reasons and prioritize's prices for this ledger: key -> (ledger version, value); emptied when
-    #: the ledger is rebuilt
-    memo: dict[tuple[Any, ...], tuple[int, Any]] = field(default_factory=dict)
+    #: filter's reasons and prioritize's prices for this ledger: key -> ((ledger version, CPU version), value);
+    #: emptied when the ledger is rebuilt
+    memo: dict[tuple[Any, ...], tuple[Version, Any]] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> NodeCpu | None:
+        if self.cpu_allocatable is None:
+            return None
+        return NodeCpu(allocatable=self.cpu_allocatable, requested=self.cpu_requested)
 
 
 class ClusterCache:
@@ -71,7 +98,8 @@ class ClusterCache:
         self._room: dict[str, tuple[int, int]] = {}
         self._next_expiry = 0.0
         self._mix = RequestMix()
-        self._sizes: Counter[int] = Counter()  # request size -> holdings of that size on gpushared nodes
+        #: (milli-CPU, GPU memory units) -> running pods of that kind on gpushared nodes
+        self._kinds: Counter[Kind] = Counter()
         self._mix_generation = 0
         self._mix_counted = -MIX_SECONDS
         self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
@@ -87,8 +115,9 @@ class ClusterCache:
 
     # --- reads -----------------------------------------------------------------------------------------------
 
-    def judge(self, name: str, request: PodRequest) -> list[GpuVerdict] | str:
-        """The node's verdict per GPU for ``request``, or why the node is not a candidate at all.
+    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], Setting] | str:
+        """The node's verdict per GPU for ``request``, and what a policy weighs there beside the GPU (bind's
+        choice), or why the node is not a candidate at all.
 
         Judged under the cache lock against the live ledger: no copy per node, and the informers cannot
         change a ledger half-way through.
@@ -96,7 +125,11 @@ class ClusterCache:
         with self._lock:
             self._expire_assumed()
             usable = self._usable(name)
-            return usable if isinstance(usable, str) else judge(usable[1], request)
+            if isinstance(usable, str):
+                return usable
+            state, ledger = usable
+            setting = Setting(ledger, mix=self.request_mix(), cpu=state.cpu, pod_cpu=_cpu_of(pod))
+            return judge(ledger, request), setting
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
         """The nodes with a GPU that fits ``request``, and why each other one has none.
@@ -147,30 +180,34 @@ class ClusterCache:
         state, ledger = usable
         key = ("why", request.total, request.mps)
         why = state.memo.get(key)
-        if why is None or why[0] != ledger.version:
-            why = _remember(state, key, ledger.version, explain(judge(ledger, request)))
+        if why is None or why[0][0] != ledger.version:
+            why = _remember(state, key, (ledger.version, 0), explain(judge(ledger, request)))
         return str(why[1])
 
-    def node_costs(self, names: list[str], request: PodRequest, policy: Policy) -> list[float | None]:
-        """``policy``'s price of each node for ``request`` (None: it does not fit), kept per node until its
-        ledger or the request mix changes."""
-        costs: list[float | None] = []
+    def node_keys(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeKey | None]:
+        """How ``policy`` ranks each node for the pod (None: it does not fit), kept per node until its
+        ledger, its CPU (for a policy that reads it) or the request mix changes."""
+        keys: list[NodeKey | None] = []
         with self._lock:
             self._expire_assumed()
             mix = self.request_mix()
-            key = ("cost", policy.name, request.total, request.mps, self._mix_generation if policy.reads_mix else 0)
+            pod_cpu = _cpu_of(pod) if policy.reads_cpu else 0
+            mixed = self._mix_generation if policy.reads_mix else 0
+            slot = ("rank", policy.name, request.total, request.mps, pod_cpu, mixed)
             for name in names:
                 usable = self._usable(name)
                 if isinstance(usable, str):
-                    costs.append(None)
+                    keys.append(None)
                     continue
                 state, ledger = usable
-                known = state.memo.get(key)
-                if known is None or known[0] != ledger.version:
-                    cost = policy.node_cost(fitting(ledger, request), request, mix)
-                    known = _remember(state, key, ledger.version, cost)
-                costs.append(known[1])
-        return costs
+                version = (ledger.version, state.cpu_version if policy.reads_cpu else 0)
+                known = state.memo.get(slot)
+                if known is None or known[0] != version:
+                    setting = Setting(ledger, mix=mix, cpu=state.cpu, pod_cpu=pod_cpu)
+                    appraised = policy.appraise(fitting(ledger, request), request, setting)
+                    known = _remember(state, slot, version, None if appraised is None else appraised[0])
+                keys.append(known[1])
+        return keys
 
     def idle_costs(self, names: list[str]) -> list[float]:
         """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
@@ -195,13 +232,13 @@ class ClusterCache:
 
     def request_mix(self) -> RequestMix:
         """What the pods on gpushared nodes ask for, as of at most MIX_SECONDS ago: the mix moves slowly, and
-        a new one invalidates every node's prices. The sizes are counted as holdings come and go, so taking
-        a new mix costs the number of distinct sizes, not of pods."""
+        a new one invalidates every node's prices. The kinds are counted as pods come and go, so taking a
+        new mix costs the number of distinct kinds, not of pods."""
         with self._lock:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
                 self._mix_generation += 1
-                self._mix = RequestMix.of_counts(self._sizes)
+                self._mix = RequestMix.of_counts(self._kinds)
             return self._mix
 
     def unit_of(self, name: str) -> MemoryUnit:
@@ -275,7 +312,7 @@ class ClusterCache:
                     name = (old.get("metadata") or {}).get("name", "")
                     state = self._nodes.get(name)
                     if state is not None:
-                        state.inventory, state.problem = None, None
+                        state.inventory, state.problem, state.cpu_allocatable = None, None, None
                         self._rebuild(state)
                 return
             name = (new.get("metadata") or {}).get("name", "")
@@ -288,6 +325,10 @@ class ClusterCache:
                 ),
                 "",
             )
+            cpu = allocatable_cpu(new)  # type: ignore[arg-type]
+            if cpu != state.cpu_allocatable:
+                state.cpu_allocatable = cpu
+                state.cpu_version += 1
             try:
                 inventory = inventory_from_node(new, resources=self.resources)  # type: ignore[arg-type]
                 problem = None
@@ -317,15 +358,10 @@ class ClusterCache:
         node = (pod.get("spec") or {}).get("nodeName", "")
         uid = uid_of(pod)
         state = self._nodes.setdefault(node, NodeState(name=node))
+        self._uncount(state, uid)
         state.pods[uid] = pod
         self._node_of[uid] = node
-        if state.ledger is not None:
-            self._room.pop(node, None)
-            self._uncount(state.ledger.remove(uid))
-            holding = self._holding(pod, state)
-            if holding is not None:
-                state.ledger.add(holding)
-                self._sizes[_size(holding)] += 1
+        self._count(state, pod)
 
     def _unplace(self, pod: dict[str, Any]) -> None:
         self._remove(uid_of(pod))
@@ -333,32 +369,57 @@ class ClusterCache:
     def _remove(self, uid: str) -> None:
         node = self._node_of.pop(uid, None)
         state = self._nodes.get(node) if node is not None else None
-        if state is not None and state.pods.pop(uid, None) is not None and state.ledger is not None:
-            self._room.pop(state.name, None)
-            self._uncount(state.ledger.remove(uid))
+        if state is not None:
+            self._uncount(state, uid)
+            state.pods.pop(uid, None)
 
-    def _uncount(self, holding: Holding | None) -> None:
-        if holding is not None:
-            size = _size(holding)
-            self._sizes[size] -= 1
-            if not self._sizes[size]:
-                del self._sizes[size]
+    def _count(self, state: NodeState, pod: dict[str, Any]) -> None:
+        """Count a pod now in ``state.pods`` against its node: its CPU, its holding, its kind in the mix."""
+        if not holds_cpu(pod):  # type: ignore[arg-type]
+            return
+        cpu = _cpu_of(pod)
+        state.cpu_requested += cpu
+        state.cpu_version += 1
+        if state.ledger is not None:
+            self._room.pop(state.name, None)
+            holding = self._holding(pod, state)
+            if holding is not None:
+                state.ledger.add(holding)
+            self._kinds[(cpu, _size(holding))] += 1
+
+    def _uncount(self, state: NodeState, uid: str) -> None:
+        """Take back what ``_count`` counted for the pod ``state.pods`` holds under ``uid``, if any."""
+        pod = state.pods.get(uid)
+        if pod is None or not holds_cpu(pod):  # type: ignore[arg-type]
+            return
+        cpu = _cpu_of(pod)
+        state.cpu_requested -= cpu
+        state.cpu_version += 1
+        if state.ledger is not None:
+            self._room.pop(state.name, None)
+            self._forget_kind((cpu, _size(state.ledger.remove(uid))))
+
+    def _forget_kind(self, kind: Kind) -> None:
+        self._kinds[kind] -= 1
+        if not self._kinds[kind]:
+            del self._kinds[kind]
 
     def _rebuild(self, state: NodeState) -> None:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
         state.memo.clear()
         self._room.pop(state.name, None)
-        for held in state.ledger.holdings() if state.ledger is not None else ():
-            self._uncount(held)
-        if state.inventory is None:
-            state.ledger = None
-            return
-        state.ledger = Ledger.build(state.inventory)
-        for pod in state.pods.values():
-            holding = self._holding(pod, state)
-            if holding is not None:
-                state.ledger.add(holding)
-                self._sizes[_size(holding)] += 1
+        if state.ledger is not None:
+            for uid, pod in state.pods.items():
+                if holds_cpu(pod):  # type: ignore[arg-type]
+                    self._forget_kind((_cpu_of(pod), _size(state.ledger.remove(uid))))
+        state.ledger = None if state.inventory is None else Ledger.build(state.inventory)
+        if state.ledger is not None:
+            for pod in state.pods.values():
+                if holds_cpu(pod):  # type: ignore[arg-type]
+                    holding = self._holding(pod, state)
+                    if holding is not None:
+                        state.ledger.add(holding)
+                    self._kinds[(_cpu_of(pod), _size(holding))] += 1
 
     def _holding(self, pod: dict[str, Any], state: NodeState) -> Holding | None:
         assert state.inventory is not None
@@ -369,16 +430,25 @@ class ClusterCache:
 MEMO_LIMIT = 256
 
 
-def _remember(state: NodeState, key: tuple[Any, ...], version: int, value: Any) -> tuple[int, Any]:
+def _remember(state: NodeState, key: tuple[Any, ...], version: Version, value: Any) -> tuple[Version, Any]:
     if len(state.memo) >= MEMO_LIMIT:
         state.memo.clear()  # old sizes and mixes: cheaper to forget all than to track which
     entry = state.memo[key] = (version, value)
     return entry
 
 
-def _size(holding: Holding) -> int:
-    """A holding's size in the request mix: all it holds or waits for, on whatever GPUs."""
-    return sum(holding.gpus.values()) + holding.pending
+def _size(holding: Holding | None) -> int:
+    """A holding's size in the request mix: all it holds or waits for, on whatever GPUs (none: 0)."""
+    return 0 if holding is None else sum(holding.gpus.values()) + holding.pending
+
+
+def _cpu_of(pod: PodBody | dict[str, Any]) -> int:
+    """The pod's milli-CPU request; 0 for one whose quantities cannot be read (the API server refuses
+    those, so only a body that skipped validation has one; its GPU memory is what must not be lost)."""
+    try:
+        return cpu_request(pod)  # type: ignore[arg-type]
+    except ContractError:
+        return 0
 
 
 def _pod_key(state: NodeState | None, uid: str) -> tuple[str, str]:

@@ -70,8 +70,8 @@ class Scheduler:
             request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
         except ContractError:
             return [(name, 0) for name in args.names]
-        costs = self.cache.node_costs(args.names, request, self.policy)
-        return list(zip(args.names, node_scores(costs), strict=True))
+        keys = self.cache.node_keys(args.names, args.pod, request, self.policy)  # type: ignore[arg-type]
+        return list(zip(args.names, node_scores(keys), strict=True))
 
     def prioritize_no_gpu(self, args: ExtenderArgs) -> list[tuple[str, int]]:
         """Scores for a pod that asks for no GPU memory: the nodes where it strands the least free GPU memory
@@ -83,7 +83,8 @@ class Scheduler:
             asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
         if asks_gpu:
             return [(name, 0) for name in args.names]
-        return list(zip(args.names, node_scores(self.cache.idle_costs(args.names)), strict=True))
+        keys = [(cost, 0.0) for cost in self.cache.idle_costs(args.names)]
+        return list(zip(args.names, node_scores(keys), strict=True))
 
     def bind(self, args: BindingArgs) -> None:
         """Raises :class:`BindError` with a message for the pod's events."""
@@ -100,10 +101,11 @@ class Scheduler:
                     request = pod_request(pod, resources=self.resources)  # type: ignore[arg-type]
                 except ContractError as exc:
                     raise BindError(f"{where}: {exc}") from None
-                verdicts = self.cache.judge(args.node, request)
-                if isinstance(verdicts, str):
-                    raise BindError(f"{where}: {verdicts}")
-                choice = self.policy.choose(verdicts, request, self.cache.request_mix())
+                judged = self.cache.judge(args.node, pod, request)  # type: ignore[arg-type]
+                if isinstance(judged, str):
+                    raise BindError(f"{where}: {judged}")
+                verdicts, setting = judged
+                choice = self.policy.choose(verdicts, request, setting)
                 if choice is None:
                     raise BindError(f"{where} does not fit node {args.node}: {explain(verdicts)}")
                 unit = self.cache.unit_of(args.node)

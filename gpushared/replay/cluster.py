@@ -5,10 +5,11 @@ extended resource; node affinity for the task's GPU models) and its default scor
 (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's part is not modelled but
 run, as deploy/'s scheduler configs wire it: every node's GPUs are a production :class:`Ledger`, judged by
 :func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced and chosen by the
-production :class:`Policy`; pods without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu
-verb). The node the scheduler takes is one that :func:`node_scores` would give the top score (the
-cheapest): the extender's weight (100) dominates the in-tree scores, which then only break its ties (the
-rest at random, as selectHost does).
+production :class:`Policy` in the node's :class:`Setting` (the CPU left, for fgd); pods without GPU are
+priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is one that
+:func:`node_scores` would give the top score (:func:`ties` with :func:`best_key`): the extender's weight
+(100) dominates the in-tree scores, which then only break its ties (the rest at random, as selectHost
+does).
 
 A node's price for a request size is kept until the node changes, so one placement costs a re-judging of
 one node, not of the cluster.
@@ -23,7 +24,17 @@ from dataclasses import dataclass, field
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import EQUAL_COST, Policy, fitting, holding_for, idle_gpu_mib
+from gpushared.core.placement import (
+    NodeCpu,
+    NodeKey,
+    Policy,
+    Setting,
+    best_key,
+    fitting,
+    holding_for,
+    idle_gpu_mib,
+    ties,
+)
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
@@ -40,8 +51,9 @@ class SimNode:
     gpu_free: int = 0  # the gpu-mem extended resource left, as NodeResourcesFit counts it
     pods: int = 0
     version: int = 0
-    #: request size -> (version priced at, cost or None when no GPU fits, chosen GPU index)
-    prices: dict[int, tuple[int, float | None, int]] = field(default_factory=dict)
+    #: (request size, CPU if the policy reads it) -> (version priced at, rank or None when no GPU fits,
+    #: chosen GPU index)
+    prices: dict[tuple[int, int], tuple[int, NodeKey | None, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
@@ -84,26 +96,22 @@ class SimCluster:
             return False
         need = pod.memory_request
         request = PodRequest(containers=(ContainerRequest(name="main", amount=need),))
-        best: float | None = None
-        cheapest: list[tuple[SimNode, int]] = []
+        ranked: list[tuple[NodeKey, SimNode, int]] = []
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
                 continue
-            cost, gpu = self._price(node, request)
-            if cost is None:
-                continue
-            if best is None or cost < best - EQUAL_COST:
-                best, cheapest = cost, [(node, gpu)]
-            elif cost <= best + EQUAL_COST:
-                cheapest.append((node, gpu))
-        if not cheapest:
+            key, gpu = self._price(node, request, pod)
+            if key is not None:
+                ranked.append((key, node, gpu))
+        best = best_key(key for key, _, _ in ranked)
+        if best is None:
             if need:
                 self.gpu_failed += 1
                 self.gpu_failed_with_room += any(
-                    node.gpu_free >= need and self._price(node, request)[0] is not None for node in self.nodes
+                    node.gpu_free >= need and self._price(node, request, pod)[0] is not None for node in self.nodes
                 )
             return False
-        node, index = self._pick(cheapest, pod)
+        node, index = self._pick([(node, gpu) for key, node, gpu in ranked if ties(key, best)], pod)
         self._count(node, pod)
         if need:
             self._serial += 1
@@ -121,20 +129,22 @@ class SimCluster:
             cheapest = [(node, gpu) for score, node, gpu in scored if score == top]
         return cheapest[self.rng.randrange(len(cheapest))]
 
-    def _price(self, node: SimNode, request: PodRequest) -> tuple[float | None, int]:
+    def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeKey | None, int]:
         need = request.total
-        known = node.prices.get(need)
+        slot = (need, pod.cpu_milli if self.policy.reads_cpu else 0)
+        known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
             return known[1], known[2]
-        cost: float | None
+        key: NodeKey | None
         if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
-            cost, index = float(idle_gpu_mib(node.ledger)), -1
+            key, index = (float(idle_gpu_mib(node.ledger)), 0.0), -1
         else:  # prioritize
-            choice = self.policy.choose(fitting(node.ledger, request), request, self.mix)
-            cost = None if choice is None else self.policy.cost(choice, need, self.mix)
-            index = -1 if choice is None else choice.gpu.index
-        node.prices[need] = (node.version, cost, index)
-        return cost, index
+            cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
+            setting = Setting(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)
+            appraised = self.policy.appraise(fitting(node.ledger, request), request, setting)
+            key, index = (None, -1) if appraised is None else (appraised[0], appraised[1].gpu.index)
+        node.prices[slot] = (node.version, key, index)
+        return key, index
 
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated

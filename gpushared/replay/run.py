@@ -62,8 +62,9 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
-    # What an extender that has watched this workload would have counted: the one-GPU tasks' requests.
-    mix = RequestMix(p.memory_request for p in workload)
+    # What an extender that has watched this workload would have counted: the kinds of the tasks it places
+    # (CPU-only and one-GPU; multi-GPU tasks are never placed).
+    mix = RequestMix((p.cpu_milli, p.memory_request) for p in workload if p.num_gpu <= 1)
     cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng)
     typical = _typical(workload)
     allocation: list[float] = []

@@ -4,6 +4,7 @@ and nowhere else."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpushared import contract
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import GpuVerdict, Policy, bind_annotations, judge
+from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
 from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
@@ -22,8 +23,12 @@ from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node
 
 NODES = ("n1", "n2", "n3")
-UIDS = tuple(f"u{i}" for i in range(4))
+UIDS = tuple(f"u{i}" for i in range(5))  # u0-u3 ask for 1-4 GiB, u4 for no GPU
 INVENTORY = inventory(16, 16)
+
+
+def cpu_milli(uid: str) -> int:
+    return 500 * (1 + UIDS.index(uid))
 
 
 class CacheHistory(RuleBasedStateMachine):
@@ -37,18 +42,31 @@ class CacheHistory(RuleBasedStateMachine):
         )
         self.now = 0.0
         for name in NODES:
-            self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
+            self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
         self.watched: dict[str, dict[str, Any]] = {}  # what the watch last said of each pod
         #: pods this extender bound and the watch has not shown bound yet: node and when the bind expires
         self.assumed: dict[str, tuple[str, float]] = {}
 
-    def _body(self, uid: str, node: str | None) -> dict[str, Any]:
-        body = pod(uid, 1 + UIDS.index(uid), uid=uid)  # sizes 1-4, so the mix tells them apart
-        gpu = INVENTORY.gpus[UIDS.index(uid) % 2]  # both GPUs fill, so the most free one changes
-        body["metadata"]["annotations"] = bind_annotations(pod_request(body), gpu, unit=INVENTORY.unit, now_ns=1)
+    def _body(self, uid: str, node: str | None, phase: str = "Pending") -> dict[str, Any]:
+        cpu = f"{cpu_milli(uid)}m"
+        if uid == UIDS[-1]:
+            body = pod(uid, uid=uid, cpu=cpu, phase=phase)
+        else:
+            body = pod(uid, 1 + UIDS.index(uid), uid=uid, cpu=cpu, phase=phase)  # sizes 1-4: the mix tells them apart
+            gpu = INVENTORY.gpus[UIDS.index(uid) % 2]  # both GPUs fill, so the most free one changes
+            body["metadata"]["annotations"] = bind_annotations(pod_request(body), gpu, unit=INVENTORY.unit, now_ns=1)
         if node:
             body["spec"]["nodeName"] = node
         return body
+
+    def _counted(self, uid: str) -> str | None:
+        """The node the pod should be counted on: where the watch or this extender's bind puts it, unless
+        it has finished."""
+        watched = self.watched.get(uid) or {}
+        if watched.get("status", {}).get("phase") == "Succeeded":
+            return None
+        bound = watched.get("spec", {}).get("nodeName")
+        return bound or (self.assumed[uid][0] if uid in self.assumed else None)
 
     def _event(self, uid: str, new: dict[str, Any] | None) -> None:
         self.cache.pods.handler(self.watched.get(uid), new)  # type: ignore[misc]
@@ -65,6 +83,22 @@ class CacheHistory(RuleBasedStateMachine):
     def watch_shows_bound(self, uid: str, node: str) -> None:
         self._event(uid, self._body(uid, node))
         self.assumed.pop(uid, None)
+
+    @rule(node=st.sampled_from(NODES))
+    def node_unreadable_for_a_while(self, node: str) -> None:
+        """Its ledger goes and comes back (rebuilt from the pods bound to it): nothing counted twice or lost."""
+        good = gpu_node(node, inv=INVENTORY, cpu="8")
+        broken = copy.deepcopy(good)
+        broken["metadata"]["annotations"][contract.NODE_INVENTORY] = "{not json"
+        self.cache.nodes.handler(good, broken)  # type: ignore[misc]
+        assert isinstance(self.cache.judge(node, pod("probe"), pod_request(pod("probe", 1))), str)
+        self.cache.nodes.handler(broken, good)  # type: ignore[misc]
+
+    @rule(uid=st.sampled_from(UIDS))
+    def finished(self, uid: str) -> None:
+        bound = (self.watched.get(uid) or {}).get("spec", {}).get("nodeName")
+        if bound:
+            self._event(uid, self._body(uid, bound, phase="Succeeded"))
 
     @rule(uid=st.sampled_from(UIDS))
     def deleted(self, uid: str) -> None:
@@ -94,14 +128,20 @@ class CacheHistory(RuleBasedStateMachine):
             snapshot = self.cache.snapshot(name)
             assert snapshot is not None
             holdings += [(name, h) for h in snapshot[1]]
-        for uid in UIDS:
-            bound = (self.watched.get(uid) or {}).get("spec", {}).get("nodeName")
-            expected = {bound or self.assumed[uid][0]} if bound or uid in self.assumed else set()
+        for uid in UIDS[:-1]:
+            expected = {self._counted(uid)} - {None}
             assert {name for name, h in holdings if h.uid == uid} == expected, uid
-        mix = self.cache.request_mix()
-        truth = RequestMix(sum(h.gpus.values()) + h.pending for _, h in holdings)
-        assert len(mix) == len(truth) == len(holdings)
-        assert [mix.larger_than(free) for free in range(18)] == [truth.larger_than(free) for free in range(18)]
+        kinds = [(cpu_milli(uid), 1 + UIDS.index(uid) if uid != UIDS[-1] else 0) for uid in UIDS if self._counted(uid)]
+        mix, truth = self.cache.request_mix(), RequestMix(kinds)
+        assert len(mix) == len(truth) == len(kinds)
+        for frees in ([1, 2, 3], [4, 0], [16, 16]):
+            for cpu_free in (None, 0, 500, 1200, 2500, 9000):
+                assert mix.fragment(frees, cpu_free=cpu_free) == truth.fragment(frees, cpu_free=cpu_free)
+        for name in NODES:
+            judged = self.cache.judge(name, pod("probe"), pod_request(pod("probe", 1)))
+            assert not isinstance(judged, str) and judged[1].cpu is not None
+            requested = sum(cpu_milli(uid) for uid in UIDS if self._counted(uid) == name)
+            assert judged[1].cpu == NodeCpu(allocatable=8000, requested=requested), name
 
     @invariant()
     def filter_agrees_with_judging_every_gpu(self) -> None:
@@ -139,18 +179,44 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
 
-    def cost(verdict: GpuVerdict, need: int, mix: RequestMix) -> float:
+    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
         priced.append(verdict.free)
         return float(verdict.free - need)
 
     for reads_mix in (False, True):
         policy = Policy(name=f"counting-{reads_mix}", cost=cost, reads_mix=reads_mix)
-        cache.node_costs(["n1"], request, policy)
+        cache.node_keys(["n1"], pod("probe"), request, policy)
         assert priced
         priced.clear()
         now[0] += MIX_SECONDS
-        cache.node_costs(["n1"], request, policy)
+        cache.node_keys(["n1"], pod("probe"), request, policy)
         assert bool(priced) == reads_mix
+        priced.clear()
+
+
+def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_changes() -> None:
+    """A pod without GPU arriving on a node changes no ledger but changes what fgd weighs there; binpack's
+    prices do not read it and are kept."""
+    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY, cpu="8"))  # type: ignore[misc]
+    request = pod_request(pod("probe", 3))
+    priced: list[Setting] = []  # each node pricing, by the setting its costs were given
+
+    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+        if not priced or priced[-1] is not setting:
+            priced.append(setting)
+        return float(verdict.free - need)
+
+    for reads_cpu in (False, True):
+        policy = Policy(name=f"counting-{reads_cpu}", cost=cost, reads_cpu=reads_cpu)
+        for cpu in ("1", "1", "2"):
+            cache.node_keys(["n1"], pod("probe", 3, cpu=cpu), request, policy)
+        assert [s.pod_cpu for s in priced] == ([1000, 2000] if reads_cpu else [0])
+        priced.clear()
+        cache.pods.handler(None, pod(f"cpu-only-{reads_cpu}", node="n1", cpu="1", phase="Running"))  # type: ignore[misc]
+        cache.node_keys(["n1"], pod("probe", 3, cpu="2"), request, policy)
+        assert [s.pod_cpu for s in priced] == ([2000] if reads_cpu else [])
+        assert not reads_cpu or priced[0].cpu == NodeCpu(allocatable=8000, requested=2000)
         priced.clear()
 
 

@@ -12,6 +12,10 @@ from gpushared.core.placement import (
     BINPACK,
     FGD,
     SPREAD,
+    NodeCpu,
+    NodeKey,
+    Policy,
+    Setting,
     bind_annotations,
     explain,
     idle_gpu_mib,
@@ -27,7 +31,8 @@ def request(amount: int, *, mps: bool = False) -> PodRequest:
     return PodRequest(containers=(ContainerRequest("c0", amount),), mps=mps)
 
 
-NO_MIX = RequestMix()
+#: Binpack and spread read nothing of the node's setting but the verdicts.
+PLAIN = Setting(Ledger.build(inventory(16)))
 
 
 def used(ledger: Ledger, index: int, amount: int, *, mps: bool = False) -> None:
@@ -37,7 +42,7 @@ def used(ledger: Ledger, index: int, amount: int, *, mps: bool = False) -> None:
 def test_best_fit_example_from_the_seed() -> None:
     """GPUs with 12207 / 8138 / 4069 / 16276 MiB free: a request of 8138 lands on the 8138 GPU."""
     ledger = Ledger.build(inventory(12207, 8138, 4069, 16276, unit=MemoryUnit.MIB))
-    choice = BINPACK.choose(judge(ledger, request(8138)), request(8138), NO_MIX)
+    choice = BINPACK.choose(judge(ledger, request(8138)), request(8138), PLAIN)
     assert choice is not None and choice.gpu.index == 1
 
 
@@ -45,14 +50,14 @@ def test_best_fit_ties_go_to_the_lowest_index() -> None:
     ledger = Ledger.build(inventory(16, 16, 16))
     used(ledger, 0, 8)
     used(ledger, 2, 8)
-    choice = BINPACK.choose(judge(ledger, request(4)), request(4), NO_MIX)
+    choice = BINPACK.choose(judge(ledger, request(4)), request(4), PLAIN)
     assert choice is not None and choice.gpu.index == 0
 
 
 def test_spread_takes_the_emptiest_gpu() -> None:
     ledger = Ledger.build(inventory(16, 16, 16))
     used(ledger, 0, 8)
-    choice = SPREAD.choose(judge(ledger, request(4)), request(4), NO_MIX)
+    choice = SPREAD.choose(judge(ledger, request(4)), request(4), PLAIN)
     assert choice is not None and choice.gpu.index == 1
 
 
@@ -61,7 +66,7 @@ def test_unhealthy_gpus_are_never_chosen_and_say_why() -> None:
     sick = GpuInventory(unit=inv.unit, gpus=(GpuInfo(**{**inv.gpus[0].__dict__, "healthy": False}), inv.gpus[1]))
     verdicts = judge(Ledger.build(sick), request(4))
     assert verdicts[0].reason == "GPU 0 is unhealthy"
-    choice = BINPACK.choose(verdicts, request(4), NO_MIX)
+    choice = BINPACK.choose(verdicts, request(4), PLAIN)
     assert choice is not None and choice.gpu.index == 1
 
 
@@ -70,7 +75,7 @@ def test_reasons_a_person_understands() -> None:
     used(ledger, 0, 5)
     used(ledger, 1, 13)
     verdicts = judge(ledger, request(4))
-    assert BINPACK.choose(verdicts, request(4), NO_MIX) is None
+    assert BINPACK.choose(verdicts, request(4), PLAIN) is None
     assert explain(verdicts) == "GPU 0 has 3 GiB free, pod needs 4 GiB; GPU 1 has 3 GiB free, pod needs 4 GiB"
     assert explain([]) == "node has no GPUs"
 
@@ -83,8 +88,8 @@ def test_mps_and_plain_pods_never_share_a_gpu() -> None:
     assert plain[0].reason == "GPU 0 serves MPS pods"
     mps = judge(ledger, request(2, mps=True))
     assert mps[1].reason == "GPU 1 is shared by pods without MPS"
-    assert BINPACK.choose(plain, request(2), NO_MIX).gpu.index == 1  # type: ignore[union-attr]
-    assert BINPACK.choose(mps, request(2, mps=True), NO_MIX).gpu.index == 0  # type: ignore[union-attr]
+    assert BINPACK.choose(plain, request(2), PLAIN).gpu.index == 1  # type: ignore[union-attr]
+    assert BINPACK.choose(mps, request(2, mps=True), PLAIN).gpu.index == 0  # type: ignore[union-attr]
 
 
 def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
@@ -97,20 +102,32 @@ def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
     )
 
 
+def appraised(ledger: Ledger, req: PodRequest, setting: Setting = PLAIN, policy: Policy = BINPACK) -> NodeKey | None:
+    found = policy.appraise(judge(ledger, req), req, setting)
+    return None if found is None else found[0]
+
+
 def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
     tight = Ledger.build(inventory(16))
     used(tight, 0, 10)
     roomy = Ledger.build(inventory(16))
     req = request(4)
-    binpack = [BINPACK.node_cost(judge(ledger, req), req, NO_MIX) for ledger in (tight, roomy, tight)]
-    assert binpack == [2.0, 12.0, 2.0]
+    binpack = [appraised(ledger, req) for ledger in (tight, roomy, tight)]
+    assert binpack == [(2.0, 0.0), (12.0, 0.0), (2.0, 0.0)]
     assert node_scores(binpack) == [10, 0, 10]
-    spread = [SPREAD.node_cost(judge(ledger, req), req, NO_MIX) for ledger in (tight, roomy)]
+    spread = [appraised(ledger, req, policy=SPREAD) for ledger in (tight, roomy)]
     assert node_scores(spread) == [0, 10]
-    assert BINPACK.node_cost(judge(tight, request(7)), request(7), NO_MIX) is None
-    assert node_scores([None, 3.0, 4.0, 4.0 + 1e-12, 12.0, None]) == [0, 10, 8, 8, 0, 0]
-    assert node_scores([1.0, 1.0 + 1e-12]) == [10, 10]  # equal, up to float sums
+    assert appraised(tight, request(7)) is None
+    costs = [None, 3.0, 4.0, 4.0 + 1e-12, 12.0, None]
+    assert node_scores([None if c is None else (c, 0.0) for c in costs]) == [0, 10, 8, 8, 0, 0]
+    assert node_scores([(1.0, 0.0), (1.0 + 1e-12, 0.0)]) == [10, 10]  # equal, up to float sums
     assert node_scores([None, None]) == [0, 0]
+    # At the best price, the better balanced node alone gets the top score; the others stay below both.
+    assert node_scores([(1.0, 0.5), (1.0, 0.2), (2.0, 0.0), (5.0, 0.0)]) == [9, 10, 6, 0]
+
+
+def mix_of(*kinds: tuple[int, int]) -> RequestMix:
+    return RequestMix(kinds)
 
 
 def test_fgd_leaves_what_the_mix_can_use() -> None:
@@ -119,12 +136,51 @@ def test_fgd_leaves_what_the_mix_can_use() -> None:
     ledger = Ledger.build(inventory(16, 16))
     used(ledger, 0, 10)
     used(ledger, 1, 8)
-    mix = RequestMix([4, 4, 4, 6])
+    setting = Setting(ledger, mix=mix_of((1000, 4), (1000, 4), (1000, 4), (1000, 6)))
     req = request(4)
-    assert BINPACK.choose(judge(ledger, req), req, mix).gpu.index == 0  # type: ignore[union-attr]
-    assert FGD.choose(judge(ledger, req), req, mix).gpu.index == 1  # type: ignore[union-attr]
-    assert FGD.choose(judge(ledger, req), req, RequestMix()).gpu.index == 0  # type: ignore[union-attr]  # no mix: best fit
-    assert FGD.node_cost(judge(ledger, req), req, mix) == pytest.approx(4 * 0.25 - 8 * 0.0)
+    assert BINPACK.choose(judge(ledger, req), req, setting).gpu.index == 0  # type: ignore[union-attr]
+    assert FGD.choose(judge(ledger, req), req, setting).gpu.index == 1  # type: ignore[union-attr]
+    assert FGD.choose(judge(ledger, req), req, Setting(ledger)).gpu.index == 0  # type: ignore[union-attr]  # no mix
+    # On GPU 1 the fragment grows by 4 x 1/4 (a quarter of the mix asks more than 4): 1/16 of a GPU, whose
+    # sigmoid is cut to 48 of 100 levels; on GPU 0 by 2 (all of it), 1/8 of a GPU: 46 levels.
+    assert setting.growth(judge(ledger, req)[1], 4) == pytest.approx(1.0)
+    assert setting.growth(judge(ledger, req)[0], 4) == pytest.approx(2.0)
+    assert appraised(ledger, req, setting, FGD) == (-48.0, 0.0)
+
+
+def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
+    """Two nodes with the same GPU memory free; on the first the pod would leave too little CPU for any pod
+    of the mix, stranding the 4 GiB left beside it. Best fit cannot tell the nodes apart; fgd can."""
+    mix = mix_of((4000, 4), (4000, 4), (4000, 2), (0, 0))
+    short, ample = Ledger.build(inventory(16)), Ledger.build(inventory(16))
+    used(short, 0, 8)
+    used(ample, 0, 8)
+    req = request(4)
+    settings = [
+        Setting(short, mix=mix, cpu=NodeCpu(allocatable=8000, requested=3000), pod_cpu=2000),
+        Setting(ample, mix=mix, cpu=NodeCpu(allocatable=32000, requested=0), pod_cpu=2000),
+    ]
+    assert node_scores([appraised(s.ledger, req, s) for s in settings]) == [10, 10]
+    fgd = [appraised(s.ledger, req, s, FGD) for s in settings]
+    assert node_scores(fgd) == [0, 10]
+    # Before, on both: the quarter of the mix without GPU cannot use the 8 free. After, on the short node
+    # no pod of the mix can use the 4 left; on the ample one still only that quarter cannot.
+    assert settings[0].growth(judge(short, req)[0], 4) == pytest.approx(4 * 1.0 - 8 * 0.25)
+    assert settings[1].growth(judge(ample, req)[0], 4) == pytest.approx(4 * 0.25 - 8 * 0.25)
+
+
+def test_fgd_gives_equal_growths_to_the_node_that_stays_balanced() -> None:
+    """With no mix yet every growth is 0: the node whose CPU and GPU memory would be left in like shares
+    wins, so neither runs out while the other waits."""
+    full_cpu, balanced = Ledger.build(inventory(16)), Ledger.build(inventory(16))
+    req = request(4)
+    settings = [
+        Setting(full_cpu, cpu=NodeCpu(allocatable=8000, requested=6000), pod_cpu=2000),  # CPU 0 %, GPU 75 % left
+        Setting(balanced, cpu=NodeCpu(allocatable=8000, requested=0), pod_cpu=2000),  # 75 % and 75 %
+    ]
+    assert [s.imbalance(4) for s in settings] == [0.75, 0.0]
+    assert node_scores([appraised(s.ledger, req, s, FGD) for s in settings]) == [9, 10]
+    assert Setting(balanced).imbalance(4) == 0.0  # CPU not known: nothing to balance
 
 
 def test_policy_names() -> None:
@@ -157,7 +213,7 @@ def test_bind_annotations_read_back_as_the_same_holding() -> None:
 def test_a_pod_without_gpu_memory_is_not_placed() -> None:
     nothing = PodRequest(containers=())
     verdicts = judge(Ledger.build(inventory(8, 8)), nothing)
-    assert BINPACK.choose(verdicts, nothing, NO_MIX) is None
+    assert BINPACK.choose(verdicts, nothing, PLAIN) is None
     assert explain(verdicts) == "pod requests no GPU memory"
 
 
@@ -172,4 +228,4 @@ def test_a_pod_without_gpu_is_priced_by_the_gpu_memory_it_would_strand() -> None
     assert idle_gpu_mib(Ledger.build(inventory(3000, unit=MemoryUnit.MIB))) == 3000
     assert idle_gpu_mib(None) == 0  # no GPUs known: nothing to strand
     # The fullest node scores highest: the pod's CPU goes where no GPU waits for it.
-    assert node_scores([idle_gpu_mib(None), 6 * 1024.0, 14 * 1024.0]) == [10, 5, 0]
+    assert node_scores([(idle_gpu_mib(None), 0.0), (6 * 1024.0, 0.0), (14 * 1024.0, 0.0)]) == [10, 5, 0]

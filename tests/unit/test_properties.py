@@ -18,9 +18,19 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.bodies import slim_pod
+from gpushared.core.cpu import cpu_request
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.placement import POLICIES, bind_annotations, fitting, holding_for, judge, most_free
+from gpushared.core.placement import (
+    POLICIES,
+    NodeCpu,
+    Setting,
+    bind_annotations,
+    fitting,
+    holding_for,
+    judge,
+    most_free,
+)
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM
 
@@ -117,7 +127,8 @@ class PlacementHistory(RuleBasedStateMachine):
         self.ledger: Ledger | None = None
         self.bodies: dict[str, dict[str, Any]] = {}
         self.serial = 0
-        self.mix = RequestMix([1, 2, 3, 4, 6, 8, 12, 16])  # what fgd expects; the others ignore it
+        # what fgd expects (pods of one CPU each, some without GPU); the others ignore it
+        self.mix = RequestMix((1000, size) for size in (0, 1, 2, 3, 4, 6, 8, 12, 16))
 
     @rule(inventory=inventories())
     def start(self, inventory: GpuInventory) -> None:
@@ -132,7 +143,8 @@ class PlacementHistory(RuleBasedStateMachine):
         uid = f"pod-{self.serial}"
         body["metadata"].update(uid=uid, name=uid)
         request = pod_request(body)
-        choice = POLICIES[policy].choose(judge(self.ledger, request), request, self.mix)
+        setting = Setting(self.ledger, mix=self.mix, cpu=NodeCpu(allocatable=8000, requested=1000), pod_cpu=1000)
+        choice = POLICIES[policy].choose(judge(self.ledger, request), request, setting)
         if choice is None:
             return ""
         gpu = choice.gpu
@@ -208,7 +220,9 @@ def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
     ]
     for container in body["spec"]["containers"]:
         container["image"] = "busybox"
-        container.setdefault("resources", {}).setdefault("requests", {})["cpu"] = "100m"
+        resources = container.setdefault("resources", {})
+        resources.setdefault("requests", {}).update({"cpu": "100m", "memory": "1Gi"})
+        resources.setdefault("limits", {}).update({"cpu": "2", "memory": "1Gi"})
     request = pod_request(body)
     if inventory.gpus and request.total:
         body["metadata"]["annotations"] = {
@@ -223,6 +237,10 @@ def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
     assert pod_request(slim) == request
     assert holding_from_pod(slim, unit=inventory.unit) == holding_from_pod(body, unit=inventory.unit)
     assert "volumes" not in slim["spec"]
-    assert "cpu" not in str(slim) and "image" not in str(slim)
+    assert cpu_request(slim) == cpu_request(body)  # what fgd weighs
+    for container in slim["spec"]["containers"]:  # no CPU limit, no memory, no image: nothing it does not read
+        assert set(container) <= {"name", "resources", "restartPolicy"}
+        assert set(container.get("resources", {}).get("requests", {})) <= {"cpu", contract.DEFAULT_RESOURCES.gpu_mem}
+        assert set(container.get("resources", {}).get("limits", {})) <= {contract.DEFAULT_RESOURCES.gpu_mem}
     assert slim_pod(copy.deepcopy(body)) == slim  # equal pods share their parts, and still read the same
     assert "kubectl.kubernetes.io/last-applied-configuration" not in slim["metadata"].get("annotations", {})

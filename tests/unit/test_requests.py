@@ -6,7 +6,8 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.cpu import allocatable_cpu, cpu_request
+from gpushared.core.quantity import parse_milli_quantity, parse_whole_quantity
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM, container, pod
 
@@ -17,6 +18,7 @@ from tests.builders import GPU_MEM, container, pod
 )
 def test_quantities(text: object, value: int) -> None:
     assert parse_whole_quantity("q", text) == value
+    assert parse_milli_quantity("q", text) == 1000 * value
 
 
 @pytest.mark.parametrize(
@@ -101,3 +103,31 @@ def test_mps_opt_in_and_thread_percentage() -> None:
 
 def test_empty_pod() -> None:
     assert pod_request({}).total == 0
+
+
+def test_cpu_request_counts_as_node_resources_fit_does() -> None:
+    """The larger of the init phase and what runs after it (sidecars through both), plus the overhead; an
+    unset request counts 0, and quantities round up to the milli-CPU."""
+    body = pod("p", cpu="1.5")
+    body["spec"]["containers"].append(container("c1", resources={"requests": {"cpu": "250m"}}))
+    body["spec"]["containers"].append(container("no-request"))
+    assert cpu_request(body) == 1750
+    body["spec"]["initContainers"] = [container("setup", resources={"requests": {"cpu": "2"}})]
+    assert cpu_request(body) == 2000
+    body["spec"]["initContainers"][0]["resources"]["requests"]["cpu"] = "1"
+    body["spec"]["initContainers"].append(
+        container("proxy", restartPolicy="Always", resources={"requests": {"cpu": "100m"}})
+    )
+    assert cpu_request(body) == 1850  # the sidecar runs beside the apps; the setup (1 CPU) ran before them
+    body["spec"]["overhead"] = {"cpu": "1u"}
+    assert cpu_request(body) == 1851
+    body["spec"]["containers"][1]["resources"]["requests"]["cpu"] = "lots"
+    with pytest.raises(ContractError, match=r"spec.containers\[1\]\(c1\).resources.requests\[cpu\].*not a Kubernetes"):
+        cpu_request(body)
+
+
+def test_allocatable_cpu_is_what_the_node_says_or_nothing() -> None:
+    assert allocatable_cpu({"status": {"allocatable": {"cpu": "7800m"}}}) == 7800
+    assert allocatable_cpu({"status": {"allocatable": {"cpu": "96"}}}) == 96000
+    assert allocatable_cpu({"status": {"capacity": {"cpu": "96"}}}) is None
+    assert allocatable_cpu({"status": {"allocatable": {"cpu": "many"}}}) is None

@@ -1,0 +1,50 @@
+"""CPU as kube-scheduler's NodeResourcesFit counts it: what a node offers pods and what a pod asks for, in
+milli-CPU. The extender sees GPU memory through its own resources, but the fgd policy weighs CPU too: free
+GPU memory on a node whose CPU is gone is stranded.
+"""
+
+from __future__ import annotations
+
+from gpushared.contract import ContractError
+from gpushared.core.bodies import NodeBody, PodBody
+from gpushared.core.quantity import parse_milli_quantity
+from gpushared.core.requests import ContainerRequest, peak
+
+
+def cpu_request(pod: PodBody) -> int:
+    """The pod's milli-CPU as kube-scheduler's NodeResourcesFit counts it: the peak of its containers'
+    requests (``peak``: the init phase against what runs together after it) plus the pod's overhead.
+
+    A malformed quantity (the API server refuses those, so only a body that skipped validation has one)
+    raises :class:`ContractError`.
+    """
+    spec = pod.get("spec") or {}
+    found: list[ContainerRequest] = []
+    parts = (("initContainers", spec.get("initContainers"), True), ("containers", spec.get("containers"), False))
+    for part, containers, init in parts:
+        for position, container in enumerate(containers or []):
+            asked = ((container.get("resources") or {}).get("requests") or {}).get("cpu")
+            if asked is not None:
+                name = container.get("name", f"#{position}")
+                amount = parse_milli_quantity(f"spec.{part}[{position}]({name}).resources.requests[cpu]", asked)
+                sidecar = init and container.get("restartPolicy") == "Always"
+                found.append(ContainerRequest(name=name, amount=amount, init=init, sidecar=sidecar))
+    overhead = (spec.get("overhead") or {}).get("cpu")
+    return peak(found) + (parse_milli_quantity("spec.overhead[cpu]", overhead) if overhead is not None else 0)
+
+
+def allocatable_cpu(node: NodeBody) -> int | None:
+    """The milli-CPU pods may request on the node in all; None when the node does not say, or says it in a
+    way that cannot be read (then the node's CPU is not weighed)."""
+    value = ((node.get("status") or {}).get("allocatable") or {}).get("cpu")
+    if value is None:
+        return None
+    try:
+        return parse_milli_quantity("status.allocatable[cpu]", value)
+    except ContractError:
+        return None
+
+
+def holds_cpu(pod: PodBody) -> bool:
+    """Whether kube-scheduler counts the pod's CPU against its node: until it has finished."""
+    return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
