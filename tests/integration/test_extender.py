@@ -88,6 +88,35 @@ def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> 
     assert [r["Score"] for r in result] == [10, 0, 0]
 
 
+def test_fgd_weighs_the_cpu_the_watch_shows_on_each_node(spawn: Callable[..., Extender]) -> None:
+    """Two nodes where a 12 GiB pod leaves the same 4 GiB free; on "short" it also leaves too little CPU for
+    the pods that run in this cluster (3 CPUs, 4 GiB), stranding those 4 GiB. The extender learns both
+    from the watch: nodes' allocatable CPU and the running pods' requests."""
+    with FakeApiServer() as api:
+        api.create(gpu_node("short", 16, cpu="5"))
+        api.create(gpu_node("ample", 16, cpu="16"))
+        api.create(gpu_node("busy", 16, 16, cpu="64"))
+        for i in range(3):
+            api.create(pod(f"run-{i}", 4, node="busy", cpu="3", phase="Running"))
+        fgd = spawn(api, args=["--policy", "fgd"])
+        fgd.wait_ready()
+        pending = created(api, "p", 12, cpu="3")
+        status, result = fgd.post("prioritize", {"Pod": pending, "NodeNames": ["short", "ample"]})
+        assert status == 200
+        assert result == [{"Host": "short", "Score": 0}, {"Host": "ample", "Score": 10}]
+        # A pod without GPU takes 12 of ample's CPUs: now the 12 GiB pod would strand the GPU memory there.
+        api.create(pod("cpu-hog", node="ample", cpu="12", phase="Running"))
+        wait_until(
+            lambda: (
+                [r["Score"] for r in fgd.post("prioritize", {"Pod": pending, "NodeNames": ["short", "ample"]})[1]]
+                == [10, 9]
+            ),
+            message="prioritize sees ample's CPU taken",
+        )
+        assert fgd.bind(pending, "short") == (200, {"Error": ""})
+        assert api.get("pods", "p", namespace="default")["spec"]["nodeName"] == "short"
+
+
 def test_pods_without_gpu_are_steered_off_free_gpu_memory(api: FakeApiServer, extender: Extender) -> None:
     names = ["n1", "aliyun-node", "cpu-node", "ghost"]
     cpu_only = api.create({**pod("cpu-only"), "spec": {"containers": [container("c0")]}})

@@ -94,3 +94,18 @@ def test_a_replay_records_every_percent_and_never_loses_allocation() -> None:
     assert result.allocation == sorted(result.allocation) and result.allocation[-1] <= 100
     assert result.multi_gpu_tasks > 0 and result.multi_gpu_gpus == 2 * result.multi_gpu_tasks
     assert 0 <= result.frag_rate <= 100
+
+
+def test_fgd_keeps_cpu_beside_free_gpu_memory_where_binpack_cannot_tell() -> None:
+    """Either node leaves the same 4 GiB free after a 12 GiB task. On the first the task leaves too little
+    CPU for the mix's pods, so those 4 GiB are stranded: fgd goes to the second; binpack sees a tie and
+    kube-scheduler's in-tree scores (this node's CPU and memory are the more balanced) pick the first."""
+    nodes = [
+        TraceNode(name="short", cpu_milli=5000, memory_mib=1707, gpus=1, model="T4"),
+        TraceNode(name="ample", cpu_milli=16000, memory_mib=1280, gpus=1, model="T4"),
+    ]
+    mix = RequestMix([(3000, GPU_MIB // 4)] * 3)
+    for policy, where in ((BINPACK, "short"), (FGD, "ample")):
+        cluster = SimCluster(nodes, policy=policy, mix=mix, rng=random.Random(1))
+        assert cluster.place(task(750, cpu=3000))
+        assert [n.trace.name for n in cluster.nodes if n.ledger.used_total] == [where], policy.name
