@@ -47,8 +47,9 @@ class RequestMix:
         total = sum(counts.values())
         self._total = total
         gpu = {kind: n for kind, n in counts.items() if kind[1] > 0}
+        gpu_total = sum(gpu.values())
         #: share of pods using no GPU: all free GPU memory is fragment to them
-        self._gpuless = (total - sum(gpu.values())) / total if total else 0.0
+        self._gpuless = (total - gpu_total) / total if total else 0.0
         self._cpus = tuple(sorted({cpu for cpu, _ in gpu}))
         #: per CPU row: (sizes of the kinds asking at most that CPU, share of them larger than sizes[i - 1]),
         #: and the share of GPU pods that ask more CPU than the row's (they cannot use the node at all)
@@ -71,8 +72,8 @@ class RequestMix:
                 remaining -= sizes[size]
             above.append(0.0)
             self._rows.append((ordered, tuple(above)))
-            self._unhosted.append((sum(gpu.values()) - hosted) / total)
-        self._all_gpu = sum(gpu.values()) / total if total else 0.0
+            self._unhosted.append((gpu_total - hosted) / total)
+        self._all_gpu = gpu_total / total if total else 0.0
 
     def __len__(self) -> int:
         return self._total

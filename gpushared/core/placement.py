@@ -166,16 +166,18 @@ class Setting:
         position, frees, _ = self._gpus
         after = list(frees)
         after[position[verdict.gpu.index]] -= need
-        left = None if self.cpu is None else self.cpu.allocatable - self.cpu.requested - self.pod_cpu
+        cpu_free = self.cpu_free
+        left = None if cpu_free is None else cpu_free - self.pod_cpu
         return self.mix.fragment(after, cpu_free=left) - self._fragment
 
     def imbalance(self, need: int) -> float:
         """How far apart the node's shares of CPU and of GPU memory left would be with the pod on it. A node
         that runs out of CPU first strands its GPU memory, and one that runs out of GPU memory its CPU."""
         _, frees, capacity = self._gpus
-        if self.cpu is None or self.cpu.allocatable <= 0 or capacity <= 0:
+        cpu_free = self.cpu_free
+        if self.cpu is None or cpu_free is None or self.cpu.allocatable <= 0 or capacity <= 0:
             return 0.0
-        cpu_left = (self.cpu.allocatable - self.cpu.requested - self.pod_cpu) / self.cpu.allocatable
+        cpu_left = (cpu_free - self.pod_cpu) / self.cpu.allocatable
         return abs(cpu_left - (sum(frees) - need) / capacity)
 
 
@@ -206,20 +208,25 @@ class Policy:
         return (self.cost(verdict, need, setting), verdict.free, verdict.gpu.index)
 
     def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting) -> GpuVerdict | None:
-        fitting = [v for v in verdicts if v.fits]
-        if not fitting:
-            return None
-        return min(fitting, key=lambda v: self.rank(v, request.total, setting))
+        best = self._best(verdicts, request.total, setting)
+        return None if best is None else best[1]
 
     def appraise(
         self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting
     ) -> tuple[NodeKey, GpuVerdict] | None:
         """How the node ranks for the pod, and the GPU it would get there; None when no GPU fits."""
-        best = self.choose(verdicts, request, setting)
+        best = self._best(verdicts, request.total, setting)
         if best is None:
             return None
         tiebreak = setting.imbalance(request.total) if self.balances else 0.0
-        return (self.cost(best, request.total, setting), tiebreak), best
+        return (best[0][0], tiebreak), best[1]
+
+    def _best(
+        self, verdicts: Sequence[GpuVerdict], need: int, setting: Setting
+    ) -> tuple[tuple[float, int, int], GpuVerdict] | None:
+        """The fitting GPU that ranks first, with its rank (each GPU priced once: fgd's prices are not free)."""
+        ranked = [(self.rank(v, need, setting), v) for v in verdicts if v.fits]
+        return min(ranked, key=lambda pair: pair[0]) if ranked else None
 
 
 def best_key(keys: Iterable[NodeKey | None]) -> NodeKey | None:

@@ -408,18 +408,11 @@ class ClusterCache:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
         state.memo.clear()
         self._room.pop(state.name, None)
-        if state.ledger is not None:
-            for uid, pod in state.pods.items():
-                if holds_cpu(pod):  # type: ignore[arg-type]
-                    self._forget_kind((_cpu_of(pod), _size(state.ledger.remove(uid))))
+        for uid in state.pods:
+            self._uncount(state, uid)
         state.ledger = None if state.inventory is None else Ledger.build(state.inventory)
-        if state.ledger is not None:
-            for pod in state.pods.values():
-                if holds_cpu(pod):  # type: ignore[arg-type]
-                    holding = self._holding(pod, state)
-                    if holding is not None:
-                        state.ledger.add(holding)
-                    self._kinds[(_cpu_of(pod), _size(holding))] += 1
+        for pod in state.pods.values():
+            self._count(state, pod)
 
     def _holding(self, pod: dict[str, Any], state: NodeState) -> Holding | None:
         assert state.inventory is not None
