@@ -290,6 +290,11 @@ def test_a_pod_without_gpu_goes_where_no_gpu_memory_is_free(kube: Kube, cluster:
                 }
             },
         )
+        # A new node carries the not-ready taint until the node lifecycle controller has seen it Ready; a pod
+        # scheduled before that cannot go there (a CI run lost this race), nor before kube-scheduler's
+        # informer has the node's allocatable CPU.
+        wait_for(lambda: not kube.core.read_node(gpuless).spec.taints, timeout=30, what="the not-ready taint gone")
+        time.sleep(2)
         kube.create(namespace, gpu_pod("cpu-only", 0))
         bound = wait_for(
             lambda: kube.pod(namespace, "cpu-only")["spec"].get("nodeName"), timeout=30, what="cpu-only bound"
