@@ -147,8 +147,9 @@ def populate(backend: Backend, *, nodes: int, pods: int, rng: random.Random) -> 
             continue
         body["spec"]["nodeName"] = node
         body["spec"]["automountServiceAccountToken"] = False
-        body["metadata"]["annotations"] = bind_annotations(request, choice.gpu, unit=inv.unit, now_ns=i)
-        ledgers[node].add(holding_for(request, choice.gpu, uid=body["metadata"]["uid"], namespace="default", name=""))
+        gpus = [verdict.gpu for verdict in choice]
+        body["metadata"]["annotations"] = bind_annotations(request, gpus, unit=inv.unit, now_ns=i)
+        ledgers[node].add(holding_for(request, gpus, uid=body["metadata"]["uid"], namespace="default", name=""))
         bodies.append(body)
     backend.create_all(bodies)
     return names

@@ -8,6 +8,7 @@ from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 
 GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
+GPU_COUNT = contract.DEFAULT_RESOURCES.gpu_count
 
 
 def inventory(*sizes: int, unit: MemoryUnit = MemoryUnit.GIB, mps: bool = False) -> GpuInventory:
@@ -66,3 +67,9 @@ def pod(
         "spec": spec,
         "status": {"phase": phase},
     }
+
+
+def on_gpus(body: dict[str, Any], count: int) -> dict[str, Any]:
+    """``body`` with its first container asking for ``count`` GPUs (gpu-count) to spread its gpu-mem over."""
+    body["spec"]["containers"][0].setdefault("resources", {}).setdefault("limits", {})[GPU_COUNT] = str(count)
+    return body

@@ -20,7 +20,7 @@ from gpushared import contract
 from gpushared.contract import GpuInventory
 from gpushared.core.placement import bind_annotations
 from gpushared.core.requests import pod_request
-from tests.builders import pod
+from tests.builders import on_gpus, pod
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kubelet import ContainerAllocation, ContainerSpec, FakeKubelet, PodRef
 from tests.fakes.nvml import FakeNvml
@@ -143,14 +143,18 @@ class Daemon:
         return contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY])
 
     def place(
-        self, name: str, *amounts: int, gpu: int, init: list[dict[str, Any]] | None = None, **kw: Any
+        self, name: str, *amounts: int, gpu: int | list[int], init: list[dict[str, Any]] | None = None, **kw: Any
     ) -> dict[str, Any]:
-        """A pod as the extender leaves it: annotated for GPU ``gpu`` and bound to the node."""
+        """A pod as the extender leaves it: annotated for GPU ``gpu`` (a list: its first container spread
+        over those GPUs with gpu-count) and bound to the node."""
         body = pod(name, *amounts, init=init, **kw)
+        if isinstance(gpu, list):
+            on_gpus(body, len(gpu))
         inventory = self.inventory()
         request = pod_request(body)
+        chosen = [inventory.gpus[i] for i in (gpu if isinstance(gpu, list) else [gpu])]
         body["metadata"]["annotations"].update(
-            bind_annotations(request, inventory.gpus[gpu], unit=inventory.unit, now_ns=time.time_ns())
+            bind_annotations(request, chosen, unit=inventory.unit, now_ns=time.time_ns())
         )
         body["spec"]["nodeName"] = NODE
         return self.api.create(body)

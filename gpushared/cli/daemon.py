@@ -169,7 +169,7 @@ def render_status(body: dict[str, Any]) -> str:
         lines += ["", f"{'POD':<40}{'GPU(' + unit + ')':<16}{'ASSIGNED':<10}CONTAINERS"]
         for pod in body["pods"]:
             gpus = ", ".join(f"{i}:{a}" for i, a in pod["gpus"].items()) or f"pending:{pod['pending']}"
-            containers = ", ".join(f"{c}->GPU {i}" for c, i in pod["containers"].items())
+            containers = ", ".join(f"{c}->GPU {','.join(map(str, gpus))}" for c, gpus in pod["containers"].items())
             lines.append(
                 f"{pod['namespace'] + '/' + pod['name']:<40}{gpus:<16}{str(pod['assigned']).lower():<10}{containers}"
             )

@@ -1,11 +1,12 @@
 """How much of a node's free GPU memory is left where the next pods cannot use it: the fragmentation that
 the fragment-aware policy (FGD, Weng et al., USENIX ATC'23) keeps from growing.
 
-For one kind of pod (its milli-CPU and GPU memory), a node's free GPU memory is fragment as the paper
-defines it: all of it when the node cannot host the pod (too little CPU left, no GPU with room, or the pod
-uses no GPU); otherwise the GPUs with less free than the pod needs. Weighted by how often each kind occurs
-among the pods seen (the *mix*), that is the node's expected fragment. Placing a pod changes only its
-node, so the policy compares that node's expected fragment before and after.
+For one kind of pod (its milli-CPU, GPU memory per GPU and number of GPUs), a node's free GPU memory is
+fragment as the paper defines it: all of it when the node cannot host the pod (too little CPU left, too few
+GPUs with room, or the pod uses no GPU); otherwise the GPUs with less free than the pod needs on each.
+Weighted by how often each kind occurs among the pods seen (the *mix*), that is the node's expected
+fragment. Placing a pod changes only its node, so the policy compares that node's expected fragment before
+and after.
 
 CPU is what makes this more than best fit: on a trace of shared GPUs the GPU-memory term alone is concave
 and picks what best fit picks, while a node whose CPU is used up strands all its free GPU memory.
@@ -17,8 +18,9 @@ import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping
 
-#: A kind of pod: (milli-CPU requested, GPU memory units requested; 0 for a pod that uses no GPU).
-Kind = tuple[int, int]
+#: A kind of pod: (milli-CPU requested, GPU memory units on each of its GPUs, GPUs); (CPU, 0, 0) for a pod
+#: that uses no GPU.
+Kind = tuple[int, int, int]
 
 
 class RequestMix:
@@ -26,7 +28,8 @@ class RequestMix:
 
     Kept as one row per distinct CPU request: for the kinds that ask at most that much CPU, their GPU sizes
     in order and the share of kinds larger than each. A node's expected fragment then costs one search for
-    its CPU left and one per GPU, whatever the number of kinds.
+    its CPU left and one per GPU, whatever the number of kinds. Kinds on several GPUs (whole-GPU training
+    jobs, mostly: few sizes) are kept per (size, GPUs), each with its CPU requests in order.
 
     Immutable: the extender counts a new one now and then and swaps it in whole, so request threads never
     see one half-counted.
@@ -46,10 +49,17 @@ class RequestMix:
         counts = {kind: n for kind, n in given.items() if n > 0}
         total = sum(counts.values())
         self._total = total
-        gpu = {kind: n for kind, n in counts.items() if kind[1] > 0}
+        gpu = {(cpu, size): n for (cpu, size, gpus), n in counts.items() if size > 0 and gpus == 1}
         gpu_total = sum(gpu.values())
+        gangs = {kind: n for kind, n in counts.items() if kind[1] > 0 and kind[2] > 1}
         #: share of pods using no GPU: all free GPU memory is fragment to them
-        self._gpuless = (total - gpu_total) / total if total else 0.0
+        self._gpuless = (total - gpu_total - sum(gangs.values())) / total if total else 0.0
+        #: (size per GPU, GPUs) -> (CPU requests in order, share of the kinds asking at most each)
+        self._gangs: dict[tuple[int, int], tuple[tuple[int, ...], tuple[float, ...]]] = {}
+        for cpu, size, gpus in sorted(gangs):
+            cpus, shares = self._gangs.get((size, gpus), ((), ()))
+            share = (shares[-1] if shares else 0.0) + gangs[(cpu, size, gpus)] / total
+            self._gangs[(size, gpus)] = ((*cpus, cpu), (*shares, share))
         self._cpus = tuple(sorted({cpu for cpu, _ in gpu}))
         #: per CPU row: (sizes of the kinds asking at most that CPU, share of them larger than sizes[i - 1]),
         #: and the share of GPU pods that ask more CPU than the row's (they cannot use the node at all)
@@ -85,8 +95,16 @@ class RequestMix:
         if not self._total or not frees:
             return 0.0
         row = len(self._cpus) if cpu_free is None else bisect.bisect_right(self._cpus, cpu_free)
-        if not row:  # not even the smallest CPU request fits: no pod can use any of it
-            return float(sum(frees)) * (self._gpuless + self._all_gpu)
-        sizes, above = self._rows[row - 1]
-        lost = self._gpuless + self._unhosted[row - 1]
-        return sum(free * (lost + above[bisect.bisect_right(sizes, free)]) for free in frees)
+        if not row:  # not even the smallest CPU request fits: no one-GPU pod can use any of it
+            fragment = float(sum(frees)) * (self._gpuless + self._all_gpu)
+        else:
+            sizes, above = self._rows[row - 1]
+            lost = self._gpuless + self._unhosted[row - 1]
+            fragment = sum(free * (lost + above[bisect.bisect_right(sizes, free)]) for free in frees)
+        for (size, gpus), (cpus, shares) in self._gangs.items():
+            hosted = 0.0
+            if sum(1 for free in frees if free >= size) >= gpus:
+                asking = len(cpus) if cpu_free is None else bisect.bisect_right(cpus, cpu_free)
+                hosted = shares[asking - 1] if asking else 0.0
+            fragment += (shares[-1] - hosted) * sum(frees) + hosted * sum(free for free in frees if free < size)
+        return fragment

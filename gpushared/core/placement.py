@@ -54,8 +54,10 @@ def _refusal(ledger: Ledger, gpu: GpuInfo, *, mps: bool, max_mps_clients: int) -
 
 
 def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
+    """Whether each GPU of the node has room for the pod's share of it (``PodRequest.per_gpu``)."""
     unit = ledger.unit.value
-    need = request.total
+    need = request.per_gpu
+    each = f" on each of {request.gpus} GPUs" if request.gpus > 1 else ""
     verdicts = []
     for gpu in ledger.inventory.gpus:
         free = ledger.free(gpu)
@@ -65,7 +67,7 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
             else _refusal(ledger, gpu, mps=request.mps, max_mps_clients=max_mps_clients)
         )
         if reason is None and free < need:
-            reason = f"GPU {gpu.index} has {max(free, 0)} {unit} free, pod needs {need} {unit}"
+            reason = f"GPU {gpu.index} has {max(free, 0)} {unit} free, pod needs {need} {unit}{each}"
         verdicts.append(GpuVerdict(gpu=gpu, free=free, reason=reason))
     return verdicts
 
@@ -73,7 +75,7 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
 def fitting(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
     """The verdicts of :func:`judge` that fit, without working out why the others do not: what pricing a
     node needs, a thousand nodes at a time (a property test holds the two together)."""
-    need = request.total
+    need = request.per_gpu
     if need <= 0:
         return []
     fits = []
@@ -84,18 +86,22 @@ def fitting(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_M
     return fits
 
 
-def most_free(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS) -> int:
-    """The most units free on one GPU that a pod of this kind (MPS or not) may take; -1 when none may.
+def most_free(ledger: Ledger, *, mps: bool, gpus: int = 1, max_mps_clients: int = MAX_MPS_CLIENTS) -> int:
+    """The most units free on each of ``gpus`` GPUs that a pod of this kind (MPS or not) may take; -1 when
+    fewer may.
 
-    :func:`judge` finds a GPU that fits a request exactly when the request is positive and at most this, so
-    a filter can answer from one number per node, kept until the ledger changes, instead of judging every GPU
-    of every candidate on every call."""
-    usable = (
-        ledger.free(gpu)
-        for gpu in ledger.inventory.gpus
-        if _refusal(ledger, gpu, mps=mps, max_mps_clients=max_mps_clients) is None
+    :func:`judge` finds enough GPUs that fit a request exactly when its share per GPU is positive and at most
+    this, so a filter can answer from one number per node, kept until the ledger changes, instead of judging
+    every GPU of every candidate on every call."""
+    usable = sorted(
+        (
+            ledger.free(gpu)
+            for gpu in ledger.inventory.gpus
+            if _refusal(ledger, gpu, mps=mps, max_mps_clients=max_mps_clients) is None
+        ),
+        reverse=True,
     )
-    return max(usable, default=-1)
+    return usable[gpus - 1] if len(usable) >= gpus else -1
 
 
 def idle_gpu_mib(ledger: Ledger | None) -> int:
@@ -112,11 +118,15 @@ def idle_gpu_mib(ledger: Ledger | None) -> int:
     return sum(max(ledger.free(gpu), 0) * mib for gpu in ledger.inventory.gpus if gpu.healthy)
 
 
-def explain(verdicts: list[GpuVerdict]) -> str:
-    """One line for a node that cannot take the pod (the extender's FailedNodes entry)."""
+def explain(verdicts: list[GpuVerdict], *, gpus: int = 1) -> str:
+    """One line for a node that cannot take a pod on ``gpus`` GPUs (the extender's FailedNodes entry)."""
     if not verdicts:
         return "node has no GPUs"
-    return "; ".join(dict.fromkeys(v.reason for v in verdicts if v.reason))
+    reasons = dict.fromkeys(v.reason for v in verdicts if v.reason)
+    fit = sum(v.fits for v in verdicts)
+    if fit:  # some GPUs fit, not enough of them
+        return "; ".join((f"{fit} of the node's GPUs have room, the pod needs {gpus}", *reasons))
+    return "; ".join(reasons)
 
 
 @dataclass(frozen=True)
@@ -160,12 +170,13 @@ class Setting:
     def _fragment(self) -> float:
         return self.mix.fragment(self._gpus[1], cpu_free=self.cpu_free)
 
-    def growth(self, verdict: GpuVerdict, need: int) -> float:
+    def growth(self, verdicts: Sequence[GpuVerdict], need: int) -> float:
         """How much the node's expected fragment (``RequestMix.fragment``) grows when the pod takes ``need``
-        units of the verdict's GPU."""
+        units of each of the verdicts' GPUs."""
         position, frees, _ = self._gpus
         after = list(frees)
-        after[position[verdict.gpu.index]] -= need
+        for verdict in verdicts:
+            after[position[verdict.gpu.index]] -= need
         cpu_free = self.cpu_free
         left = None if cpu_free is None else cpu_free - self.pod_cpu
         return self.mix.fragment(after, cpu_free=left) - self._fragment
@@ -185,17 +196,22 @@ class Setting:
 NodeKey = tuple[float, float]
 
 
+#: The GPUs a pod is put on (as many as ``PodRequest.gpus``), in the order the policy ranked them.
+Choice = tuple[GpuVerdict, ...]
+
+
 @dataclass(frozen=True)
 class Policy:
     """Where on a node a pod goes, and how good the node is for it.
 
-    ``cost`` prices putting ``need`` units on one fitting GPU (lower is better) given the node's setting;
-    a node costs what its cheapest GPU costs. Equal costs go to the GPU with less free memory, then the
-    lower index, so choices are deterministic and, among equals, pack.
+    ``cost`` prices putting ``need`` units on each of some fitting GPUs (lower is better) given the node's
+    setting. A pod takes the GPUs that rank first one by one, and the node costs what those GPUs cost
+    together. Equal costs go to the GPU with less free memory, then the lower index, so choices are
+    deterministic and, among equals, pack.
     """
 
     name: str
-    cost: Callable[[GpuVerdict, int, Setting], float]
+    cost: Callable[[Choice, int, Setting], float]
     #: whether ``cost`` reads the mix: prices that do not are kept when a new mix is taken
     reads_mix: bool = False
     #: whether ``cost`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
@@ -205,28 +221,34 @@ class Policy:
     balances: bool = False
 
     def rank(self, verdict: GpuVerdict, need: int, setting: Setting) -> tuple[float, int, int]:
-        return (self.cost(verdict, need, setting), verdict.free, verdict.gpu.index)
+        return (self.cost((verdict,), need, setting), verdict.free, verdict.gpu.index)
 
-    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting) -> GpuVerdict | None:
-        best = self._best(verdicts, request.total, setting)
+    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting) -> Choice | None:
+        best = self._best(verdicts, request, setting)
         return None if best is None else best[1]
 
     def appraise(
         self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting
-    ) -> tuple[NodeKey, GpuVerdict] | None:
-        """How the node ranks for the pod, and the GPU it would get there; None when no GPU fits."""
-        best = self._best(verdicts, request.total, setting)
+    ) -> tuple[NodeKey, Choice] | None:
+        """How the node ranks for the pod, and the GPUs it would get there; None when too few GPUs fit."""
+        best = self._best(verdicts, request, setting)
         if best is None:
             return None
         tiebreak = setting.imbalance(request.total) if self.balances else 0.0
-        return (best[0][0], tiebreak), best[1]
+        return (best[0], tiebreak), best[1]
 
     def _best(
-        self, verdicts: Sequence[GpuVerdict], need: int, setting: Setting
-    ) -> tuple[tuple[float, int, int], GpuVerdict] | None:
-        """The fitting GPU that ranks first, with its rank (each GPU priced once: fgd's prices are not free)."""
-        ranked = [(self.rank(v, need, setting), v) for v in verdicts if v.fits]
-        return min(ranked, key=lambda pair: pair[0]) if ranked else None
+        self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting
+    ) -> tuple[float, Choice] | None:
+        """The fitting GPUs that rank first, with their cost (a lone GPU priced once: fgd's prices are not free)."""
+        need, gpus = request.per_gpu, request.gpus
+        ranked = sorted((self.rank(v, need, setting), v) for v in verdicts if v.fits)
+        if len(ranked) < gpus:
+            return None
+        if gpus == 1:
+            return ranked[0][0][0], (ranked[0][1],)
+        chosen = tuple(v for _, v in ranked[:gpus])
+        return self.cost(chosen, need, setting), chosen
 
 
 def best_key(keys: Iterable[NodeKey | None]) -> NodeKey | None:
@@ -274,18 +296,18 @@ EQUAL_COST: Final = 1e-9
 FGD_LEVELS: Final = 100
 
 
-def _fgd_cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
-    """The growth of the node's expected fragment, in GPUs (of the verdict's size), through a sigmoid cut to
+def _fgd_cost(verdicts: Choice, need: int, setting: Setting) -> float:
+    """The growth of the node's expected fragment, in GPUs (of the first GPU's size), through a sigmoid cut to
     FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
     apart costs more than it wins; among equals the balance of CPU and GPU decides (docs/benchmarks.md)."""
-    growth = setting.growth(verdict, need) / verdict.gpu.memory
+    growth = setting.growth(verdicts, need) / verdicts[0].gpu.memory
     return -float(math.floor(FGD_LEVELS / (1.0 + math.exp(growth))))
 
 
 #: Best fit (Aliyun's binpack): the GPU left with the least free memory after placement.
-BINPACK: Final = Policy(name="binpack", cost=lambda v, need, setting: float(v.free - need))
+BINPACK: Final = Policy(name="binpack", cost=lambda vs, need, setting: float(sum(v.free - need for v in vs)))
 #: The GPU left with the most free memory.
-SPREAD: Final = Policy(name="spread", cost=lambda v, need, setting: float(need - v.free))
+SPREAD: Final = Policy(name="spread", cost=lambda vs, need, setting: float(sum(need - v.free for v in vs)))
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
 #: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
@@ -304,14 +326,17 @@ def policy_named(name: str) -> Policy:
         ) from None
 
 
-def allocation_for(request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUnit) -> Allocation:
-    """Every GPU-using container of ``request`` on the one GPU ``gpu``."""
+def allocation_for(request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contract.MemoryUnit) -> Allocation:
+    """Every GPU-using container of ``request`` on the GPUs ``gpus``: a container on one GPU on the first,
+    the one container on several GPUs (``PodRequest.gpus``) an even share on each."""
     return Allocation(
         unit=unit,
         containers=tuple(
             ContainerShares(
                 name=c.name,
-                gpus=(GpuShare(index=gpu.index, uuid=gpu.uuid, amount=c.amount),),
+                gpus=tuple(
+                    GpuShare(index=gpu.index, uuid=gpu.uuid, amount=c.amount // c.gpus) for gpu in gpus[: c.gpus]
+                ),
                 init=c.init,
                 sidecar=c.sidecar,
             )
@@ -320,23 +345,30 @@ def allocation_for(request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUn
     )
 
 
-def bind_annotations(request: PodRequest, gpu: GpuInfo, *, unit: contract.MemoryUnit, now_ns: int) -> dict[str, str]:
+def bind_annotations(
+    request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contract.MemoryUnit, now_ns: int
+) -> dict[str, str]:
     """The pod annotations the extender writes at bind: Aliyun's, for tools and nodes that still read
     them, and our per-container allocation, which the node daemon trusts.
 
     ``_DEV`` is the chosen GPU's own size (Aliyun writes capacity/count, wrong on mixed nodes) and ``_POD``
-    the pod's peak hold on it (Aliyun sums app containers only).
+    the pod's peak hold on it (Aliyun sums app containers only). Aliyun's GPU annotations name one GPU, so a
+    pod on several gets ours only: a reader of ``_IDX`` would count all of it on one GPU.
     """
-    return {
-        contract.ALIYUN_GPU_MEM_IDX: str(gpu.index),
-        contract.ALIYUN_GPU_MEM_DEV: str(gpu.memory),
-        contract.ALIYUN_GPU_MEM_POD: str(request.total),
+    annotations = {
         contract.ALIYUN_GPU_MEM_ASSIGNED: contract.format_bool(False),
         contract.ALIYUN_GPU_MEM_ASSUME_TIME: str(now_ns),
-        contract.POD_ALLOCATION: contract.format_allocation(allocation_for(request, gpu, unit=unit)),
+        contract.POD_ALLOCATION: contract.format_allocation(allocation_for(request, gpus, unit=unit)),
     }
+    if len(gpus) == 1:
+        annotations[contract.ALIYUN_GPU_MEM_IDX] = str(gpus[0].index)
+        annotations[contract.ALIYUN_GPU_MEM_DEV] = str(gpus[0].memory)
+        annotations[contract.ALIYUN_GPU_MEM_POD] = str(request.total)
+    return annotations
 
 
-def holding_for(request: PodRequest, gpu: GpuInfo, *, uid: str, namespace: str, name: str) -> Holding:
-    """What a pod placed on ``gpu`` holds, for recording a bind in the ledger before the watch sees it."""
-    return Holding(uid=uid, namespace=namespace, name=name, gpus={gpu.index: request.total}, mps=request.mps)
+def holding_for(request: PodRequest, gpus: Sequence[GpuInfo], *, uid: str, namespace: str, name: str) -> Holding:
+    """What a pod placed on ``gpus`` holds, for recording a bind in the ledger before the watch sees it."""
+    return Holding(
+        uid=uid, namespace=namespace, name=name, gpus={gpu.index: request.per_gpu for gpu in gpus}, mps=request.mps
+    )

@@ -25,6 +25,8 @@ class ContainerRequest:
     amount: int
     init: bool = False
     sidecar: bool = False
+    #: GPUs the amount is spread over, evenly (gpu-count; 1 when not asked)
+    gpus: int = 1
 
 
 def peak(containers: Iterable[ContainerRequest]) -> int:
@@ -55,6 +57,16 @@ class PodRequest:
     def total(self) -> int:
         """Units held at the pod's peak (``peak``): asked for on every candidate node, worked out once."""
         return peak(self.containers)
+
+    @functools.cached_property
+    def gpus(self) -> int:
+        """GPUs the pod takes: more than one only for a pod whose one GPU container asks for gpu-count."""
+        return max((c.gpus for c in self.containers), default=1)
+
+    @property
+    def per_gpu(self) -> int:
+        """Units the pod holds on each of its GPUs."""
+        return self.total // self.gpus
 
     @property
     def app_sum(self) -> int:
@@ -87,22 +99,18 @@ def container_amount(container: Container, *, resource: str, where: str) -> int:
 
 
 def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES) -> PodRequest:
-    """The pod's GPU memory request; raises :class:`ContractError` for malformed quantities or annotations."""
+    """The pod's GPU memory request; raises :class:`ContractError` for malformed quantities or annotations, or
+    for a pod on several GPUs that we cannot serve exactly."""
     spec = pod.get("spec") or {}
-    found: list[ContainerRequest] = []
-    for position, container in enumerate(spec.get("initContainers") or []):
-        name = container.get("name", f"#init{position}")
-        amount = container_amount(
-            container, resource=resources.gpu_mem, where=f"spec.initContainers[{position}]({name})"
-        )
-        if amount:
-            sidecar = container.get("restartPolicy") == "Always"
-            found.append(ContainerRequest(name=name, amount=amount, init=True, sidecar=sidecar))
-    for position, container in enumerate(spec.get("containers") or []):
-        name = container.get("name", f"#{position}")
-        amount = container_amount(container, resource=resources.gpu_mem, where=f"spec.containers[{position}]({name})")
-        if amount:
-            found.append(ContainerRequest(name=name, amount=amount))
+    found = [
+        request
+        for position, container in enumerate(spec.get("initContainers") or [])
+        if (request := _container_request(container, position, resources, init=True))
+    ] + [
+        request
+        for position, container in enumerate(spec.get("containers") or [])
+        if (request := _container_request(container, position, resources, init=False))
+    ]
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     mps = (
         contract.parse_bool(contract.POD_MPS, annotations[contract.POD_MPS])
@@ -114,4 +122,50 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
         if contract.POD_MPS_THREAD_PERCENTAGE in annotations
         else None
     )
+    for request in found:
+        if request.gpus > 1 and len(found) > 1:
+            raise ContractError(
+                key=f"{resources.gpu_count} of container {request.name}",
+                value=request.gpus,
+                reason="a container on several GPUs must be the pod's only container with GPU memory",
+            )
+        if request.gpus > 1 and mps:
+            raise ContractError(
+                key=contract.POD_MPS,
+                value=annotations[contract.POD_MPS],
+                reason=f"container {request.name} asks for {request.gpus} GPUs, and an MPS client reaches one "
+                "MPS server only: an MPS pod gets exactly one GPU",
+            )
     return PodRequest(containers=tuple(found), mps=mps, thread_percentage=percentage)
+
+
+def _container_request(
+    container: Container, position: int, resources: ResourceNames, *, init: bool
+) -> ContainerRequest | None:
+    """One container's GPU memory and the GPUs to spread it over; None when it asks for no GPU memory.
+
+    ``gpu-count`` N > 1 gives the container N GPUs with gpu-mem / N on each: whole GPUs when that is a GPU's
+    memory, shares of N GPUs otherwise. Without gpu-mem it would get no GPU at all (kubelet calls the device
+    plugin for gpu-mem only), so that is refused rather than scheduled as a pod without GPU.
+    """
+    name = container.get("name", f"#init{position}" if init else f"#{position}")
+    where = f"spec.{'initContainers' if init else 'containers'}[{position}]({name})"
+    amount = container_amount(container, resource=resources.gpu_mem, where=where)
+    count = container_amount(container, resource=resources.gpu_count, where=where)
+    if count and not amount:
+        raise ContractError(
+            key=f"{where}.resources.limits[{resources.gpu_count}]",
+            value=count,
+            reason=f"GPUs are given with GPU memory: ask for {resources.gpu_mem} too (the memory on all of them)",
+        )
+    if count > 1 and amount % count:
+        raise ContractError(
+            key=f"{where}.resources.limits[{resources.gpu_mem}]",
+            value=amount,
+            reason=f"is spread evenly over the container's {count} GPUs ({resources.gpu_count}), so it must be a "
+            f"multiple of {count}",
+        )
+    if not amount:
+        return None
+    sidecar = init and container.get("restartPolicy") == "Always"
+    return ContainerRequest(name=name, amount=amount, init=init, sidecar=sidecar, gpus=max(count, 1))

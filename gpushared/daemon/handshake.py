@@ -25,13 +25,29 @@ from gpushared.core.requests import pod_request
 
 @dataclass(frozen=True)
 class Slot:
-    """One GPU container of a pod and where the extender put it."""
+    """One GPU container of a pod and where the extender put it: one GPU, or with gpu-count several, each
+    with an even share of ``amount``."""
 
     container: str
     init: bool
-    amount: int
-    index: int
-    uuid: str | None  # None for pods placed by Aliyun's extender, which records only the index
+    amount: int  # units on all its GPUs: what the kubelet asks for
+    #: (index, UUID) of each GPU; the UUID is None for pods placed by Aliyun's extender, which records the index
+    gpus: tuple[tuple[int, str | None], ...]
+
+    @property
+    def indices(self) -> list[int]:
+        return [index for index, _ in self.gpus]
+
+    @property
+    def share(self) -> int:
+        """Units on each of its GPUs."""
+        return self.amount // len(self.gpus)
+
+    @property
+    def where(self) -> str:
+        """Its GPUs, in words: "GPU 1", "GPUs 0, 1"."""
+        listed = ", ".join(str(index) for index in self.indices)
+        return f"GPUs {listed}" if len(self.gpus) > 1 else f"GPU {listed}"
 
 
 @dataclass
@@ -71,21 +87,22 @@ def slots_of(pod: Mapping[str, Any], *, unit: MemoryUnit, resources: ResourceNam
         allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
         slots = []
         for container in sorted(allocation.containers, key=lambda c: not c.init):  # stable: spec order kept
-            if len(container.gpus) != 1:
+            amounts = {share.amount for share in container.gpus}
+            if len(amounts) != 1 or len({share.index for share in container.gpus}) != len(container.gpus):
                 raise ContractError(
                     key=contract.POD_ALLOCATION,
                     value=container.name,
-                    reason="a container on several GPUs needs gpu-count support, which this node lacks",
+                    reason="a container on several GPUs must take the same share of each, on GPUs that differ",
                 )
-            share = container.gpus[0]
-            amount = allocation.unit.convert(share.amount, to=unit)
-            slots.append(Slot(container.name, container.init, amount, share.index, share.uuid))
+            amount = allocation.unit.convert(sum(share.amount for share in container.gpus), to=unit)
+            gpus = tuple((share.index, share.uuid) for share in container.gpus)
+            slots.append(Slot(container.name, container.init, amount, gpus))
         return slots
     if contract.ALIYUN_GPU_MEM_IDX in annotations:
         index = contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, annotations[contract.ALIYUN_GPU_MEM_IDX])
         request = pod_request(pod, resources=resources)  # type: ignore[arg-type]
         ordered = [c for c in request.containers if c.init] + [c for c in request.containers if not c.init]
-        return [Slot(c.name, c.init, c.amount, index, None) for c in ordered]
+        return [Slot(c.name, c.init, c.amount, ((index, None),)) for c in ordered]
     return None
 
 
@@ -149,7 +166,7 @@ def identify(size: int, candidates: Sequence[Candidate], *, unit: MemoryUnit, no
     if len(matching) == 1:
         return Decision(chosen=matching[0])
     if len(matching) > 1:
-        places = {(c.next.index, c.next.uuid) for c in matching if c.next is not None}
+        places = {c.next.gpus for c in matching if c.next is not None}
         if len(places) == 1:
             # Every candidate goes to the same GPU with the same amount: whichever it is, the GPU is right.
             ordered = sorted(matching, key=lambda c: (c.assume_time, c.key))
@@ -175,7 +192,7 @@ def identify(size: int, candidates: Sequence[Candidate], *, unit: MemoryUnit, no
         assert slot is not None
         raise Unidentified(
             f"pod {waiting[0].key}: kubelet asks for {size} {unit.value} but container {slot.container!r} was "
-            f"assigned {slot.amount} {unit.value} on GPU {slot.index}; the pod's annotations do not match its spec",
+            f"assigned {slot.amount} {unit.value} on {slot.where}; the pod's annotations do not match its spec",
             pod=waiting[0].pod,
         )
     raise Unidentified(

@@ -12,6 +12,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +66,7 @@ class Served:
 
     namespace: str
     name: str
-    containers: dict[str, int] = field(default_factory=dict)  # container -> GPU index
+    containers: dict[str, handshake.Slot] = field(default_factory=dict)  # container -> where it was put
     assigned: bool = False
 
 
@@ -174,9 +175,14 @@ class Manager:
             log.info("GetPreferredAllocation for %d: no preference (%s)", size, exc)
             return []
         assert slot is not None
-        on_gpu = [d for d in must_include if device_ids.gpu_of(d) == slot.index]
-        on_gpu += [d for d in sorted(available, key=_natural) if device_ids.gpu_of(d) == slot.index and d not in on_gpu]
-        return on_gpu[:size] if len(on_gpu) >= size else []
+        chosen: list[str] = []
+        for index in slot.indices:  # the container's share of each of its GPUs
+            on_gpu = [d for d in must_include if device_ids.gpu_of(d) == index]
+            on_gpu += [d for d in sorted(available, key=_natural) if device_ids.gpu_of(d) == index and d not in on_gpu]
+            if len(on_gpu) < slot.share:
+                return []
+            chosen += on_gpu[: slot.share]
+        return chosen
 
     def allocate(self, devices: Sequence[str]) -> ContainerAllocation:
         started = time.perf_counter()
@@ -199,71 +205,75 @@ class Manager:
         slot = chosen.next
         assert slot is not None
         pod = chosen.pod
-        index = slot.index
-        gpu = inventory.by_index(index)
-        if gpu is None:
-            self._refuse(pod, f"pod {chosen.key} was placed on GPU {index}, which node {self.node} does not have")
-        assert gpu is not None
-        if slot.uuid is not None and slot.uuid != gpu.uuid:
-            self._refuse(
-                pod,
-                f"pod {chosen.key} was placed on GPU {index} with UUID {slot.uuid}, but GPU {index} of node "
-                f"{self.node} is now {gpu.uuid}: the GPUs changed since it was scheduled; delete the pod",
-            )
+        gpus = [self._placed_gpu(inventory, pod, chosen.key, index, uuid) for index, uuid in slot.gpus]
         ledger = self.ledger()
-        used = ledger.used(index)
-        if ledger.holding((pod.get("metadata") or {}).get("uid", "")) is None:
-            used += slot.amount
-        if used > gpu.memory:
+        held = ledger.holding((pod.get("metadata") or {}).get("uid", "")) is not None
+        for gpu in gpus:
+            used = ledger.used(gpu.index) + (0 if held else slot.share)
+            if used > gpu.memory:
+                self._refuse(
+                    pod,
+                    f"pod {chosen.key} would bring GPU {gpu.index} to {used} {unit} of {gpu.memory} {unit}: "
+                    "it does not fit; was it scheduled by another scheduler?",
+                )
+        # The kubelet counts devices per GPU: its books and ours must agree on every GPU.
+        if Counter(device_ids.gpu_of(d) for d in devices) != dict.fromkeys(slot.indices, slot.share):
             self._refuse(
                 pod,
-                f"pod {chosen.key} would bring GPU {index} to {used} {unit} of {gpu.memory} {unit}: "
-                "it does not fit; was it scheduled by another scheduler?",
-            )
-        given = {device_ids.gpu_of(d) for d in devices}
-        if given != {index}:
-            self._refuse(
-                pod,
-                f"pod {chosen.key} container {slot.container!r} was placed on GPU {index}, but the kubelet gave it "
-                f"devices {sorted(devices)[:8]} (it did not take gpushared's preferred allocation)",
+                f"pod {chosen.key} container {slot.container!r} was placed on {slot.where}, but the kubelet gave "
+                f"it devices {sorted(devices)[:8]} (it did not take gpushared's preferred allocation)",
             )
         if decision.ambiguous_but_equivalent:
             log.info(
-                "Allocate: %s and %s wait for the same %d %s on GPU %d; either is right",
+                "Allocate: %s and %s wait for the same %d %s on %s; either is right",
                 chosen.key,
                 ", ".join(decision.ambiguous_but_equivalent),
                 slot.amount,
                 unit,
-                index,
+                slot.where,
             )
         annotations = (pod.get("metadata") or {}).get("annotations") or {}
         app_sum = sum(s.amount for s in chosen.slots or [] if not s.init)
         pod_total = annotations.get(contract.ALIYUN_GPU_MEM_POD, str(app_sum))
         envs = {
-            contract.ENV_NVIDIA_VISIBLE_DEVICES: gpu.uuid,
-            contract.ENV_GPU_MEM_IDX: str(index),
+            contract.ENV_NVIDIA_VISIBLE_DEVICES: ",".join(gpu.uuid for gpu in gpus),
+            contract.ENV_GPU_MEM_IDX: ",".join(str(gpu.index) for gpu in gpus),
             contract.ENV_GPU_MEM_POD: pod_total,
             contract.ENV_GPU_MEM_CONTAINER: str(slot.amount),
-            contract.ENV_GPU_MEM_DEV: str(gpu.memory),
+            contract.ENV_GPU_MEM_DEV: str(gpus[0].memory),
         }
         mounts: list[Mount] = []
         request = pod_request(pod, resources=self.resources)  # type: ignore[arg-type]
         if request.mps:
             mps_envs, mounts = self._mps_setup(
-                pod, chosen=chosen, slot=slot, gpu=gpu, ledger=ledger, override=request.thread_percentage
+                pod, chosen=chosen, slot=slot, gpu=gpus[0], ledger=ledger, override=request.thread_percentage
             )
             envs.update(mps_envs)
-        self._record(pod, slot, index, chosen.slots or [])
+        self._record(pod, slot, chosen.slots or [])
         log.info(
-            "Allocate: pod %s container %r gets %d %s on GPU %d (%s)",
+            "Allocate: pod %s container %r gets %d %s on %s (%s)",
             chosen.key,
             slot.container,
             slot.amount,
             unit,
-            index,
-            gpu.uuid,
+            slot.where,
+            ", ".join(gpu.uuid for gpu in gpus),
         )
         return ContainerAllocation(envs=envs, mounts=mounts)
+
+    def _placed_gpu(self, inventory: GpuInventory, pod: Any, key: str, index: int, uuid: str | None) -> GpuInfo:
+        """The GPU a pod was placed on, refused when the node no longer has it as it was."""
+        gpu = inventory.by_index(index)
+        if gpu is None:
+            self._refuse(pod, f"pod {key} was placed on GPU {index}, which node {self.node} does not have")
+        assert gpu is not None
+        if uuid is not None and uuid != gpu.uuid:
+            self._refuse(
+                pod,
+                f"pod {key} was placed on GPU {index} with UUID {uuid}, but GPU {index} of node "
+                f"{self.node} is now {gpu.uuid}: the GPUs changed since it was scheduled; delete the pod",
+            )
+        return gpu
 
     def _mps_setup(
         self,
@@ -284,7 +294,7 @@ class Manager:
                 "set mps.enabled in the gpushared configuration, or remove the annotation",
             )
         assert self.mps is not None
-        indices = sorted({s.index for s in chosen.slots or []})
+        indices = sorted({index for s in chosen.slots or [] for index in s.indices})
         if len(indices) > 1:
             self._refuse(
                 pod,
@@ -382,15 +392,15 @@ class Manager:
             self._later(lambda: self._event(pod, EVENT_FAILED, message, warning=True))
         raise AllocationRefused(message)
 
-    def _record(self, pod: Any, slot: handshake.Slot, index: int, slots: Sequence[handshake.Slot]) -> None:
+    def _record(self, pod: Any, slot: handshake.Slot, slots: Sequence[handshake.Slot]) -> None:
         meta = pod.get("metadata") or {}
         uid = meta.get("uid", "")
         served = self.served.setdefault(uid, Served(namespace=meta.get("namespace", ""), name=meta.get("name", "")))
-        served.containers[slot.container] = index
+        served.containers[slot.container] = slot
         self.metrics.allocations.inc()
         if all(s.container in served.containers for s in slots) and not served.assigned:
             served.assigned = True
-            placed = ", ".join(f"{c} on GPU {i}" for c, i in served.containers.items())
+            placed = ", ".join(f"{c} on {given.where}" for c, given in served.containers.items())
             self._later(lambda: self._mark_assigned(pod))
             self._later(lambda: self._event(pod, EVENT_ALLOCATED, f"GPU memory allocated: {placed}", warning=False))
 
@@ -496,7 +506,9 @@ class Manager:
                     "gpus": {str(k): v for k, v in sorted(h.gpus.items())},
                     "pending": h.pending,
                     "assigned": h.assigned,
-                    "containers": self.served[h.uid].containers if h.uid in self.served else {},
+                    "containers": {c: slot.indices for c, slot in self.served[h.uid].containers.items()}
+                    if h.uid in self.served
+                    else {},
                     "problem": h.problem,
                 }
                 for h in sorted(ledger.holdings(), key=lambda h: (h.namespace, h.name))

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, slim_pod
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
@@ -56,6 +57,9 @@ class NodeState:
     name: str
     inventory: GpuInventory | None = None
     problem: str | None = None  # why the node's GPUs cannot be read
+    #: whether the node's device plugin puts a container on several GPUs: ours does (it writes the inventory
+    #: annotation); Aliyun's, whose nodes only advertise capacity, gives a container one GPU
+    several_gpus: bool = False
     address: str = ""
     pods: dict[str, dict[str, Any]] = field(default_factory=dict)  # uid -> pod bound here
     ledger: Ledger | None = None
@@ -124,7 +128,7 @@ class ClusterCache:
         """
         with self._lock:
             self._expire_assumed()
-            usable = self._usable(name)
+            usable = self._usable(name, gpus=request.gpus)
             if isinstance(usable, str):
                 return usable
             state, ledger = usable
@@ -132,27 +136,45 @@ class ClusterCache:
             return judge(ledger, request), setting
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
-        """The nodes with a GPU that fits ``request``, and why each other one has none.
+        """The nodes with GPUs that fit ``request``, and why each other one has too few.
 
         Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes, under
         one hold of the lock: a thousand candidates cost a thousand dict lookups. A node that does not fit
-        is judged GPU by GPU once per ledger change and request, for the reason kube-scheduler reports.
+        is judged GPU by GPU once per ledger change and request, for the reason kube-scheduler reports. A pod
+        on several GPUs (rare: training jobs) is answered from each node's memo instead.
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
-        need, kind = request.total, int(request.mps)
+        need, kind = request.per_gpu, int(request.mps)
         with self._lock:
             self._expire_assumed()
             room = self._room
             for name in names:
-                known = room.get(name)
-                if known is None:
-                    known = self._room_of(name)
-                if 0 < need <= known[kind]:
+                if request.gpus > 1:
+                    fits = 0 < need <= self._room_for_several(name, request)
+                else:
+                    known = room.get(name)
+                    if known is None:
+                        known = self._room_of(name)
+                    fits = 0 < need <= known[kind]
+                if fits:
                     passed.append(name)
                 else:
                     failed[name] = self._why_not(name, request)
         return passed, failed
+
+    def _room_for_several(self, name: str, request: PodRequest) -> int:
+        """The most units free on each of ``request.gpus`` GPUs the pod may use (-1: too few, or no node)."""
+        usable = self._usable(name, gpus=request.gpus)
+        if isinstance(usable, str):
+            return -1
+        state, ledger = usable
+        key = ("room", request.gpus, request.mps)
+        known = state.memo.get(key)
+        if known is None or known[0][0] != ledger.version:
+            room = most_free(ledger, mps=request.mps, gpus=request.gpus)
+            known = _remember(state, key, (ledger.version, 0), room)
+        return int(known[1])
 
     def warm(self) -> None:
         """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
@@ -174,14 +196,14 @@ class ClusterCache:
 
     def _why_not(self, name: str, request: PodRequest) -> str:
         """Why no GPU of the node fits: what kube-scheduler shows in the pod's events."""
-        usable = self._usable(name)
+        usable = self._usable(name, gpus=request.gpus)
         if isinstance(usable, str):
             return usable
         state, ledger = usable
-        key = ("why", request.total, request.mps)
+        key = ("why", request.total, request.gpus, request.mps)
         why = state.memo.get(key)
         if why is None or why[0][0] != ledger.version:
-            why = _remember(state, key, (ledger.version, 0), explain(judge(ledger, request)))
+            why = _remember(state, key, (ledger.version, 0), explain(judge(ledger, request), gpus=request.gpus))
         return str(why[1])
 
     def node_keys(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeKey | None]:
@@ -193,9 +215,9 @@ class ClusterCache:
             mix = self.request_mix()
             pod_cpu = _cpu_of(pod) if policy.reads_cpu else 0
             mixed = self._mix_generation if policy.reads_mix else 0
-            slot = ("rank", policy.name, request.total, request.mps, pod_cpu, mixed)
+            slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed)
             for name in names:
-                usable = self._usable(name)
+                usable = self._usable(name, gpus=request.gpus)
                 if isinstance(usable, str):
                     keys.append(None)
                     continue
@@ -219,8 +241,8 @@ class ClusterCache:
                 costs.append(float(idle_gpu_mib(state.ledger if state is not None else None)))
         return costs
 
-    def _usable(self, name: str) -> tuple[NodeState, Ledger] | str:
-        """The node and its ledger, or why it is no candidate at all."""
+    def _usable(self, name: str, *, gpus: int = 1) -> tuple[NodeState, Ledger] | str:
+        """The node and its ledger, or why it is no candidate at all for a pod on ``gpus`` GPUs."""
         state = self._nodes.get(name)
         if state is None:
             return f"node {name} is not in the extender's cache (unknown node)"
@@ -228,6 +250,8 @@ class ClusterCache:
             return f"node {name} is not usable: {state.problem}"
         if state.ledger is None:
             return f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
+        if gpus > 1 and not state.several_gpus:
+            return f"node {name} runs Aliyun's device plugin, which gives a container one GPU, not {gpus}"
         return state, state.ledger
 
     def request_mix(self) -> RequestMix:
@@ -334,6 +358,7 @@ class ClusterCache:
                 problem = None
             except ContractError as exc:
                 inventory, problem = None, f"its GPU inventory cannot be read: {exc}"
+            state.several_gpus = contract.NODE_INVENTORY in ((new.get("metadata") or {}).get("annotations") or {})
             if inventory == state.inventory and problem == state.problem:
                 return
             state.inventory, state.problem = inventory, problem
@@ -385,7 +410,7 @@ class ClusterCache:
             holding = self._holding(pod, state)
             if holding is not None:
                 state.ledger.add(holding)
-            self._kinds[(cpu, _size(holding))] += 1
+            self._kinds[_kind(cpu, holding)] += 1
 
     def _uncount(self, state: NodeState, uid: str) -> None:
         """Take back what ``_count`` counted for the pod ``state.pods`` holds under ``uid``, if any."""
@@ -397,7 +422,7 @@ class ClusterCache:
         state.cpu_version += 1
         if state.ledger is not None:
             self._room.pop(state.name, None)
-            self._forget_kind((cpu, _size(state.ledger.remove(uid))))
+            self._forget_kind(_kind(cpu, state.ledger.remove(uid)))
 
     def _forget_kind(self, kind: Kind) -> None:
         self._kinds[kind] -= 1
@@ -430,9 +455,14 @@ def _remember(state: NodeState, key: tuple[Any, ...], version: Version, value: A
     return entry
 
 
-def _size(holding: Holding | None) -> int:
-    """A holding's size in the request mix: all it holds or waits for, on whatever GPUs (none: 0)."""
-    return 0 if holding is None else sum(holding.gpus.values()) + holding.pending
+def _kind(cpu: int, holding: Holding | None) -> Kind:
+    """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, and its GPUs."""
+    if holding is None:
+        return cpu, 0, 0
+    if len(holding.gpus) > 1:
+        return cpu, max(holding.gpus.values()), len(holding.gpus)
+    size = sum(holding.gpus.values()) + holding.pending
+    return cpu, size, 1 if size else 0
 
 
 def _cpu_of(pod: PodBody | dict[str, Any]) -> int:

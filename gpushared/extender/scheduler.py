@@ -107,9 +107,10 @@ class Scheduler:
                 verdicts, setting = judged
                 choice = self.policy.choose(verdicts, request, setting)
                 if choice is None:
-                    raise BindError(f"{where} does not fit node {args.node}: {explain(verdicts)}")
+                    raise BindError(f"{where} does not fit node {args.node}: {explain(verdicts, gpus=request.gpus)}")
                 unit = self.cache.unit_of(args.node)
-                annotations = bind_annotations(request, choice.gpu, unit=unit, now_ns=self.clock())
+                gpus = [verdict.gpu for verdict in choice]
+                annotations = bind_annotations(request, gpus, unit=unit, now_ns=self.clock())
                 try:
                     annotated = self.api.patch_pod(
                         args.pod_namespace,
@@ -135,7 +136,12 @@ class Scheduler:
                     self._roll_back(annotated, where)
                     raise BindError(f"{where}: binding to node {args.node} failed: {exc}") from None
                 log.info(
-                    "bound %s to node %s GPU %d (%d %s)", where, args.node, choice.gpu.index, request.total, unit.value
+                    "bound %s to node %s GPU %s (%d %s)",
+                    where,
+                    args.node,
+                    ",".join(str(gpu.index) for gpu in gpus),
+                    request.total,
+                    unit.value,
                 )
                 return
             raise BindError(f"{where} kept changing while it was being bound; the scheduler will try again")

@@ -51,9 +51,9 @@ class SimNode:
     gpu_free: int = 0  # the gpu-mem extended resource left, as NodeResourcesFit counts it
     pods: int = 0
     version: int = 0
-    #: (request size, CPU if the policy reads it) -> (version priced at, rank or None when no GPU fits,
-    #: chosen GPU index)
-    prices: dict[tuple[int, int], tuple[int, NodeKey | None, int]] = field(default_factory=dict)
+    #: (request size, GPUs, CPU if the policy reads it) -> (version priced at, rank or None when too few GPUs
+    #: fit, chosen GPU indices)
+    prices: dict[tuple[int, int, int], tuple[int, NodeKey | None, tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
@@ -84,19 +84,17 @@ class SimCluster:
         self.rng = rng
         self.capacity_mib = sum(n.ledger.inventory.total for n in self.nodes)
         self.allocated_mib = 0
-        #: one-GPU tasks not placed, and of them those that a GPU had room for, on a node that kube-scheduler's
-        #: own filters (CPU, memory, pod count, GPU model) refused: what GPU placement alone cannot win back
+        #: GPU tasks not placed, and of them those that GPUs had room for, on a node that kube-scheduler's own
+        #: filters (CPU, memory, pod count, GPU model) refused: what GPU placement alone cannot win back
         self.gpu_failed = 0
         self.gpu_failed_with_room = 0
         self._serial = 0
 
     def place(self, pod: TracePod) -> bool:
-        """Schedule one pod; whether it was bound. Multi-GPU tasks are not placed (no gpu-count yet)."""
-        if pod.num_gpu > 1:
-            return False
+        """Schedule one pod; whether it was bound. A multi-GPU task asks gpu-count for its GPUs."""
         need = pod.memory_request
-        request = PodRequest(containers=(ContainerRequest(name="main", amount=need),))
-        ranked: list[tuple[NodeKey, SimNode, int]] = []
+        request = PodRequest(containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),))
+        ranked: list[tuple[NodeKey, SimNode, tuple[int, ...]]] = []
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
                 continue
@@ -111,17 +109,17 @@ class SimCluster:
                     node.gpu_free >= need and self._price(node, request, pod)[0] is not None for node in self.nodes
                 )
             return False
-        node, index = self._pick([(node, gpu) for key, node, gpu in ranked if ties(key, best)], pod)
+        node, indices = self._pick([(node, gpus) for key, node, gpus in ranked if ties(key, best)], pod)
         self._count(node, pod)
         if need:
             self._serial += 1
-            chosen = node.ledger.inventory.gpus[index]
+            chosen = [node.ledger.inventory.gpus[index] for index in indices]
             node.ledger.add(holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name))
             node.gpu_free -= need
             self.allocated_mib += need
         return True
 
-    def _pick(self, cheapest: list[tuple[SimNode, int]], pod: TracePod) -> tuple[SimNode, int]:
+    def _pick(self, cheapest: list[tuple[SimNode, tuple[int, ...]]], pod: TracePod) -> tuple[SimNode, tuple[int, ...]]:
         """Among the extender's cheapest: the best in-tree score, then at random."""
         if len(cheapest) > 1:
             scored = [(self._in_tree(node, pod), node, gpu) for node, gpu in cheapest]
@@ -129,22 +127,23 @@ class SimCluster:
             cheapest = [(node, gpu) for score, node, gpu in scored if score == top]
         return cheapest[self.rng.randrange(len(cheapest))]
 
-    def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeKey | None, int]:
+    def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeKey | None, tuple[int, ...]]:
         need = request.total
-        slot = (need, pod.cpu_milli if self.policy.reads_cpu else 0)
+        slot = (need, request.gpus, pod.cpu_milli if self.policy.reads_cpu else 0)
         known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
             return known[1], known[2]
         key: NodeKey | None
+        indices: tuple[int, ...]
         if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
-            key, index = (float(idle_gpu_mib(node.ledger)), 0.0), -1
+            key, indices = (float(idle_gpu_mib(node.ledger)), 0.0), ()
         else:  # prioritize
             cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
             setting = Setting(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)
             appraised = self.policy.appraise(fitting(node.ledger, request), request, setting)
-            key, index = (None, -1) if appraised is None else (appraised[0], appraised[1].gpu.index)
-        node.prices[slot] = (node.version, key, index)
-        return key, index
+            key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
+        node.prices[slot] = (node.version, key, indices)
+        return key, indices
 
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated

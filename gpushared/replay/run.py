@@ -29,16 +29,17 @@ class Replay:
     #: allocation (% of cluster GPU memory) at 0, 1, ... RATIO*100 % arrived
     allocation: list[float]
     frag_rate: float
-    #: multi-GPU tasks that arrived, and the GPUs they asked for: never placed (no gpu-count support yet)
+    #: multi-GPU tasks that arrived, the GPUs they asked for, and how many of the tasks were placed
     multi_gpu_tasks: int
     multi_gpu_gpus: int
+    multi_gpu_placed: int
     placed: int
     failed: int
     #: at the end: GPUs unallocated, and those of them on nodes that no one-GPU task of the workload fits by
     #: CPU or memory any more (stranded by CPU, not by GPU memory)
     unallocated_gpus: float = 0.0
     stranded_gpus: float = 0.0
-    #: one-GPU tasks not placed, and of them those a GPU had room for on a node short of CPU or memory
+    #: GPU tasks not placed, and of them those with GPUs that had room on a node short of CPU or memory
     gpu_failed: int = 0
     gpu_failed_with_room: int = 0
 
@@ -62,20 +63,21 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
-    # What an extender that has watched this workload would have counted: the kinds of the tasks it places
-    # (CPU-only and one-GPU; multi-GPU tasks are never placed).
-    mix = RequestMix((p.cpu_milli, p.memory_request) for p in workload if p.num_gpu <= 1)
+    # What an extender that has watched this workload would have counted: the kinds of its tasks.
+    mix = RequestMix((p.cpu_milli, p.memory_per_gpu, p.num_gpu) for p in workload)
     cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0
-    arrived = placed = failed = multi_tasks = multi_gpus = 0
+    arrived = placed = failed = multi_tasks = multi_gpus = multi_placed = 0
     last = round(RATIO * 100)
     for pod in workload:
-        if pod.num_gpu > 1:
+        multi = pod.num_gpu > 1
+        if multi:
             multi_tasks, multi_gpus = multi_tasks + 1, multi_gpus + pod.num_gpu
         if cluster.place(pod):
             placed += 1
+            multi_placed += multi
         else:
             failed += 1
         arrived += pod.gpu_demand
@@ -93,6 +95,7 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
         frag_rate=frag_rate,
         multi_gpu_tasks=multi_tasks,
         multi_gpu_gpus=multi_gpus,
+        multi_gpu_placed=multi_placed,
         placed=placed,
         failed=failed,
         unallocated_gpus=unallocated,

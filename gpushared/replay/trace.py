@@ -46,9 +46,14 @@ class TracePod:
         return self.num_gpu * self.gpu_milli
 
     @property
+    def memory_per_gpu(self) -> int:
+        """GPU memory (MiB) the task takes on each of its GPUs; 0 for a CPU-only task."""
+        return round(self.gpu_milli * GPU_MIB / 1000) if self.num_gpu else 0
+
+    @property
     def memory_request(self) -> int:
-        """The gpu-mem request (MiB) of a one-GPU task; 0 for CPU-only and multi-GPU tasks."""
-        return round(self.gpu_milli * GPU_MIB / 1000) if self.num_gpu == 1 else 0
+        """The task's gpu-mem request (MiB): its memory on all its GPUs (``gpu-count`` is ``num_gpu``)."""
+        return self.memory_per_gpu * self.num_gpu
 
 
 def read_nodes(path: Path) -> list[TraceNode]:

@@ -61,7 +61,7 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
     for numbers in summary["default"].values():
         assert set(numbers) == {"100", "130", "frag90"} and 0 < numbers["130"] <= 100
     details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]
-    assert len(details["allocation"]) == 131 and details["multiGpuTasksNotPlaced"] > 0
+    assert len(details["allocation"]) == 131 and details["multiGpuTasks"] > 0
     assert (out / "openb-default.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -119,6 +119,28 @@ def test_allocate_a_single_container_pod(daemon: Daemon) -> None:
     wait_until(lambda: ("GPUAllocated", "GPU memory allocated: c0 on GPU 1") in daemon.events("one"), message="event")
 
 
+def test_allocate_a_container_on_several_gpus(daemon: Daemon) -> None:
+    """gpu-count 2 and 16 GiB: 8 GiB on each of the two GPUs the extender chose, both visible to the container,
+    and the kubelet's devices taken from each in the same shares."""
+    started(daemon)
+    body = daemon.place("train", 16, gpu=[2, 0])
+    (allocation,) = daemon.admit(body)
+    gpus = daemon.nvml.gpus
+    assert allocation.response.envs == {
+        "NVIDIA_VISIBLE_DEVICES": f"{gpus[2].uuid},{gpus[0].uuid}",
+        "ALIYUN_COM_GPU_MEM_IDX": "2,0",
+        "ALIYUN_COM_GPU_MEM_POD": "16",
+        "ALIYUN_COM_GPU_MEM_CONTAINER": "16",
+        "ALIYUN_COM_GPU_MEM_DEV": "24",
+    }
+    assert sorted(d.split("-")[0] for d in allocation.device_ids) == ["0"] * 8 + ["2"] * 8
+    wait_until(
+        lambda: ("GPUAllocated", "GPU memory allocated: c0 on GPUs 2, 0") in daemon.events("train"), message="event"
+    )
+    pods = {p["name"]: p for p in daemon.status()["pods"]}
+    assert pods["train"]["gpus"] == {"0": 8, "2": 8} and pods["train"]["containers"] == {"c0": [2, 0]}
+
+
 def test_allocate_a_multi_container_pod_with_an_init_container(daemon: Daemon) -> None:
     started(daemon)
     init = [{"name": "warm", "image": "busybox", "resources": {"limits": {GPU_MEM: "5"}}}]

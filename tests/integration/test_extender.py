@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
-from tests.builders import GPU_MEM, container, pod
+from tests.builders import GPU_COUNT, GPU_MEM, container, on_gpus, pod
 from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
@@ -57,6 +57,47 @@ def test_filter_reasons_a_person_understands(api: FakeApiServer, extender: Exten
         "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
         "ghost": "node ghost is not in the extender's cache (unknown node)",
     }
+
+
+def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: FakeApiServer, extender: Extender) -> None:
+    """gpu-count: the pod needs its share free on each of that many GPUs of one node, on a node whose device
+    plugin can give a container several GPUs (not Aliyun's), and is bound with all of them in its allocation."""
+    api.create(gpu_node("n4", 16, 16, 16, 16, address="10.0.0.4"))
+    nodes = ("n1", "aliyun-node", "cpu-node", "n4")
+    pair = api.create(on_gpus(pod("pair", 16), 2))  # 8 GiB on each of two GPUs
+    result = wait_until(
+        lambda: (r := extender.filter(pair, *nodes)[1])["NodeNames"] == ["n1", "n4"] and r, message="n4 watched"
+    )
+    assert result["FailedNodes"] == {
+        "aliyun-node": "node aliyun-node runs Aliyun's device plugin, which gives a container one GPU, not 2",
+        "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
+    }
+    wide = api.create(on_gpus(pod("wide", 32), 2))  # 16 GiB on each of two GPUs: only n4 has two such
+    _, result = extender.filter(wide, "n1", "n4")
+    assert result["NodeNames"] == ["n4"]
+    assert result["FailedNodes"] == {
+        "n1": "1 of the node's GPUs have room, the pod needs 2; "
+        "GPU 1 has 8 GiB free, pod needs 16 GiB on each of 2 GPUs"
+    }
+    # Best fit: on n1 the pair leaves 8 + 0 GiB, on n4 8 + 8.
+    _, scores = extender.post("prioritize", {"Pod": pair, "NodeNames": ["n1", "n4"]})
+    assert scores == [{"Host": "n1", "Score": 10}, {"Host": "n4", "Score": 0}]
+    assert extender.bind(pair, "n1") == (200, {"Error": ""})
+    annotations = api.get("pods", "pair", "default")["metadata"]["annotations"]  # type: ignore[index]
+    assert contract.ALIYUN_GPU_MEM_IDX not in annotations  # Aliyun's annotations name one GPU
+    allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+    assert [(s.index, s.amount) for s in allocation.containers[0].gpus] == [(1, 8), (0, 8)]
+    _, inspect = extender.inspect("n1")
+    assert [d["usedGPU"] for d in inspect["nodes"][0]["devs"]] == [8, 8]
+    # A pod that asks for GPUs without the memory on them gets the reason, not a node.
+    bare = api.create(
+        {**pod("bare"), "spec": {"containers": [{**container("c0"), "resources": {"limits": {GPU_COUNT: "2"}}}]}}
+    )
+    _, result = extender.filter(bare, "n4")
+    assert (
+        result["NodeNames"] == []
+        and "GPUs are given with GPU memory: ask for aliyun.com/gpu-mem too" in result["Error"]
+    )
 
 
 def test_keys_in_any_case_and_full_nodes_come_back_as_nodes(api: FakeApiServer, extender: Extender) -> None:

@@ -25,7 +25,7 @@ def api() -> Iterator[FakeApiServer]:
         gpushared_cluster(server)
         ours = pod("train", 6, namespace="ml", node="n1")
         ours["metadata"]["annotations"] = bind_annotations(
-            pod_request(ours), inventory(16, 8).gpus[1], unit=contract.MemoryUnit.GIB, now_ns=1
+            pod_request(ours), [inventory(16, 8).gpus[1]], unit=contract.MemoryUnit.GIB, now_ns=1
         )
         server.create(ours)
         server.create(

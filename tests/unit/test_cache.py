@@ -5,6 +5,7 @@ and nowhere else."""
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -19,7 +20,7 @@ from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
 from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
-from tests.builders import inventory, pod
+from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node
 
 NODES = ("n1", "n2", "n3")
@@ -53,8 +54,11 @@ class CacheHistory(RuleBasedStateMachine):
             body = pod(uid, uid=uid, cpu=cpu, phase=phase)
         else:
             body = pod(uid, 1 + UIDS.index(uid), uid=uid, cpu=cpu, phase=phase)  # sizes 1-4: the mix tells them apart
-            gpu = INVENTORY.gpus[UIDS.index(uid) % 2]  # both GPUs fill, so the most free one changes
-            body["metadata"]["annotations"] = bind_annotations(pod_request(body), gpu, unit=INVENTORY.unit, now_ns=1)
+            gpus = [INVENTORY.gpus[UIDS.index(uid) % 2]]  # both GPUs fill, so the most free one changes
+            if uid == UIDS[-2]:  # 2 GiB on each GPU (gpu-count 2)
+                gpus = list(INVENTORY.gpus)
+                on_gpus(body, 2)
+            body["metadata"]["annotations"] = bind_annotations(pod_request(body), gpus, unit=INVENTORY.unit, now_ns=1)
         if node:
             body["spec"]["nodeName"] = node
         return body
@@ -131,10 +135,11 @@ class CacheHistory(RuleBasedStateMachine):
         for uid in UIDS[:-1]:
             expected = {self._counted(uid)} - {None}
             assert {name for name, h in holdings if h.uid == uid} == expected, uid
-        kinds = [(cpu_milli(uid), 1 + UIDS.index(uid) if uid != UIDS[-1] else 0) for uid in UIDS if self._counted(uid)]
+        shapes = {uid: (1 + UIDS.index(uid), 1) for uid in UIDS[:-2]} | {UIDS[-2]: (2, 2), UIDS[-1]: (0, 0)}
+        kinds = [(cpu_milli(uid), *shapes[uid]) for uid in UIDS if self._counted(uid)]
         mix, truth = self.cache.request_mix(), RequestMix(kinds)
         assert len(mix) == len(truth) == len(kinds)
-        for frees in ([1, 2, 3], [4, 0], [16, 16]):
+        for frees in ([1, 2, 3], [4, 0], [16, 16], [2, 2, 1]):
             for cpu_free in (None, 0, 500, 1200, 2500, 9000):
                 assert mix.fragment(frees, cpu_free=cpu_free) == truth.fragment(frees, cpu_free=cpu_free)
         for name in NODES:
@@ -148,17 +153,18 @@ class CacheHistory(RuleBasedStateMachine):
         """Filter answers from a per-node number kept between changes; it must say what judging the node's
         current holdings GPU by GPU says, whatever came before."""
         names = [*NODES, "unknown"]
-        for size in range(9, 18):  # most free is 10-16 GiB: some sizes fit, some do not, as pods come and go
-            request = pod_request(pod("probe", size))
+        # Most free is 10-16 GiB: some sizes fit, some do not, as pods come and go; on one GPU or on both.
+        for size, gpus in [(size, 1) for size in range(9, 18)] + [(2 * share, 2) for share in range(9, 17)]:
+            request = pod_request(on_gpus(pod("probe", size), gpus))
             passed, failed = self.cache.filter(names, request)
             fits = set()
             for name in NODES:
                 snapshot = self.cache.snapshot(name)
                 assert snapshot is not None
-                if any(v.fits for v in judge(Ledger.build(INVENTORY, snapshot[1]), request)):
+                if sum(v.fits for v in judge(Ledger.build(INVENTORY, snapshot[1]), request)) >= gpus:
                     fits.add(name)
-            assert set(passed) == fits, size
-            assert set(failed) == set(names) - fits, size
+            assert set(passed) == fits, (size, gpus)
+            assert set(failed) == set(names) - fits, (size, gpus)
 
 
 CacheHistory.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
@@ -179,9 +185,9 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
 
-    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
-        priced.append(verdict.free)
-        return float(verdict.free - need)
+    def cost(verdicts: Sequence[GpuVerdict], need: int, setting: Setting) -> float:
+        priced.append(verdicts[0].free)
+        return float(verdicts[0].free - need)
 
     for reads_mix in (False, True):
         policy = Policy(name=f"counting-{reads_mix}", cost=cost, reads_mix=reads_mix)
@@ -202,10 +208,10 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
     request = pod_request(pod("probe", 3))
     priced: list[Setting] = []  # each node pricing, by the setting its costs were given
 
-    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+    def cost(verdicts: Sequence[GpuVerdict], need: int, setting: Setting) -> float:
         if not priced or priced[-1] is not setting:
             priced.append(setting)
-        return float(verdict.free - need)
+        return float(verdicts[0].free - need)
 
     for reads_cpu in (False, True):
         policy = Policy(name=f"counting-{reads_cpu}", cost=cost, reads_cpu=reads_cpu)

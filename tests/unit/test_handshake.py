@@ -18,7 +18,9 @@ INV = inventory(16, 16, 8)
 
 def placed(name: str, *amounts: int, gpu: int, init: list[dict[str, Any]] | None = None, at: int = 1) -> dict[str, Any]:
     body = pod(name, *amounts, init=init, node="n1")
-    body["metadata"]["annotations"].update(bind_annotations(pod_request(body), INV.gpus[gpu], unit=INV.unit, now_ns=at))
+    body["metadata"]["annotations"].update(
+        bind_annotations(pod_request(body), [INV.gpus[gpu]], unit=INV.unit, now_ns=at)
+    )
     return body
 
 
@@ -32,7 +34,7 @@ def test_the_one_pod_without_devices_is_named_with_its_next_container() -> None:
     body = placed("p", 2, 3, gpu=1, init=[container("warm", 4)])
     first = option(body, listed={"c0": [], "c1": []})
     assert first is not None
-    assert (first.next.container, first.next.amount, first.next.index) == ("warm", 4, 1)  # type: ignore[union-attr]
+    assert (first.next.container, first.next.amount, first.next.indices) == ("warm", 4, [1])  # type: ignore[union-attr]
     after_init = option(body, listed={"c0": [], "c1": []}, served={"warm"})
     assert after_init.next.container == "c0"  # type: ignore[union-attr]
     after_c0 = option(body, listed={"c0": ["1-0", "1-1"], "c1": []})
@@ -54,7 +56,7 @@ def test_finished_assigned_and_gpu_less_pods_are_not_candidates() -> None:
 def test_aliyun_placed_pods_use_their_index() -> None:
     body = pod("old", 3, node="n1", annotations={contract.ALIYUN_GPU_MEM_IDX: "2", contract.ALIYUN_GPU_MEM_POD: "3"})
     found = option(body, listed={"c0": []})
-    assert (found.next.index, found.next.uuid, found.next.amount) == (2, None, 3)  # type: ignore[union-attr]
+    assert (found.next.gpus, found.next.amount) == (((2, None),), 3)  # type: ignore[union-attr]
 
 
 def test_equal_waiting_pods_on_one_gpu_are_interchangeable() -> None:

@@ -20,11 +20,12 @@ from gpushared.core.placement import (
     explain,
     idle_gpu_mib,
     judge,
+    most_free,
     node_scores,
     policy_named,
 )
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
-from tests.builders import inventory, pod
+from tests.builders import inventory, on_gpus, pod
 
 
 def request(amount: int, *, mps: bool = False) -> PodRequest:
@@ -43,7 +44,7 @@ def test_best_fit_example_from_the_seed() -> None:
     """GPUs with 12207 / 8138 / 4069 / 16276 MiB free: a request of 8138 lands on the 8138 GPU."""
     ledger = Ledger.build(inventory(12207, 8138, 4069, 16276, unit=MemoryUnit.MIB))
     choice = BINPACK.choose(judge(ledger, request(8138)), request(8138), PLAIN)
-    assert choice is not None and choice.gpu.index == 1
+    assert choice is not None and choice[0].gpu.index == 1
 
 
 def test_best_fit_ties_go_to_the_lowest_index() -> None:
@@ -51,14 +52,14 @@ def test_best_fit_ties_go_to_the_lowest_index() -> None:
     used(ledger, 0, 8)
     used(ledger, 2, 8)
     choice = BINPACK.choose(judge(ledger, request(4)), request(4), PLAIN)
-    assert choice is not None and choice.gpu.index == 0
+    assert choice is not None and choice[0].gpu.index == 0
 
 
 def test_spread_takes_the_emptiest_gpu() -> None:
     ledger = Ledger.build(inventory(16, 16, 16))
     used(ledger, 0, 8)
     choice = SPREAD.choose(judge(ledger, request(4)), request(4), PLAIN)
-    assert choice is not None and choice.gpu.index == 1
+    assert choice is not None and choice[0].gpu.index == 1
 
 
 def test_unhealthy_gpus_are_never_chosen_and_say_why() -> None:
@@ -67,7 +68,7 @@ def test_unhealthy_gpus_are_never_chosen_and_say_why() -> None:
     verdicts = judge(Ledger.build(sick), request(4))
     assert verdicts[0].reason == "GPU 0 is unhealthy"
     choice = BINPACK.choose(verdicts, request(4), PLAIN)
-    assert choice is not None and choice.gpu.index == 1
+    assert choice is not None and choice[0].gpu.index == 1
 
 
 def test_reasons_a_person_understands() -> None:
@@ -88,8 +89,8 @@ def test_mps_and_plain_pods_never_share_a_gpu() -> None:
     assert plain[0].reason == "GPU 0 serves MPS pods"
     mps = judge(ledger, request(2, mps=True))
     assert mps[1].reason == "GPU 1 is shared by pods without MPS"
-    assert BINPACK.choose(plain, request(2), PLAIN).gpu.index == 1  # type: ignore[union-attr]
-    assert BINPACK.choose(mps, request(2, mps=True), PLAIN).gpu.index == 0  # type: ignore[union-attr]
+    assert BINPACK.choose(plain, request(2), PLAIN)[0].gpu.index == 1  # type: ignore[union-attr]
+    assert BINPACK.choose(mps, request(2, mps=True), PLAIN)[0].gpu.index == 0  # type: ignore[union-attr]
 
 
 def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
@@ -127,7 +128,8 @@ def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
 
 
 def mix_of(*kinds: tuple[int, int]) -> RequestMix:
-    return RequestMix(kinds)
+    """A mix of one-GPU and CPU-only kinds, given as (milli-CPU, size)."""
+    return RequestMix((cpu, size, 1 if size else 0) for cpu, size in kinds)
 
 
 def test_fgd_leaves_what_the_mix_can_use() -> None:
@@ -138,13 +140,13 @@ def test_fgd_leaves_what_the_mix_can_use() -> None:
     used(ledger, 1, 8)
     setting = Setting(ledger, mix=mix_of((1000, 4), (1000, 4), (1000, 4), (1000, 6)))
     req = request(4)
-    assert BINPACK.choose(judge(ledger, req), req, setting).gpu.index == 0  # type: ignore[union-attr]
-    assert FGD.choose(judge(ledger, req), req, setting).gpu.index == 1  # type: ignore[union-attr]
-    assert FGD.choose(judge(ledger, req), req, Setting(ledger)).gpu.index == 0  # type: ignore[union-attr]  # no mix
+    assert BINPACK.choose(judge(ledger, req), req, setting)[0].gpu.index == 0  # type: ignore[union-attr]
+    assert FGD.choose(judge(ledger, req), req, setting)[0].gpu.index == 1  # type: ignore[union-attr]
+    assert FGD.choose(judge(ledger, req), req, Setting(ledger))[0].gpu.index == 0  # type: ignore[union-attr]  # no mix
     # On GPU 1 the fragment grows by 4 x 1/4 (a quarter of the mix asks more than 4): 1/16 of a GPU, whose
     # sigmoid is cut to 48 of 100 levels; on GPU 0 by 2 (all of it), 1/8 of a GPU: 46 levels.
-    assert setting.growth(judge(ledger, req)[1], 4) == pytest.approx(1.0)
-    assert setting.growth(judge(ledger, req)[0], 4) == pytest.approx(2.0)
+    assert setting.growth(judge(ledger, req)[1:2], 4) == pytest.approx(1.0)
+    assert setting.growth(judge(ledger, req)[:1], 4) == pytest.approx(2.0)
     assert appraised(ledger, req, setting, FGD) == (-48.0, 0.0)
 
 
@@ -165,8 +167,8 @@ def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
     assert node_scores(fgd) == [0, 10]
     # Before, on both: the quarter of the mix without GPU cannot use the 8 free. After, on the short node
     # no pod of the mix can use the 4 left; on the ample one still only that quarter cannot.
-    assert settings[0].growth(judge(short, req)[0], 4) == pytest.approx(4 * 1.0 - 8 * 0.25)
-    assert settings[1].growth(judge(ample, req)[0], 4) == pytest.approx(4 * 0.25 - 8 * 0.25)
+    assert settings[0].growth(judge(short, req)[:1], 4) == pytest.approx(4 * 1.0 - 8 * 0.25)
+    assert settings[1].growth(judge(ample, req)[:1], 4) == pytest.approx(4 * 0.25 - 8 * 0.25)
 
 
 def test_fgd_gives_equal_growths_to_the_node_that_stays_balanced() -> None:
@@ -193,7 +195,7 @@ def test_bind_annotations_read_back_as_the_same_holding() -> None:
     inv = inventory(8, 24)
     body = pod("p", 3, 2, init=[{"name": "warm", "resources": {"limits": {contract.DEFAULT_RESOURCES.gpu_mem: "6"}}}])
     req = pod_request(body)
-    annotations = bind_annotations(req, inv.gpus[1], unit=inv.unit, now_ns=1_700_000_000_123_456_789)
+    annotations = bind_annotations(req, [inv.gpus[1]], unit=inv.unit, now_ns=1_700_000_000_123_456_789)
     assert annotations[contract.ALIYUN_GPU_MEM_IDX] == "1"
     assert annotations[contract.ALIYUN_GPU_MEM_DEV] == "24"
     assert annotations[contract.ALIYUN_GPU_MEM_POD] == "6"
@@ -229,3 +231,67 @@ def test_a_pod_without_gpu_is_priced_by_the_gpu_memory_it_would_strand() -> None
     assert idle_gpu_mib(None) == 0  # no GPUs known: nothing to strand
     # The fullest node scores highest: the pod's CPU goes where no GPU waits for it.
     assert node_scores([(idle_gpu_mib(None), 0.0), (6 * 1024.0, 0.0), (14 * 1024.0, 0.0)]) == [10, 5, 0]
+
+
+def gang(per_gpu: int, gpus: int) -> PodRequest:
+    return PodRequest(containers=(ContainerRequest("c0", per_gpu * gpus, gpus=gpus),))
+
+
+def test_a_pod_on_several_gpus_needs_its_share_free_on_each_of_that_many() -> None:
+    ledger = Ledger.build(inventory(16, 16, 16, 16))
+    used(ledger, 0, 12)
+    used(ledger, 1, 6)
+    verdicts = judge(ledger, gang(8, 2))
+    assert [v.fits for v in verdicts] == [False, True, True, True]
+    assert verdicts[0].reason == "GPU 0 has 4 GiB free, pod needs 8 GiB on each of 2 GPUs"
+    # Best fit takes the two GPUs left tightest, spread the two emptiest; each node price is the sum.
+    assert [v.gpu.index for v in BINPACK.choose(verdicts, gang(8, 2), PLAIN) or ()] == [1, 2]
+    assert [v.gpu.index for v in SPREAD.choose(verdicts, gang(8, 2), PLAIN) or ()] == [2, 3]
+    assert appraised(ledger, gang(8, 2)) == (2.0 + 8.0, 0.0)
+    # Three of the four have room for 8; none of a pod that needs four of them.
+    assert BINPACK.choose(judge(ledger, gang(8, 4)), gang(8, 4), PLAIN) is None
+    assert explain(judge(ledger, gang(8, 4)), gpus=4) == (
+        "3 of the node's GPUs have room, the pod needs 4; GPU 0 has 4 GiB free, pod needs 8 GiB on each of 4 GPUs"
+    )
+    # The filter's room: the most free on each of N usable GPUs.
+    assert [most_free(ledger, mps=False, gpus=n) for n in (1, 2, 3, 4, 5)] == [16, 16, 10, 4, -1]
+
+
+def test_fgd_prices_a_pod_on_several_gpus_by_the_growth_of_all_it_takes() -> None:
+    """A mix of whole-GPU pairs and pairs of halves: a pair of halves goes to the half-used GPUs, which keeps
+    two whole GPUs together for the whole pairs."""
+    ledger = Ledger.build(inventory(16, 16, 16, 16))
+    used(ledger, 0, 8)
+    used(ledger, 1, 8)
+    mix = RequestMix([(1000, 16, 2), (1000, 8, 2)])
+    setting = Setting(ledger, mix=mix)
+    req = gang(8, 2)
+    choice = FGD.choose(judge(ledger, req), req, setting)
+    assert [v.gpu.index for v in choice or ()] == [0, 1]
+    # Before: the pairs of halves can use all 48 free, the whole pairs all but the two halves: 16 x 1/2.
+    # After taking GPUs 0 and 1, both kinds can use the 32 left.
+    assert setting.growth(judge(ledger, req)[:2], 8) == pytest.approx(0 - 16 * 0.5)
+    # Taking GPUs 2 and 3 instead leaves no two whole GPUs: all 32 free becomes fragment to the whole pairs.
+    assert setting.growth(judge(ledger, req)[2:], 8) == pytest.approx(32 * 0.5 - 16 * 0.5)
+
+
+def test_the_mix_counts_pods_on_several_gpus_by_the_gpus_left_with_room() -> None:
+    mix = RequestMix([(1000, 16, 2), (4000, 16, 4)])
+    # Two whole GPUs: the pairs can use them, the fours cannot; with 2 CPUs left neither can.
+    assert mix.fragment([16, 16, 8]) == pytest.approx(0.5 * 8 + 0.5 * 40)
+    assert mix.fragment([16, 16, 8], cpu_free=2000) == pytest.approx(0.5 * 8 + 0.5 * 40)
+    assert mix.fragment([16, 16, 8], cpu_free=500) == pytest.approx(40.0)
+    assert mix.fragment([16, 16, 16, 16], cpu_free=None) == 0.0
+
+
+def test_a_pod_on_several_gpus_gets_our_allocation_only() -> None:
+    """Aliyun's annotations name one GPU; a reader of them would count all of it there."""
+    inv = inventory(16, 16, 16)
+    req = pod_request(on_gpus(pod("train", 32), 2))
+    annotations = bind_annotations(req, [inv.gpus[2], inv.gpus[0]], unit=inv.unit, now_ns=1)
+    assert contract.ALIYUN_GPU_MEM_IDX not in annotations and contract.ALIYUN_GPU_MEM_POD not in annotations
+    allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+    assert [(s.index, s.amount) for s in allocation.containers[0].gpus] == [(2, 16), (0, 16)]
+    body = pod("train", 32, node="n1", annotations=annotations)
+    holding = holding_from_pod(body, unit=inv.unit)
+    assert holding is not None and holding.gpus == {0: 16, 2: 16}

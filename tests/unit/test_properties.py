@@ -32,7 +32,7 @@ from gpushared.core.placement import (
     most_free,
 )
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
-from tests.builders import GPU_MEM
+from tests.builders import GPU_MEM, on_gpus, pod
 
 EXAMPLES = 300
 
@@ -84,7 +84,7 @@ def pod_bodies(draw: st.DrawFn, *, high: int = 40) -> dict[str, Any]:
 def test_annotations_read_back_as_the_same_accounting(inventory: GpuInventory, body: dict[str, Any], now: int) -> None:
     request = pod_request(body)
     gpu = inventory.gpus[now % len(inventory.gpus)]
-    body["metadata"]["annotations"].update(bind_annotations(request, gpu, unit=inventory.unit, now_ns=now))
+    body["metadata"]["annotations"].update(bind_annotations(request, [gpu], unit=inventory.unit, now_ns=now))
     body["spec"]["nodeName"] = "n1"
     holding = holding_from_pod(body, unit=inventory.unit)
     if request.total == 0 and not request.containers:
@@ -128,7 +128,9 @@ class PlacementHistory(RuleBasedStateMachine):
         self.bodies: dict[str, dict[str, Any]] = {}
         self.serial = 0
         # what fgd expects (pods of one CPU each, some without GPU); the others ignore it
-        self.mix = RequestMix((1000, size) for size in (0, 1, 2, 3, 4, 6, 8, 12, 16))
+        self.mix = RequestMix(
+            [(1000, size, 1 if size else 0) for size in (0, 1, 2, 3, 4, 6, 8, 12, 16)] + [(1000, 8, 2), (2000, 16, 4)]
+        )
 
     @rule(inventory=inventories())
     def start(self, inventory: GpuInventory) -> None:
@@ -137,6 +139,13 @@ class PlacementHistory(RuleBasedStateMachine):
 
     @rule(target=pods, body=pod_bodies(high=48), policy=st.sampled_from(sorted(POLICIES)))
     def place(self, body: dict[str, Any], policy: str) -> str:
+        return self._put(body, policy)
+
+    @rule(target=pods, share=st.integers(1, 24), gpus=st.integers(2, 4), policy=st.sampled_from(sorted(POLICIES)))
+    def place_on_several_gpus(self, share: int, gpus: int, policy: str) -> str:
+        return self._put(on_gpus(pod("several", share * gpus), gpus), policy)
+
+    def _put(self, body: dict[str, Any], policy: str) -> str:
         if self.ledger is None:
             return ""
         self.serial += 1
@@ -147,11 +156,12 @@ class PlacementHistory(RuleBasedStateMachine):
         choice = POLICIES[policy].choose(judge(self.ledger, request), request, setting)
         if choice is None:
             return ""
-        gpu = choice.gpu
+        gpus = [verdict.gpu for verdict in choice]
         body["metadata"]["annotations"].update(
-            bind_annotations(request, gpu, unit=self.ledger.unit, now_ns=self.serial)
+            bind_annotations(request, gpus, unit=self.ledger.unit, now_ns=self.serial)
         )
-        self.ledger.add(holding_for(request, gpu, uid=uid, namespace="d", name=uid))
+        self.ledger.add(holding_for(request, gpus, uid=uid, namespace="d", name=uid))
+        assert len({gpu.index for gpu in gpus}) == request.gpus  # distinct GPUs, as many as asked
         self.bodies[uid] = body
         return uid
 
@@ -161,14 +171,15 @@ class PlacementHistory(RuleBasedStateMachine):
             self.ledger.remove(uid)
             del self.bodies[uid]
 
-    @rule(amount=st.integers(0, 64), mps=st.booleans())
-    def the_shortcuts_agree_with_judging_every_gpu(self, amount: int, mps: bool) -> None:
+    @rule(amount=st.integers(0, 64), mps=st.booleans(), gpus=st.integers(1, 4))
+    def the_shortcuts_agree_with_judging_every_gpu(self, amount: int, mps: bool, gpus: int) -> None:
         if self.ledger is None:
             return
-        request = PodRequest(containers=(ContainerRequest("c", amount),) if amount else (), mps=mps)
+        containers = (ContainerRequest("c", amount * gpus, gpus=gpus),) if amount else ()
+        request = PodRequest(containers=containers, mps=mps)
         verdicts = judge(self.ledger, request)
-        fits = any(v.fits for v in verdicts)
-        assert fits == (0 < amount <= most_free(self.ledger, mps=mps))
+        fits = sum(v.fits for v in verdicts) >= gpus
+        assert fits == (0 < amount <= most_free(self.ledger, mps=mps, gpus=gpus))
         assert fitting(self.ledger, request) == [v for v in verdicts if v.fits]
 
     @invariant()
@@ -227,7 +238,7 @@ def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
     if inventory.gpus and request.total:
         body["metadata"]["annotations"] = {
             **(body["metadata"].get("annotations") or {}),
-            **bind_annotations(request, inventory.gpus[0], unit=inventory.unit, now_ns=now),
+            **bind_annotations(request, [inventory.gpus[0]], unit=inventory.unit, now_ns=now),
             "kubectl.kubernetes.io/last-applied-configuration": "{...}",
         }
     body["spec"]["nodeName"] = "n1"

@@ -44,13 +44,29 @@ def test_tuning_keeps_the_trace_and_draws_up_to_the_ratio() -> None:
         assert pod in workload
 
 
+def test_multi_gpu_tasks_take_their_gpus_on_one_node() -> None:
+    """gpu-count: a task on N GPUs takes its share of each of N GPUs of one node, or is not placed."""
+    cluster = SimCluster(NODES, policy=BINPACK, mix=RequestMix(), rng=random.Random(1))
+    assert cluster.place(task(1000, gpus=4))  # only b has four GPUs
+    b = cluster.nodes[1]
+    assert [b.ledger.free(gpu) for gpu in b.ledger.inventory.gpus] == [0, 0, 0, 0]
+    assert b.gpu_free == 0 and cluster.allocated_mib == 4 * GPU_MIB
+    assert not cluster.place(task(1000, gpus=3))
+    assert cluster.place(task(250, gpus=2))  # a quarter of each GPU of a or of c
+    assert cluster.place(task(1000, gpus=1))  # a whole GPU is left only on the other of the two
+    frees = sorted(
+        tuple(n.ledger.free(gpu) for gpu in n.ledger.inventory.gpus) for n in (cluster.nodes[0], cluster.nodes[2])
+    )
+    assert frees == [(0, GPU_MIB), (GPU_MIB * 3 // 4, GPU_MIB * 3 // 4)]
+
+
 def test_placement_honours_cpu_models_and_never_overfills_a_gpu() -> None:
     cluster = SimCluster(NODES, policy=BINPACK, mix=RequestMix(), rng=random.Random(1))
     assert not cluster.place(task(1000, models=frozenset({"A10"})))
-    assert not cluster.place(task(1000, gpus=2))  # multi-GPU: not placed until gpu-count lands
+    assert not cluster.place(task(1000, gpus=5))  # no node has five GPUs
     assert not cluster.place(task(100, cpu=40000))
-    # Both had GPU room, on nodes that the task's model or CPU ruled out.
-    assert (cluster.gpu_failed, cluster.gpu_failed_with_room) == (2, 2)
+    # The first and the last had GPU room, on nodes that the task's model or CPU ruled out.
+    assert (cluster.gpu_failed, cluster.gpu_failed_with_room) == (3, 2)
     small = SimCluster(NODES[2:], policy=BINPACK, mix=RequestMix(), rng=random.Random(1))
     assert small.place(task(1000)) and small.place(task(1000))
     assert not small.place(task(500))
@@ -104,7 +120,7 @@ def test_fgd_keeps_cpu_beside_free_gpu_memory_where_binpack_cannot_tell() -> Non
         TraceNode(name="short", cpu_milli=5000, memory_mib=1707, gpus=1, model="T4"),
         TraceNode(name="ample", cpu_milli=16000, memory_mib=1280, gpus=1, model="T4"),
     ]
-    mix = RequestMix([(3000, GPU_MIB // 4)] * 3)
+    mix = RequestMix([(3000, GPU_MIB // 4, 1)] * 3)
     for policy, where in ((BINPACK, "short"), (FGD, "ample")):
         cluster = SimCluster(nodes, policy=policy, mix=mix, rng=random.Random(1))
         assert cluster.place(task(750, cpu=3000))

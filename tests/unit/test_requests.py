@@ -9,7 +9,7 @@ from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.cpu import allocatable_cpu, cpu_request
 from gpushared.core.quantity import parse_milli_quantity, parse_whole_quantity
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
-from tests.builders import GPU_MEM, container, pod
+from tests.builders import GPU_MEM, container, on_gpus, pod
 
 
 @pytest.mark.parametrize(
@@ -131,3 +131,29 @@ def test_allocatable_cpu_is_what_the_node_says_or_nothing() -> None:
     assert allocatable_cpu({"status": {"allocatable": {"cpu": "96"}}}) == 96000
     assert allocatable_cpu({"status": {"capacity": {"cpu": "96"}}}) is None
     assert allocatable_cpu({"status": {"allocatable": {"cpu": "many"}}}) is None
+
+
+def test_gpu_count_spreads_the_memory_evenly_over_that_many_gpus() -> None:
+    request = pod_request(on_gpus(pod("train", 32), 4))
+    assert (request.total, request.gpus, request.per_gpu) == (32, 4, 8)
+    assert request.containers == (ContainerRequest("c0", 32, gpus=4),)
+    one = pod_request(on_gpus(pod("one", 6), 1))  # Aliyun's users sometimes ask for one: the same as none
+    assert (one.total, one.gpus, one.per_gpu) == (6, 1, 6)
+    assert pod_request(pod("plain", 6)).gpus == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (on_gpus(pod("no-memory", 0), 2), "GPUs are given with GPU memory: ask for aliyun.com/gpu-mem too"),
+        (on_gpus(pod("uneven", 10), 4), "must be a multiple of 4"),
+        (on_gpus(pod("two", 8, 2), 2), "must be the pod's only container with GPU memory"),
+        (
+            on_gpus(pod("mps", 8, annotations={contract.POD_MPS: "true"}), 2),
+            "an MPS pod gets exactly one GPU",
+        ),
+    ],
+)
+def test_pods_on_several_gpus_that_cannot_be_served_exactly_are_refused(body: dict[str, object], reason: str) -> None:
+    with pytest.raises(ContractError, match=reason):
+        pod_request(body)  # type: ignore[arg-type]
