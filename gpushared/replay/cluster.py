@@ -1,14 +1,15 @@
 """A cluster of trace nodes scheduled as kube-scheduler with the gpushared extender would schedule it.
 
 kube-scheduler's part is modelled: its filters (NodeResourcesFit on CPU, memory, pod count and the gpu-mem
-extended resource; node affinity for the task's GPU models) and its default scores
-(NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's part is not modelled but
-run, as deploy/'s scheduler configs wire it: every node's GPUs are a production :class:`Ledger`, judged by
-:func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced and chosen by the
-production :class:`Policy` in the node's :class:`Setting` (the CPU left, for fgd); pods without GPU are
-priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is one that
-:func:`node_scores` would give the top score (:func:`ties` with :func:`best_key`): the extender's weight
-(100) dominates the in-tree scores, which then only break its ties (the rest at random, as selectHost
+extended resource; node affinity for the task's GPU models; NodeResourcesFit on gpu-count never decides
+here, since the trace's multi-GPU tasks take whole GPUs, so a node's tasks never ask for more GPUs than it
+has) and its default scores (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's
+part is not modelled but run, as deploy/'s scheduler configs wire it: every node's GPUs are a production
+:class:`Ledger`, judged by :func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced
+and chosen by the production :class:`Policy` in the node's :class:`Setting` (the CPU left, for fgd); pods
+without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is
+one that :func:`node_scores` would give the top score (:func:`ties` with :func:`best_key`): the extender's
+weight (100) dominates the in-tree scores, which then only break its ties (the rest at random, as selectHost
 does).
 
 A node's price for a request size is kept until the node changes, so one placement costs a re-judging of

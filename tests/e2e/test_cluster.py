@@ -111,6 +111,42 @@ def test_a_pod_larger_than_any_gpu_stays_pending_with_the_extenders_reason(kube:
     assert not kube.pod(namespace, "too-big")["spec"].get("nodeName")
 
 
+def test_a_container_on_several_gpus_sees_each_of_them(kube: Kube, namespace: str) -> None:
+    """gpu-count: kube-scheduler counts the gpu-count the daemon advertises, the extender picks the GPUs, the
+    kubelet hands the container devices of each, and the container sees every UUID."""
+    wide = {"pair": (16, 2), "too-wide": (40, 2), "wide": (24, 2), "late": (8, 2)}  # GiB in all, GPUs
+    bodies = {name: gpu_pod(name, total) for name, (total, _) in wide.items()}
+    for name, body in bodies.items():
+        body["spec"]["containers"][0]["resources"]["limits"][contract.DEFAULT_RESOURCES.gpu_count] = str(wide[name][1])
+    inventory = kube.inventory()
+
+    def placed(name: str) -> list[int]:
+        annotations = kube.pod(namespace, name)["metadata"]["annotations"]
+        assert contract.ALIYUN_GPU_MEM_IDX not in annotations  # Aliyun's annotations name one GPU
+        return [
+            share.index for share in contract.parse_allocation(annotations[contract.POD_ALLOCATION]).containers[0].gpus
+        ]
+
+    kube.create(namespace, bodies["pair"])
+    kube.wait_running(namespace, "pair")
+    assert placed("pair") == [3, 1]  # best fit for 8 GiB on each of two of 16/12/24/8 GiB: the 8, then the 12
+    env = kube.env_of(namespace, "pair")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == f"{inventory.gpus[3].uuid},{inventory.gpus[1].uuid}"
+    assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("3,1", "16")
+    kube.create(namespace, bodies["too-wide"])  # 20 GiB on each of two: only GPU 2 has that much
+    message = kube.wait_event(namespace, "too-wide", lambda reason, _: reason == "FailedScheduling")
+    assert "1 of the node's GPUs have room, the pod needs 2" in message, message
+    kube.create(namespace, bodies["wide"])  # 12 GiB on each: GPUs 0 (16 free) and 2 (24)
+    kube.wait_running(namespace, "wide")
+    assert placed("wide") == [0, 2]
+    assert assert_no_gpu_over_capacity(kube) == {3: 8, 1: 8, 0: 12, 2: 12}
+    # kube-scheduler counts gpu-count against the node's four GPUs: two pairs ask for all four, so a third
+    # pair waits, though GPUs 0, 1 and 2 have the 4 GiB each it asks for.
+    kube.create(namespace, bodies["late"])
+    message = kube.wait_event(namespace, "late", lambda reason, _: reason == "FailedScheduling")
+    assert "Insufficient aliyun.com/gpu-count" in message, message
+
+
 def test_kubelet_restart_reregisters_and_leaves_running_pods_alone(
     kube: Kube, cluster: LocalCluster, namespace: str
 ) -> None:
