@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -11,7 +12,7 @@ from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
 from gpushared.core.placement import bind_annotations
 from gpushared.core.requests import pod_request
 from gpushared.daemon.handshake import Candidate, Unidentified, candidate, identify
-from tests.builders import container, inventory, pod
+from tests.builders import container, inventory, on_gpus, pod
 
 INV = inventory(16, 16, 8)
 
@@ -90,3 +91,30 @@ def test_malformed_annotations_are_named() -> None:
     found = option(body, listed={"c0": []})
     with pytest.raises(Unidentified, match=r"gpushared\.io/allocation: not valid JSON"):
         identify(3, [found], unit=MemoryUnit.GIB, node="n1")  # type: ignore[list-item]
+
+
+def test_a_container_on_several_gpus_is_one_slot_with_each_gpu() -> None:
+    body = on_gpus(pod("train", 16, node="n1"), 2)
+    body["metadata"]["annotations"].update(
+        bind_annotations(pod_request(body), [INV.gpus[1], INV.gpus[0]], unit=INV.unit, now_ns=1)
+    )
+    found = option(body, listed={"c0": []})
+    assert found is not None and found.next is not None
+    assert (found.next.amount, found.next.share, found.next.where) == (16, 8, "GPUs 1, 0")
+    assert found.next.gpus == ((1, INV.gpus[1].uuid), (0, INV.gpus[0].uuid))
+    assert identify(16, [found], unit=MemoryUnit.GIB, node="n1").chosen is found
+
+
+@pytest.mark.parametrize(
+    "shares",
+    [
+        [{"index": 0, "uuid": "GPU-a", "amount": 6}, {"index": 1, "uuid": "GPU-b", "amount": 2}],
+        [{"index": 0, "uuid": "GPU-a", "amount": 4}, {"index": 0, "uuid": "GPU-a", "amount": 4}],
+    ],
+)
+def test_uneven_or_repeated_gpus_of_a_container_are_refused(shares: list[dict[str, Any]]) -> None:
+    allocation = {"version": 1, "unit": "GiB", "containers": [{"name": "c0", "gpus": shares}]}
+    body = on_gpus(pod("odd", 8, node="n1", annotations={contract.POD_ALLOCATION: json.dumps(allocation)}), 2)
+    found = option(body, listed={"c0": []})
+    assert found is not None and found.slots is None
+    assert found.problem is not None and "must take the same share of each, on GPUs that differ" in found.problem
