@@ -145,12 +145,12 @@ class ClusterCache:
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
-        need, kind = request.per_gpu, int(request.mps)
+        need, kind, several = request.per_gpu, int(request.mps), request.gpus > 1
         with self._lock:
             self._expire_assumed()
             room = self._room
             for name in names:
-                if request.gpus > 1:
+                if several:
                     fits = 0 < need <= self._room_for_several(name, request)
                 else:
                     known = room.get(name)
