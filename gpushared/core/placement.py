@@ -204,14 +204,16 @@ Choice = tuple[GpuVerdict, ...]
 class Policy:
     """Where on a node a pod goes, and how good the node is for it.
 
-    ``cost`` prices putting ``need`` units on each of some fitting GPUs (lower is better) given the node's
-    setting. A pod takes the GPUs that rank first one by one, and the node costs what those GPUs cost
-    together. Equal costs go to the GPU with less free memory, then the lower index, so choices are
-    deterministic and, among equals, pack.
+    ``cost`` prices putting ``need`` units on one fitting GPU (lower is better) given the node's setting;
+    a node costs what its cheapest GPU costs. Equal costs go to the GPU with less free memory, then the
+    lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes those
+    that rank first, and the node costs what they cost together: ``cost_of_several``, or the sum of their
+    costs when a policy's prices add up.
     """
 
     name: str
-    cost: Callable[[Choice, int, Setting], float]
+    cost: Callable[[GpuVerdict, int, Setting], float]
+    cost_of_several: Callable[[Choice, int, Setting], float] | None = None
     #: whether ``cost`` reads the mix: prices that do not are kept when a new mix is taken
     reads_mix: bool = False
     #: whether ``cost`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
@@ -221,7 +223,7 @@ class Policy:
     balances: bool = False
 
     def rank(self, verdict: GpuVerdict, need: int, setting: Setting) -> tuple[float, int, int]:
-        return (self.cost((verdict,), need, setting), verdict.free, verdict.gpu.index)
+        return (self.cost(verdict, need, setting), verdict.free, verdict.gpu.index)
 
     def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting) -> Choice | None:
         best = self._best(verdicts, request, setting)
@@ -240,15 +242,19 @@ class Policy:
     def _best(
         self, verdicts: Sequence[GpuVerdict], request: PodRequest, setting: Setting
     ) -> tuple[float, Choice] | None:
-        """The fitting GPUs that rank first, with their cost (a lone GPU priced once: fgd's prices are not free)."""
+        """The fitting GPUs that rank first, with their cost (each GPU priced once: fgd's prices are not free)."""
         need, gpus = request.per_gpu, request.gpus
-        ranked = sorted((self.rank(v, need, setting), v) for v in verdicts if v.fits)
-        if len(ranked) < gpus:
+        ranked = [(self.rank(v, need, setting), v) for v in verdicts if v.fits]
+        if len(ranked) < gpus or not ranked:
             return None
         if gpus == 1:
-            return ranked[0][0][0], (ranked[0][1],)
-        chosen = tuple(v for _, v in ranked[:gpus])
-        return self.cost(chosen, need, setting), chosen
+            rank, verdict = min(ranked, key=lambda pair: pair[0])
+            return rank[0], (verdict,)
+        ranked.sort(key=lambda pair: pair[0])
+        chosen = tuple(verdict for _, verdict in ranked[:gpus])
+        if self.cost_of_several is None:
+            return sum(rank[0] for rank, _ in ranked[:gpus]), chosen
+        return self.cost_of_several(chosen, need, setting), chosen
 
 
 def best_key(keys: Iterable[NodeKey | None]) -> NodeKey | None:
@@ -296,23 +302,37 @@ EQUAL_COST: Final = 1e-9
 FGD_LEVELS: Final = 100
 
 
-def _fgd_cost(verdicts: Choice, need: int, setting: Setting) -> float:
+def _fgd_cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+    return _fgd_levels(setting.growth((verdict,), need) / verdict.gpu.memory)
+
+
+def _fgd_cost_of_several(verdicts: Choice, need: int, setting: Setting) -> float:
+    return _fgd_levels(setting.growth(verdicts, need) / verdicts[0].gpu.memory)
+
+
+def _fgd_levels(growth: float) -> float:
     """The growth of the node's expected fragment, in GPUs (of the first GPU's size), through a sigmoid cut to
     FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
     apart costs more than it wins; among equals the balance of CPU and GPU decides (docs/benchmarks.md)."""
-    growth = setting.growth(verdicts, need) / verdicts[0].gpu.memory
     return -float(math.floor(FGD_LEVELS / (1.0 + math.exp(growth))))
 
 
 #: Best fit (Aliyun's binpack): the GPU left with the least free memory after placement.
-BINPACK: Final = Policy(name="binpack", cost=lambda vs, need, setting: float(sum(v.free - need for v in vs)))
+BINPACK: Final = Policy(name="binpack", cost=lambda v, need, setting: float(v.free - need))
 #: The GPU left with the most free memory.
-SPREAD: Final = Policy(name="spread", cost=lambda vs, need, setting: float(sum(need - v.free for v in vs)))
+SPREAD: Final = Policy(name="spread", cost=lambda v, need, setting: float(need - v.free))
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
 #: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
 #: fit among balanced nodes.
-FGD: Final = Policy(name="fgd", cost=_fgd_cost, reads_mix=True, reads_cpu=True, balances=True)
+FGD: Final = Policy(
+    name="fgd",
+    cost=_fgd_cost,
+    cost_of_several=_fgd_cost_of_several,
+    reads_mix=True,
+    reads_cpu=True,
+    balances=True,
+)
 
 POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
 

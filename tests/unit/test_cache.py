@@ -5,7 +5,6 @@ and nowhere else."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -185,9 +184,9 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
 
-    def cost(verdicts: Sequence[GpuVerdict], need: int, setting: Setting) -> float:
-        priced.append(verdicts[0].free)
-        return float(verdicts[0].free - need)
+    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+        priced.append(verdict.free)
+        return float(verdict.free - need)
 
     for reads_mix in (False, True):
         policy = Policy(name=f"counting-{reads_mix}", cost=cost, reads_mix=reads_mix)
@@ -208,10 +207,10 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
     request = pod_request(pod("probe", 3))
     priced: list[Setting] = []  # each node pricing, by the setting its costs were given
 
-    def cost(verdicts: Sequence[GpuVerdict], need: int, setting: Setting) -> float:
+    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
         if not priced or priced[-1] is not setting:
             priced.append(setting)
-        return float(verdicts[0].free - need)
+        return float(verdict.free - need)
 
     for reads_cpu in (False, True):
         policy = Policy(name=f"counting-{reads_cpu}", cost=cost, reads_cpu=reads_cpu)
