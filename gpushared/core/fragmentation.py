@@ -94,9 +94,10 @@ class RequestMix:
         frees = [f for f in frees if f > 0]
         if not self._total or not frees:
             return 0.0
+        total = sum(frees)
         row = len(self._cpus) if cpu_free is None else bisect.bisect_right(self._cpus, cpu_free)
         if not row:  # not even the smallest CPU request fits: no one-GPU pod can use any of it
-            fragment = float(sum(frees)) * (self._gpuless + self._all_gpu)
+            fragment = float(total) * (self._gpuless + self._all_gpu)
         else:
             sizes, above = self._rows[row - 1]
             lost = self._gpuless + self._unhosted[row - 1]
@@ -106,5 +107,5 @@ class RequestMix:
             if sum(1 for free in frees if free >= size) >= gpus:
                 asking = len(cpus) if cpu_free is None else bisect.bisect_right(cpus, cpu_free)
                 hosted = shares[asking - 1] if asking else 0.0
-            fragment += (shares[-1] - hosted) * sum(frees) + hosted * sum(free for free in frees if free < size)
+            fragment += (shares[-1] - hosted) * total + hosted * sum(free for free in frees if free < size)
         return fragment

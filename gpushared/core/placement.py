@@ -245,7 +245,7 @@ class Policy:
         """The fitting GPUs that rank first, with their cost (each GPU priced once: fgd's prices are not free)."""
         need, gpus = request.per_gpu, request.gpus
         ranked = [(self.rank(v, need, setting), v) for v in verdicts if v.fits]
-        if len(ranked) < gpus or not ranked:
+        if len(ranked) < gpus:  # gpus >= 1: none fitting is too few
             return None
         if gpus == 1:
             rank, verdict = min(ranked, key=lambda pair: pair[0])

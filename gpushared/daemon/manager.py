@@ -175,10 +175,11 @@ class Manager:
             log.info("GetPreferredAllocation for %d: no preference (%s)", size, exc)
             return []
         assert slot is not None
+        ordered = sorted(available, key=_natural)
         chosen: list[str] = []
         for index in slot.indices:  # the container's share of each of its GPUs
             on_gpu = [d for d in must_include if device_ids.gpu_of(d) == index]
-            on_gpu += [d for d in sorted(available, key=_natural) if device_ids.gpu_of(d) == index and d not in on_gpu]
+            on_gpu += [d for d in ordered if device_ids.gpu_of(d) == index and d not in on_gpu]
             if len(on_gpu) < slot.share:
                 return []
             chosen += on_gpu[: slot.share]
