@@ -260,7 +260,7 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
         api=backend.api if isinstance(backend, FakeBackend) else None,
         kubeconfig=backend.kubeconfig,
         workdir=Path(tempfile.mkdtemp(prefix="gps-bench-")),
-        args=["--policy", args.policy],
+        args=["--policy", args.policy, "--log-level", "info"],  # as deployed: debug logs every API call
     )
     extender.start()
     try:

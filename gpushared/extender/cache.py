@@ -14,13 +14,12 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpushared import contract
-from gpushared.contract import ContractError, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, slim_pod
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
 from gpushared.core.fragmentation import Kind, RequestMix
@@ -31,6 +30,7 @@ from gpushared.core.placement import (
     NodeKey,
     Policy,
     Setting,
+    bind_annotations,
     explain,
     fitting,
     idle_gpu_mib,
@@ -46,6 +46,14 @@ log = logging.getLogger(__name__)
 ASSUME_SECONDS = 60.0
 #: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
 MIX_SECONDS = 10.0
+
+
+class Reservation(NamedTuple):
+    """A bind's choice, counted in the cache: the GPUs, the annotations that record them, their unit."""
+
+    gpus: list[GpuInfo]
+    annotations: dict[str, str]
+    unit: MemoryUnit
 
 
 #: What a memo entry was worked out against: (ledger version, CPU version).
@@ -68,7 +76,6 @@ class NodeState:
     cpu_requested: int = 0
     #: counts changes of the two: prices that read CPU are kept per (ledger version, CPU version)
     cpu_version: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)  # serialises binds to this node
     #: filter's reasons and prioritize's prices for this ledger: key -> ((ledger version, CPU version), value);
     #: emptied when the ledger is rebuilt
     memo: dict[tuple[Any, ...], tuple[Version, Any]] = field(default_factory=dict)
@@ -265,11 +272,6 @@ class ClusterCache:
                 self._mix = RequestMix.of_counts(self._kinds)
             return self._mix
 
-    def unit_of(self, name: str) -> MemoryUnit:
-        with self._lock:
-            state = self._nodes.get(name)
-            return state.inventory.unit if state is not None and state.inventory is not None else MemoryUnit.GIB
-
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""
         with self._lock:
@@ -283,18 +285,30 @@ class ClusterCache:
         with self._lock:
             return sorted(n for n, s in self._nodes.items() if s.inventory is not None or s.problem)
 
-    @contextmanager
-    def binding(self, name: str) -> Iterator[NodeState | None]:
-        """Hold the node's bind lock (one bind per node at a time in this process)."""
-        with self._lock:
-            state = self._nodes.get(name)
-        if state is None:
-            yield None
-            return
-        with state.lock:
-            yield state
-
     # --- what a bind changes before the watch shows it -------------------------------------------------
+
+    def reserve(
+        self, name: str, pod: PodBody, request: PodRequest, *, policy: Policy, now_ns: int
+    ) -> Reservation | str:
+        """Choose the pod's GPUs on node ``name`` with ``policy`` and count the pod there at once, with the
+        annotations that record the choice; or say why it cannot go there. One hold of the lock from the
+        judgement to the count: two binds to one node never both take the same memory."""
+        with self._lock:
+            judged = self.judge(name, pod, request)
+            if isinstance(judged, str):
+                return judged
+            verdicts, setting = judged
+            choice = policy.choose(verdicts, request, setting)
+            if choice is None:
+                return f"it does not fit node {name}: {explain(verdicts, gpus=request.gpus)}"
+            inventory = self._nodes[name].inventory
+            assert inventory is not None  # judged usable above
+            gpus = [verdict.gpu for verdict in choice]
+            annotations = bind_annotations(request, gpus, unit=inventory.unit, now_ns=now_ns)
+            meta = pod.get("metadata") or {}
+            annotated = {**pod, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), **annotations}}}
+            self.assume(annotated, name)
+            return Reservation(gpus=gpus, annotations=annotations, unit=inventory.unit)
 
     def assume(self, pod: dict[str, Any], node: str) -> None:
         """Count a pod this extender just bound, until the watch delivers it bound (or the time runs out)."""
