@@ -25,6 +25,7 @@ or kubelet). Then:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import http.client
 import json
@@ -53,6 +54,7 @@ from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.scheduler import Scheduler
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
+from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api, connect
 from tests.builders import inventory, pod
 from tests.e2e.cluster import LocalCluster
@@ -170,6 +172,7 @@ class InProcess:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.loop = asyncio.new_event_loop()  # bind is a coroutine, as the extender awaits it
 
     def filter(self, body: dict[str, Any], names: list[str]) -> list[str]:
         passed, _, _ = self.scheduler.filter(ExtenderArgs(pod=body, node_names=names, nodes=None))
@@ -180,9 +183,15 @@ class InProcess:
 
     def bind(self, body: dict[str, Any], node: str) -> None:
         meta = body["metadata"]
-        self.scheduler.bind(
-            BindingArgs(pod_name=meta["name"], pod_namespace=meta["namespace"], pod_uid=meta["uid"], node=node)
+        self.loop.run_until_complete(
+            self.scheduler.bind(
+                BindingArgs(pod_name=meta["name"], pod_namespace=meta["namespace"], pod_uid=meta["uid"], node=node)
+            )
         )
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.scheduler.api.close())
+        self.loop.close()
 
 
 class OverHttp:
@@ -248,10 +257,12 @@ def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng
     cache.warm()  # as the extender does before it says ready
     synced = time.perf_counter() - started
     policy = policy_named(args.policy)
-    scheduler = Scheduler(cache=cache, api=client, policy=policy, resources=contract.DEFAULT_RESOURCES)
+    binder = AsyncApi(client.client.configuration)
+    verbs = InProcess(Scheduler(cache=cache, api=binder, policy=policy, resources=contract.DEFAULT_RESOURCES))
     try:
-        return {"cacheSyncSeconds": round(synced, 2), **rounds(backend, InProcess(scheduler), names, args, rng)}
+        return {"cacheSyncSeconds": round(synced, 2), **rounds(backend, verbs, names, args, rng)}
     finally:
+        verbs.close()
         cache.stop()
 
 

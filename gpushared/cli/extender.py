@@ -77,6 +77,7 @@ def main(
     from gpushared.extender.cache import ClusterCache
     from gpushared.extender.scheduler import Scheduler
     from gpushared.extender.server import ServerConfig, build_app, serve
+    from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect
     from gpushared.kube.lease import LeaderElector
 
@@ -89,14 +90,14 @@ def main(
         raise click.UsageError("--tls-cert and --tls-key go together")
     try:
         api = Api(connect(kubeconfig))
+        binder = AsyncApi(api.client.configuration)
     except KubeError as exc:
         raise click.ClickException(str(exc)) from None
     resources = ResourceNames(domain=resource_domain)
     cache = ClusterCache(
         list_nodes=api.core.list_node, list_pods=api.core.list_pod_for_all_namespaces, resources=resources
     )
-    scheme = "https" if tls_cert else "http"
-    own_url = f"{scheme}://{advertise_address or address}:{port}"
+    own_url = f"{'https' if tls_cert else 'http'}://{advertise_address or address}:{port}"
     elector = (
         LeaderElector(
             api.client,
@@ -134,7 +135,10 @@ def main(
         tls_key=tls_key,
     )
     app = build_app(
-        Scheduler(cache=cache, api=api, policy=chosen, resources=resources), config, ready=ready, leader=leader
+        Scheduler(cache=cache, api=binder, policy=chosen, resources=resources),
+        config,
+        ready=ready,
+        leader=leader,
     )
     cache.start()
     threading.Thread(target=_prepare_when_synced, args=(cache, prepared), name="prepare", daemon=True).start()

@@ -17,7 +17,8 @@ from gpushared.core.placement import Policy, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
-from gpushared.kube.api import Api, KubeError
+from gpushared.kube.aioapi import AsyncApi
+from gpushared.kube.api import KubeError
 from gpushared.kube.informer import uid_of
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class Scheduler:
         self,
         *,
         cache: ClusterCache,
-        api: Api,
+        api: AsyncApi,
         policy: Policy,
         resources: ResourceNames,
         clock: Callable[[], int] = time.time_ns,
@@ -74,7 +75,7 @@ class Scheduler:
         keys = [(cost, 0.0) for cost in self.cache.idle_costs(args.names)]
         return list(zip(args.names, node_scores(keys), strict=True))
 
-    def bind(self, args: BindingArgs) -> None:
+    async def bind(self, args: BindingArgs) -> None:
         """Raises :class:`BindError` with a message for the pod's events.
 
         One API write: the Binding carries the GPU choice as annotations, which kube-apiserver copies onto
@@ -84,7 +85,7 @@ class Scheduler:
         other; a failed write releases it at once.
         """
         where = f"pod {args.pod_namespace}/{args.pod_name}"
-        pod = self._read(args)
+        pod = await self._read(args)
         bound_to = (pod.get("spec") or {}).get("nodeName")
         if bound_to:
             raise BindError(f"{where} is already bound to node {bound_to}")
@@ -103,7 +104,7 @@ class Scheduler:
             raise BindError(f"{where}: {reserved}")
         gpus, annotations, unit = reserved
         try:
-            self.api.bind_pod(
+            await self.api.bind_pod(
                 args.pod_namespace, args.pod_name, uid=args.pod_uid, node=args.node, annotations=annotations
             )
         except KubeError as exc:
@@ -118,11 +119,11 @@ class Scheduler:
             unit.value,
         )
 
-    def _read(self, args: BindingArgs) -> dict[str, Any]:
+    async def _read(self, args: BindingArgs) -> dict[str, Any]:
         pod = self.cache.pods.get(args.pod_namespace, args.pod_name)
         if pod is None or uid_of(pod) != args.pod_uid:
             try:
-                pod = self.api.get_pod(args.pod_namespace, args.pod_name)
+                pod = await self.api.get_pod(args.pod_namespace, args.pod_name)
             except KubeError as exc:
                 raise BindError(f"pod {args.pod_namespace}/{args.pod_name} cannot be read: {exc}") from None
         if uid_of(pod) != args.pod_uid:

@@ -118,22 +118,6 @@ class Api:
         """A strategic-merge patch; put ``metadata.resourceVersion`` in it to make it conditional."""
         return self._call(f"patch pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace, patch)  # type: ignore[no-any-return]
 
-    def bind_pod(
-        self, namespace: str, name: str, *, uid: str, node: str, annotations: dict[str, str] | None = None
-    ) -> None:
-        """Create the pod's Binding; the UID makes it fail if the pod was deleted and re-created meanwhile.
-        kube-apiserver copies the Binding's annotations onto the pod in the write that sets its node."""
-        binding = {
-            "apiVersion": "v1",
-            "kind": "Binding",
-            "metadata": {"name": name, "namespace": namespace, "uid": uid, "annotations": annotations or {}},
-            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
-        }
-        # kube-apiserver answers with a Status, which the client cannot read as a V1Binding: keep it raw.
-        self._call(
-            f"bind pod {namespace}/{name} to {node}", self.core.create_namespaced_pod_binding, name, namespace, binding
-        )
-
     def pod_event(self, pod: dict[str, Any], *, reason: str, message: str, warning: bool, component: str) -> None:
         meta = pod.get("metadata") or {}
         now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
