@@ -397,10 +397,24 @@ class ClusterCache:
         node = (pod.get("spec") or {}).get("nodeName", "")
         uid = uid_of(pod)
         state = self._nodes.setdefault(node, NodeState(name=node))
+        if self._node_of.get(uid) == node and self._counts_the_same(state, uid, pod):
+            # Most often the watch confirming a bind this extender counted already: the ledger keeps its
+            # version, so the node's room, reasons and prices stay valid.
+            state.pods[uid] = pod
+            return
         self._uncount(state, uid)
         state.pods[uid] = pod
         self._node_of[uid] = node
         self._count(state, pod)
+
+    def _counts_the_same(self, state: NodeState, uid: str, pod: dict[str, Any]) -> bool:
+        """Whether ``pod`` would be counted on its node exactly as the body ``state.pods`` holds for it is."""
+        known = state.pods.get(uid)
+        if known is None or holds_cpu(known) != holds_cpu(pod) or _cpu_of(known) != _cpu_of(pod):  # type: ignore[arg-type]
+            return False
+        if state.ledger is None or not holds_cpu(pod):  # type: ignore[arg-type]
+            return True
+        return state.ledger.holding(uid) == self._holding(pod, state)
 
     def _unplace(self, pod: dict[str, Any]) -> None:
         self._remove(uid_of(pod))
