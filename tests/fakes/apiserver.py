@@ -152,6 +152,7 @@ class Request:
     method: str
     path: str
     query: dict[str, str]
+    authorization: str = ""
 
 
 def _now() -> str:
@@ -713,7 +714,7 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             length = int(self.headers.get("Content-Length") or 0)
             body = self.rfile.read(length) if length else b""
             with server._lock:
-                server.requests.append(Request(method, parts.path, query))
+                server.requests.append(Request(method, parts.path, query, self.headers.get("Authorization") or ""))
                 fault = next((f for f in server.faults if f.matches(method, parts.path, watching=watching)), None)
                 if fault is not None:
                     fault.hits += 1
