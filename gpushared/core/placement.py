@@ -129,6 +129,18 @@ def explain(verdicts: list[GpuVerdict], *, gpus: int = 1) -> str:
     return "; ".join(reasons)
 
 
+def no_room(request: PodRequest, *, unit: contract.MemoryUnit) -> str:
+    """The filter's reason for a node whose usable GPUs are all too full for the pod (``most_free`` below
+    its share). The same words for every such node, on purpose: kube-scheduler counts its nodes' reasons
+    into one line ("0/5000 nodes are available: 4200 no usable GPU has 8 GiB free, ..."), where a reason
+    that listed each node's GPUs (``explain``, which bind still gives for its one node) would make that
+    line one entry per node, hundreds of kilobytes at a few thousand nodes, and cost the extender most of
+    a filter's time to write. ``kubectl inspect gpushare`` shows what each GPU has free."""
+    if request.gpus > 1:
+        return f"fewer than {request.gpus} usable GPUs have {request.per_gpu} {unit.value} free each"
+    return f"no usable GPU has {request.per_gpu} {unit.value} free"
+
+
 @dataclass(frozen=True)
 class NodeCpu:
     """A node's CPU as kube-scheduler's NodeResourcesFit counts it, in milli-CPU: what pods may request in

@@ -36,6 +36,7 @@ from gpushared.core.placement import (
     idle_gpu_mib,
     judge,
     most_free,
+    no_room,
 )
 from gpushared.core.requests import PodRequest
 from gpushared.kube.informer import Informer, uid_of
@@ -143,29 +144,38 @@ class ClusterCache:
             return judge(ledger, request), setting
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
-        """The nodes with GPUs that fit ``request``, and why each other one has too few.
+        """The nodes with GPUs that fit ``request``, and why each other one does not.
 
         Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes, under
-        one hold of the lock: a thousand candidates cost a thousand dict lookups. A node that does not fit
-        is judged GPU by GPU once per ledger change and request, for the reason kube-scheduler reports. A pod
-        on several GPUs (rare: training jobs) is answered from each node's memo instead.
+        one hold of the lock: a thousand candidates cost a thousand dict lookups. A node whose usable GPUs
+        are too full gets the one reason they all share (``no_room``); only a node with no usable GPU at all
+        is judged GPU by GPU, once per ledger change and request, for what is wrong with each. A pod on
+        several GPUs (rare: training jobs) is answered from each node's memo instead.
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
         need, kind, several = request.per_gpu, int(request.mps), request.gpus > 1
+        full: dict[MemoryUnit, str] = {}
         with self._lock:
             self._expire_assumed()
-            room = self._room
+            table = self._room
             for name in names:
                 if several:
-                    fits = 0 < need <= self._room_for_several(name, request)
+                    room = self._room_for_several(name, request)
                 else:
-                    known = room.get(name)
+                    known = table.get(name)
                     if known is None:
                         known = self._room_of(name)
-                    fits = 0 < need <= known[kind]
-                if fits:
+                    room = known[kind]
+                if 0 < need <= room:
                     passed.append(name)
+                elif need > 0 and room >= 0:
+                    inventory = self._nodes[name].inventory
+                    assert inventory is not None  # a node with room has a ledger
+                    reason = full.get(inventory.unit)
+                    if reason is None:
+                        reason = full[inventory.unit] = no_room(request, unit=inventory.unit)
+                    failed[name] = reason
                 else:
                     failed[name] = self._why_not(name, request)
         return passed, failed

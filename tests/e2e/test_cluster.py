@@ -106,7 +106,7 @@ def test_a_pod_larger_than_any_gpu_stays_pending_with_the_extenders_reason(kube:
     kube.create(namespace, gpu_pod("too-big", 30))
     message = kube.wait_event(namespace, "too-big", lambda reason, _: reason == "FailedScheduling")
     # kube-scheduler quotes the extender's FailedNodes reason for our node.
-    assert "GPU 2 has 24 GiB free, pod needs 30 GiB" in message, message
+    assert "1 no usable GPU has 30 GiB free" in message, message
     assert kube.pod(namespace, "too-big")["status"]["phase"] == "Pending"
     assert not kube.pod(namespace, "too-big")["spec"].get("nodeName")
 
@@ -135,7 +135,7 @@ def test_a_container_on_several_gpus_sees_each_of_them(kube: Kube, namespace: st
     assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("3,1", "16")
     kube.create(namespace, bodies["too-wide"])  # 20 GiB on each of two: only GPU 2 has that much
     message = kube.wait_event(namespace, "too-wide", lambda reason, _: reason == "FailedScheduling")
-    assert "1 of the node's GPUs have room, the pod needs 2" in message, message
+    assert "1 fewer than 2 usable GPUs have 20 GiB free each" in message, message
     kube.create(namespace, bodies["wide"])  # 12 GiB on each: GPUs 0 (16 free) and 2 (24)
     kube.wait_running(namespace, "wide")
     assert placed("wide") == [0, 2]

@@ -53,10 +53,14 @@ def test_filter_reasons_a_person_understands(api: FakeApiServer, extender: Exten
     assert result["Error"] == ""
     assert result["FailedAndUnresolvableNodes"] == {}
     assert result["FailedNodes"] == {
-        "aliyun-node": "GPU 0 has 8 GiB free, pod needs 10 GiB; GPU 1 has 8 GiB free, pod needs 10 GiB",
+        "aliyun-node": "no usable GPU has 10 GiB free",
         "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
         "ghost": "node ghost is not in the extender's cache (unknown node)",
     }
+    # A node with no GPU the pod may use at all says what is wrong with each.
+    mps = created(api, "m", 4, annotations={contract.POD_MPS: "true"})
+    _, result = extender.filter(mps, "n1")
+    assert result["FailedNodes"] == {"n1": "GPU 0 runs no MPS server; GPU 1 runs no MPS server"}
 
 
 def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: FakeApiServer, extender: Extender) -> None:
@@ -75,10 +79,7 @@ def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: Fak
     wide = api.create(on_gpus(pod("wide", 32), 2))  # 16 GiB on each of two GPUs: only n4 has two such
     _, result = extender.filter(wide, "n1", "n4")
     assert result["NodeNames"] == ["n4"]
-    assert result["FailedNodes"] == {
-        "n1": "1 of the node's GPUs have room, the pod needs 2; "
-        "GPU 1 has 8 GiB free, pod needs 16 GiB on each of 2 GPUs"
-    }
+    assert result["FailedNodes"] == {"n1": "fewer than 2 usable GPUs have 16 GiB free each"}
     # Best fit: on n1 the pair leaves 8 + 0 GiB, on n4 8 + 8.
     _, scores = extender.post("prioritize", {"Pod": pair, "NodeNames": ["n1", "n4"]})
     assert scores == [{"Host": "n1", "Score": 10}, {"Host": "n4", "Score": 0}]
@@ -246,7 +247,7 @@ def test_a_terminating_pod_holds_its_memory_until_its_containers_stop(api: FakeA
     core.delete_namespaced_pod("old", "default")  # graceful: deletionTimestamp set, containers still running
     wait_until(lambda: api.get("pods", "old", "default")["metadata"].get("deletionTimestamp"), message="terminating")  # type: ignore[index]
     _, result = extender.filter(big, "n1")
-    assert result["FailedNodes"]["n1"].startswith("GPU 0 has 6 GiB free, pod needs 16 GiB")
+    assert result["FailedNodes"]["n1"] == "no usable GPU has 16 GiB free"
     core.patch_namespaced_pod_status("old", "default", {"status": container_state(terminated={"exitCode": 0})})
     wait_until(lambda: extender.filter(big, "n1")[1]["NodeNames"] == ["n1"], message="freed once stopped")
 

@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpushared import contract
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge
+from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
 from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
@@ -164,6 +164,8 @@ class CacheHistory(RuleBasedStateMachine):
                     fits.add(name)
             assert set(passed) == fits, (size, gpus)
             assert set(failed) == set(names) - fits, (size, gpus)
+            # Every GPU here is usable, so a node that does not fit is one whose GPUs are too full.
+            assert {failed[name] for name in NODES if name not in fits} <= {no_room(request, unit=INVENTORY.unit)}
 
 
 CacheHistory.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

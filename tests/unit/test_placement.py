@@ -21,6 +21,7 @@ from gpushared.core.placement import (
     idle_gpu_mib,
     judge,
     most_free,
+    no_room,
     node_scores,
     policy_named,
 )
@@ -295,3 +296,11 @@ def test_a_pod_on_several_gpus_gets_our_allocation_only() -> None:
     body = pod("train", 32, node="n1", annotations=annotations)
     holding = holding_from_pod(body, unit=inv.unit)
     assert holding is not None and holding.gpus == {0: 16, 2: 16}
+
+
+def test_the_filters_reason_for_full_gpus_is_the_same_on_every_node() -> None:
+    """kube-scheduler counts equal reasons into one entry of its FailedScheduling message."""
+    assert no_room(request(8), unit=contract.MemoryUnit.GIB) == "no usable GPU has 8 GiB free"
+    assert no_room(request(512), unit=contract.MemoryUnit.MIB) == "no usable GPU has 512 MiB free"
+    pair = PodRequest(containers=(ContainerRequest("c0", 32, gpus=2),))
+    assert no_room(pair, unit=contract.MemoryUnit.GIB) == "fewer than 2 usable GPUs have 16 GiB free each"
