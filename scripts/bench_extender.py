@@ -404,7 +404,7 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=1000, help="node names per filter call")
     parser.add_argument("--requests", type=int, default=300, help="timed filter/prioritize/bind rounds")
     parser.add_argument("--seconds", type=float, default=20, help="length of the sustained filter+bind run")
-    parser.add_argument("--rate-pods", type=int, default=10000, help="pods created for the sustained run")
+    parser.add_argument("--rate-pods", type=int, default=15000, help="pods created for the sustained run")
     parser.add_argument("--policy", default="binpack")
     parser.add_argument("--bind-workers", type=int, default=16, help="binds in flight in the sustained run")
     parser.add_argument("--skip-http", action="store_true")
