@@ -61,12 +61,12 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
         ("nodes", "list"),
         ("nodes", "watch"),
         ("pods", "watch"),
-        ("pods", "patch"),
         ("pods/binding", "create"),
         ("events", "create"),
     ]:
         assert needed in granted
-    assert ("pods", "delete") not in granted
+    # The GPU choice reaches the pod on its Binding: the extender changes no pod itself.
+    assert not {("pods", "patch"), ("pods", "update"), ("pods", "delete")} & granted
 
 
 def test_sample_asks_for_gpu_memory() -> None:
