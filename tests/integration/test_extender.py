@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -326,6 +327,18 @@ def test_a_body_over_the_limit_is_refused(api: FakeApiServer, spawn: Callable[..
     assert status == 413
     assert "body larger than 1048576 bytes" in result["Error"]
     ext.stop()
+
+
+def test_a_body_slower_than_the_read_timeout_is_refused(extender: Extender) -> None:
+    """A caller that stops half-way through its body must not hold a verb forever (the timeout is 10 s)."""
+    with socket.create_connection(("127.0.0.1", extender.port), timeout=30) as conn:
+        conn.sendall(
+            b"POST /gpushare-scheduler/filter HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 100\r\n\r\n{"Pod": '
+        )
+        answer = conn.makefile("rb").read()
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    assert b"filter: request body too slow" in answer
 
 
 json_values = st.recursive(
