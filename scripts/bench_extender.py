@@ -191,7 +191,7 @@ class InProcess:
         )
 
     def close(self) -> None:
-        self.loop.run_until_complete(self.scheduler.api.close())
+        self.loop.run_until_complete(self.scheduler.close())
         self.loop.close()
 
 

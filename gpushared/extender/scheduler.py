@@ -44,6 +44,9 @@ class Scheduler:
         self.resources = resources
         self.clock = clock
 
+    async def close(self) -> None:
+        await self.api.close()
+
     def filter(self, args: ExtenderArgs) -> tuple[list[str], dict[str, str], str]:
         """(nodes that pass, failed node -> reason, error for the whole pod)."""
         pod = _pod_name(args.pod)

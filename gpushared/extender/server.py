@@ -103,7 +103,7 @@ class _Routes:
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self, app: web.Application) -> None:
-        await self.scheduler.api.close()
+        await self.scheduler.close()
         if self._session is not None:
             await self._session.close()
 

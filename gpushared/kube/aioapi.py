@@ -18,7 +18,7 @@ import aiohttp
 import kubernetes
 from kubernetes.client.rest import should_bypass_proxies
 
-from gpushared.kube.api import REQUEST_TIMEOUT, KubeError
+from gpushared.kube.api import REQUEST_TIMEOUT, KubeError, status_message
 
 
 class AsyncApi:
@@ -35,7 +35,11 @@ class AsyncApi:
                     f"proxy {configuration.proxy}: the extender reaches the API server through http:// proxies only"
                 )
             self.proxy = configuration.proxy
-        self._ssl = _ssl_context(configuration) if self.host.startswith("https:") else None
+        self._ssl: ssl.SSLContext | bool = _ssl_context(configuration) if self.host.startswith("https:") else True
+        #: what every request passes beside its own arguments: the proxy, and the name the TLS server must have
+        self._options: dict[str, Any] = {"proxy": self.proxy}
+        if configuration.tls_server_name:
+            self._options["server_hostname"] = configuration.tls_server_name
         self._session: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
@@ -67,7 +71,7 @@ class AsyncApi:
     async def _call(self, what: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         if self._session is None:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.connections, ssl=self._ssl if self._ssl else True),
+                connector=aiohttp.TCPConnector(limit=self.connections, ssl=self._ssl),
                 timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
             )
         headers = {"Accept": "application/json", "User-Agent": "gpushared-extender"}
@@ -77,24 +81,20 @@ class AsyncApi:
         token = self.configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
         if token:
             headers["Authorization"] = token
-        extra: dict[str, Any] = {}
-        if self.configuration.tls_server_name:
-            extra["server_hostname"] = self.configuration.tls_server_name
         try:
             async with self._session.request(
                 method,
                 self.host + path,
                 data=None if body is None else json.dumps(body),
                 headers=headers,
-                proxy=self.proxy,
-                **extra,
+                **self._options,
             ) as response:
                 data = await response.read()
                 status, reason = response.status, response.reason
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
         if status >= 300:
-            raise KubeError(f"{what}: {status} {_message(data, reason)}", status=status)
+            raise KubeError(f"{what}: {status} {status_message(data, reason)}", status=status)
         return json.loads(data or b"null")
 
 
@@ -110,11 +110,3 @@ def _ssl_context(configuration: kubernetes.client.Configuration) -> ssl.SSLConte
     if configuration.cert_file:
         context.load_cert_chain(configuration.cert_file, configuration.key_file)
     return context
-
-
-def _message(data: bytes, reason: str | None) -> str:
-    """The API server's Status message, else the HTTP reason."""
-    try:
-        return str(json.loads(data).get("message") or reason)
-    except (TypeError, ValueError, AttributeError):
-        return str(reason)

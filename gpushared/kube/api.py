@@ -90,7 +90,7 @@ class Api:
         try:
             response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
         except ApiException as exc:
-            raise KubeError(f"{what}: {exc.status} {_reason(exc)}", status=exc.status) from exc
+            raise KubeError(f"{what}: {exc.status} {status_message(exc.body, exc.reason)}", status=exc.status) from exc
         except Exception as exc:  # urllib3 and socket errors: the server was not reached
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
         return json.loads(response.data or b"null")
@@ -149,8 +149,9 @@ class Api:
         )
 
 
-def _reason(exc: ApiException) -> str:
+def status_message(body: bytes | str | None, reason: str | None) -> str:
+    """The message of the Status an API server answered an error with, else the HTTP reason."""
     try:
-        return str(json.loads(exc.body or "{}").get("message") or exc.reason)
+        return str(json.loads(body or "{}").get("message") or reason)
     except (TypeError, ValueError, AttributeError):
-        return str(exc.reason)
+        return str(reason)
