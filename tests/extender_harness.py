@@ -77,6 +77,8 @@ class Extender:
     process: subprocess.Popen[str] | None = None
     name: str = "extender"
     kubeconfig: Path | None = None
+    #: the CPUs the process (and every thread it starts) may run on; None: any
+    cpus: set[int] | None = None
 
     def start(self, *extra: str) -> Extender:
         kubeconfig = self.kubeconfig or self.workdir / "kubeconfig"
@@ -84,8 +86,11 @@ class Extender:
             kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
         self.port = self.port or free_port()
         log = (self.workdir / f"{self.name}.log").open("a")
+        # taskset (util-linux), so every thread the extender starts inherits the CPUs
+        pinned = [] if self.cpus is None else ["taskset", "--cpu-list", ",".join(map(str, sorted(self.cpus)))]
         self.process = subprocess.Popen(
             [
+                *pinned,
                 sys.executable,
                 "-m",
                 "gpushared.cli.extender",

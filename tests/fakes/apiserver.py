@@ -15,7 +15,6 @@ Every request is logged in :attr:`FakeApiServer.requests` so tests can assert wh
 from __future__ import annotations
 
 import bisect
-import copy
 import datetime
 import itertools
 import json
@@ -263,18 +262,18 @@ class FakeApiServer:
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
         plural = _plural_of(obj)
         namespace = (obj.get("metadata") or {}).get("namespace", "default") if RESOURCES[plural].namespaced else ""
-        return self._create(RESOURCES[plural], namespace, copy.deepcopy(obj))
+        return self._create(RESOURCES[plural], namespace, _clone(obj))
 
     def get(self, plural: str, name: str, namespace: str = "") -> dict[str, Any] | None:
         if RESOURCES[plural].namespaced and not namespace:
             namespace = "default"
         with self._lock:
             obj = self._objects.get((plural, namespace, name))
-            return copy.deepcopy(obj) if obj is not None else None
+            return _clone(obj) if obj is not None else None
 
     def objects(self, plural: str) -> list[dict[str, Any]]:
         with self._lock:
-            return [copy.deepcopy(o) for (p, _, _), o in sorted(self._objects.items()) if p == plural]
+            return [_clone(o) for (p, _, _), o in sorted(self._objects.items()) if p == plural]
 
     @property
     def resource_version(self) -> int:
@@ -295,7 +294,7 @@ class FakeApiServer:
         self._current_rv = rv
         if obj is None:
             assert old is not None
-            gone = copy.deepcopy(old)
+            gone = _clone(old)
             gone["metadata"]["resourceVersion"] = str(rv)
             del self._objects[key]
             event = _Event(rv, "DELETED", resource.plural, gone, old)
@@ -303,7 +302,7 @@ class FakeApiServer:
         else:
             obj["metadata"]["resourceVersion"] = str(rv)
             self._objects[key] = obj
-            event = _Event(rv, kind, resource.plural, copy.deepcopy(obj), old)
+            event = _Event(rv, kind, resource.plural, _clone(obj), old)
             result = obj
         self._events.append(event)
         if len(self._events) > self._history:
@@ -311,7 +310,7 @@ class FakeApiServer:
             self._compacted_rv = dropped[-1].rv
             del self._events[: len(dropped)]
         self._changed.notify_all()
-        return copy.deepcopy(result)
+        return _clone(result)
 
     def _create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
         meta = body.setdefault("metadata", {})
@@ -367,7 +366,7 @@ class FakeApiServer:
                     "the object has been modified; "
                     "please apply your changes to the latest version and try again",
                 )
-            new = copy.deepcopy(new)
+            new = _clone(new)
             meta = new.setdefault("metadata", {})
             if meta.get("uid") not in (None, old["metadata"]["uid"]):
                 raise _uid_conflict(meta["uid"], old["metadata"]["uid"])
@@ -380,14 +379,14 @@ class FakeApiServer:
             new["apiVersion"], new["kind"] = resource.api_version, resource.kind
             if resource.has_status:
                 if subresource == "status":
-                    new["spec"] = copy.deepcopy(old.get("spec"))
+                    new["spec"] = _clone(old.get("spec"))
                 else:
-                    new["status"] = copy.deepcopy(old.get("status"))
+                    new["status"] = _clone(old.get("status"))
             if resource.plural == "pods" and subresource != "status":
                 _check_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
             if new == old:
-                return copy.deepcopy(old)  # a no-op write does not bump resourceVersion
-            return self._commit(resource, "MODIFIED", (resource.plural, namespace, name), new, copy.deepcopy(old))
+                return _clone(old)  # a no-op write does not bump resourceVersion
+            return self._commit(resource, "MODIFIED", (resource.plural, namespace, name), new, _clone(old))
 
     def _patch(
         self,
@@ -404,7 +403,7 @@ class FakeApiServer:
         except json.JSONDecodeError as exc:
             raise ApiError(400, "BadRequest", f"invalid JSON in patch: {exc}") from None
         with self._lock:
-            current = copy.deepcopy(self._current(resource, namespace, name))
+            current = _clone(self._current(resource, namespace, name))
             try:
                 if content_type == "application/json-patch+json":
                     patched = json_patch(current, patch)
@@ -444,14 +443,14 @@ class FakeApiServer:
                     )
                 if grace > 0:
                     # A bound pod is only marked; its kubelet stops the containers, then deletes with grace 0.
-                    terminating = copy.deepcopy(old)
+                    terminating = _clone(old)
                     if terminating["metadata"].get("deletionTimestamp") is None:
                         terminating["metadata"]["deletionTimestamp"] = _now()
                     terminating["metadata"]["deletionGracePeriodSeconds"] = grace
                     if terminating == old:
-                        return copy.deepcopy(old)
-                    return self._commit(resource, "MODIFIED", key, terminating, copy.deepcopy(old))
-            return self._commit(resource, "DELETED", key, None, copy.deepcopy(old))
+                        return _clone(old)
+                    return self._commit(resource, "MODIFIED", key, terminating, _clone(old))
+            return self._commit(resource, "DELETED", key, None, _clone(old))
 
     def _bind(self, namespace: str, name: str, binding: dict[str, Any]) -> dict[str, Any]:
         pods = RESOURCES["pods"]
@@ -467,14 +466,14 @@ class FakeApiServer:
                 raise ApiError(409, "Conflict", f"pod {name} is being deleted, cannot be assigned to a host")
             if (pod.get("spec") or {}).get("nodeName"):
                 raise ApiError(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
-            bound = copy.deepcopy(pod)
+            bound = _clone(pod)
             bound["spec"]["nodeName"] = target
             if meta.get("annotations"):
                 bound["metadata"].setdefault("annotations", {}).update(meta["annotations"])
             conditions = [c for c in bound["status"].get("conditions") or [] if c.get("type") != "PodScheduled"]
             conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()})
             bound["status"]["conditions"] = conditions
-            self._commit(pods, "MODIFIED", ("pods", namespace, name), bound, copy.deepcopy(pod))
+            self._commit(pods, "MODIFIED", ("pods", namespace, name), bound, _clone(pod))
         return status_body(201, "", "")
 
     def _list(self, resource: Resource, namespace: str | None, query: dict[str, str]) -> dict[str, Any]:
@@ -497,7 +496,7 @@ class FakeApiServer:
                     meta["continue"] = str(start + limit)
                     meta["remainingItemCount"] = len(selected) - start - limit
                 selected = selected[start : start + limit]
-            items = [copy.deepcopy(obj) for obj in selected]  # only the page: a 150k-pod list is 300 pages
+            items = [_clone(obj) for obj in selected]  # only the page: a 150k-pod list is 300 pages
             meta["resourceVersion"] = str(self._current_rv)
         return {
             "kind": f"{resource.kind}List",
@@ -546,7 +545,7 @@ class FakeApiServer:
             if since == 0:
                 since = self._current_rv
                 initial = [
-                    {"type": "ADDED", "object": copy.deepcopy(obj)}
+                    {"type": "ADDED", "object": _clone(obj)}
                     for (plural, _, _), obj in sorted(self._objects.items())
                     if plural == resource.plural and selected(obj)
                 ]
@@ -616,7 +615,7 @@ def _uid_conflict(wanted: str, actual: str) -> ApiError:
 
 def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
     """kube-apiserver lets an update change only images, activeDeadlineSeconds and tolerations of a pod."""
-    comparable_old = copy.deepcopy(old)
+    comparable_old = _clone(old)
     for field_name in ("containers", "initContainers"):
         for old_c, new_c in zip(comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False):
             if "image" in new_c:
@@ -771,7 +770,7 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             assert scope is not None
             if method == "GET":
                 with server._lock:
-                    return 200, copy.deepcopy(server._current(resource, scope, name))
+                    return 200, _clone(server._current(resource, scope, name))
             if method == "PUT":
                 new = _json(body)
                 rv = (new.get("metadata") or {}).get("resourceVersion")
@@ -822,6 +821,17 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     events_close()
 
     return Handler
+
+
+def _clone(obj: Any) -> Any:
+    """A copy of a JSON tree (dicts, lists, scalars): every stored object came in as JSON. A third of
+    ``copy.deepcopy``'s time, which was a third of this fake's CPU per write in the extender benchmark."""
+    kind = type(obj)
+    if kind is dict:
+        return {key: _clone(value) for key, value in obj.items()}
+    if kind is list:
+        return [_clone(value) for value in obj]
+    return obj
 
 
 def _json(body: bytes) -> dict[str, Any]:
