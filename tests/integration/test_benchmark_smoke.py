@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -67,8 +68,10 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
 
 def test_bench_extender_runs_in_process_and_over_http() -> None:
     sizes = ["--nodes", "20", "--pods", "100", "--candidates", "20", "--requests", "10", "--seconds", "1"]
+    cpus = sorted(os.sched_getaffinity(0))
+    pin = ["--pin"] if len(cpus) >= 2 else []  # the extender alone on one CPU, through taskset
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_extender.py"), *sizes, "--rate-pods", "20"],
+        [sys.executable, str(ROOT / "scripts" / "bench_extender.py"), *sizes, "--rate-pods", "20", *pin],
         capture_output=True,
         text=True,
         check=True,
@@ -79,3 +82,4 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
         assert report[where]["filter"]["count"] == 10 and report[where]["filter"]["p99_ms"] > 0
         assert report[where]["bind"]["count"] > 0
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
+    assert report["extenderCpus"] == (cpus[:1] if pin else "any")
