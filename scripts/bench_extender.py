@@ -15,7 +15,8 @@ or kubelet). Then:
   filter does); its RSS is read after its cache synced and at the end;
 - sustained: for ``--seconds`` over HTTP, filter of new pods one after another, each bound in the
   background (``--bind-workers`` in flight), as kube-scheduler's serial scheduling cycle and its
-  asynchronous binding cycle call the extender.
+  asynchronous binding cycle call the extender; then filters alone for ``--filter-alone-seconds``, to see
+  what of the extender's CPU per filter+bind the filter takes.
 
     .venv/bin/python scripts/bench_extender.py --nodes 1000 --pods 20000 --candidates 1000
     .venv/bin/python scripts/bench_extender.py --nodes 5000 --pods 150000 --candidates 500
@@ -333,6 +334,9 @@ def sustained(
     extender_cpu = sum(extender.cpu_times()[:2]) - extender_cpu
     own_cpu = sum(here.cpu_times()[:2]) - own_cpu
     after = psutil.cpu_times()
+    alone: dict[str, float] = {}
+    if args.filter_alone_seconds > 0:
+        alone["extenderCpuMsPerFilterAlone"] = filter_alone(port, bodies, samples, args, extender)
     idle = (after.idle + after.iowait) - (machine.idle + machine.iowait)
     total = sum(after) - sum(machine)
     return {
@@ -346,15 +350,41 @@ def sustained(
         "sustainedBinds": binds,
         "sustainedBindErrors": errors,
         "bindWorkers": args.bind_workers,
+        **alone,
     }
 
 
+def filter_alone(
+    port: int,
+    bodies: list[dict[str, Any]],
+    samples: list[list[str]],
+    args: argparse.Namespace,
+    extender: psutil.Process,
+) -> float:
+    """The extender's CPU per filter with nothing bound meanwhile, for ``--filter-alone-seconds`` (the same
+    pods' bodies again: a filter changes nothing, and reads only the pod it is sent): of what a
+    filter+bind costs, the rest is the bind, the watch event that shows the pod bound, and the rooms that
+    filters work out again for the nodes binds changed."""
+    before = sum(extender.cpu_times()[:2])
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        done, *_ = pool.apply(
+            drive, (port, bodies, samples, args.filter_alone_seconds, args.bind_workers), {"bind": False}
+        )
+    return round(1000 * (sum(extender.cpu_times()[:2]) - before) / max(done, 1), 2)
+
+
 def drive(
-    port: int, bodies: list[dict[str, Any]], samples: list[list[str]], seconds: float, in_flight: int
+    port: int,
+    bodies: list[dict[str, Any]],
+    samples: list[list[str]],
+    seconds: float,
+    in_flight: int,
+    *,
+    bind: bool = True,
 ) -> tuple[int, float, int, int, float]:
     """kube-scheduler's calls for ``seconds``: filters one after another on one connection, each pod that
-    passes bound in the background, at most ``in_flight`` binds at a time. (filters, seconds, binds, bind
-    errors, CPU seconds this took)."""
+    passes bound in the background (unless not ``bind``), at most ``in_flight`` binds at a time. (filters,
+    seconds, binds, bind errors, CPU seconds this took)."""
 
     # kube-scheduler, in Go, spends far less than this process would on encoding 500 names per filter; here
     # that CPU would be taken from the extender on the same cores, so each candidate list is encoded once
@@ -400,7 +430,7 @@ def drive(
                     "filter", f'{{"Pod":{json.dumps(body)},"NodeNames":{candidates[i % len(candidates)]}}}'
                 )
                 passed = answer["NodeNames"] or []
-                if passed:
+                if passed and bind:
                     await slots.acquire()
                     binds.append(asyncio.create_task(bind(body, passed[0])))
                 done += 1
@@ -434,6 +464,12 @@ def main() -> None:
     parser.add_argument("--rate-pods", type=int, default=15000, help="pods created for the sustained run")
     parser.add_argument("--policy", default="binpack")
     parser.add_argument("--bind-workers", type=int, default=16, help="binds in flight in the sustained run")
+    parser.add_argument(
+        "--filter-alone-seconds",
+        type=float,
+        default=5,
+        help="after the sustained run, filters alone for this long (0: not)",
+    )
     parser.add_argument("--skip-http", action="store_true")
     parser.add_argument(
         "--pin",

@@ -71,7 +71,16 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
     cpus = sorted(os.sched_getaffinity(0))
     pin = ["--pin"] if len(cpus) >= 2 else []  # the extender alone on one CPU, through taskset
     out = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_extender.py"), *sizes, "--rate-pods", "20", *pin],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_extender.py"),
+            *sizes,
+            "--rate-pods",
+            "40",
+            "--filter-alone-seconds",
+            "0.5",
+            *pin,
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -83,3 +92,4 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
         assert report[where]["bind"]["count"] > 0
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
     assert report["extenderCpus"] == (cpus[:1] if pin else "any")
+    assert report["http"]["extenderCpuMsPerFilterAlone"] > 0
