@@ -367,9 +367,10 @@ def filter_alone(
     filters work out again for the nodes binds changed."""
     before = sum(extender.cpu_times()[:2])
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        done, *_ = pool.apply(
-            drive, (port, bodies, samples, args.filter_alone_seconds, args.bind_workers), {"bind": False}
+        done, _, binds, *_ = pool.apply(
+            drive, (port, bodies, samples, args.filter_alone_seconds, args.bind_workers), {"and_bind": False}
         )
+    assert binds == 0, f"filters alone made {binds} binds"
     return round(1000 * (sum(extender.cpu_times()[:2]) - before) / max(done, 1), 2)
 
 
@@ -380,10 +381,10 @@ def drive(
     seconds: float,
     in_flight: int,
     *,
-    bind: bool = True,
+    and_bind: bool = True,
 ) -> tuple[int, float, int, int, float]:
     """kube-scheduler's calls for ``seconds``: filters one after another on one connection, each pod that
-    passes bound in the background (unless not ``bind``), at most ``in_flight`` binds at a time. (filters,
+    passes bound in the background (with ``and_bind``), at most ``in_flight`` binds at a time. (filters,
     seconds, binds, bind errors, CPU seconds this took)."""
 
     # kube-scheduler, in Go, spends far less than this process would on encoding 500 names per filter; here
@@ -430,7 +431,7 @@ def drive(
                     "filter", f'{{"Pod":{json.dumps(body)},"NodeNames":{candidates[i % len(candidates)]}}}'
                 )
                 passed = answer["NodeNames"] or []
-                if passed and bind:
+                if passed and and_bind:
                     await slots.acquire()
                     binds.append(asyncio.create_task(bind(body, passed[0])))
                 done += 1
