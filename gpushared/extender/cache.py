@@ -39,6 +39,7 @@ from gpushared.core.placement import (
     no_room,
 )
 from gpushared.core.requests import PodRequest
+from gpushared.extender.rooms import STALE, Rooms
 from gpushared.kube.informer import Informer, uid_of
 
 log = logging.getLogger(__name__)
@@ -105,9 +106,9 @@ class ClusterCache:
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
         self._node_of: dict[str, str] = {}
         #: node -> the most units free on one GPU a plain and an MPS pod may take (``most_free``; -1: none, or
-        #: not a usable node); dropped whenever the node's ledger changes, so a filter answers most nodes with
+        #: not a usable node); stale whenever the node's ledger changes, so a filter answers most nodes with
         #: one dict lookup and one comparison
-        self._room: dict[str, tuple[int, int]] = {}
+        self._rooms = Rooms()
         self._next_expiry = 0.0
         self._mix = RequestMix()
         #: (milli-CPU, GPU memory units) -> running pods of that kind on gpushared nodes
@@ -154,19 +155,18 @@ class ClusterCache:
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
-        need, kind, several = request.per_gpu, int(request.mps), request.gpus > 1
+        need, mps, several = request.per_gpu, request.mps, request.gpus > 1
         full: dict[MemoryUnit, str] = {}
         with self._lock:
             self._expire_assumed()
-            table = self._room
+            table = self._rooms.of(mps=mps)
             for name in names:
                 if several:
                     room = self._room_for_several(name, request)
                 else:
-                    known = table.get(name)
-                    if known is None:
-                        known = self._room_of(name)
-                    room = known[kind]
+                    room = table.get(name, STALE)
+                    if room == STALE:
+                        room = self._room_of(name)[mps]
                 if 0 < need <= room:
                     passed.append(name)
                 elif need > 0 and room >= 0:
@@ -197,8 +197,10 @@ class ClusterCache:
         """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
         nodes GPU by GPU for the first time: 8 ms at p99 with 5,000 nodes, until the table filled."""
         with self._lock:
-            for name in self._nodes.keys() - self._room.keys():
-                self._room_of(name)
+            for name in self._nodes:
+                if self._rooms.of(mps=False).get(name, STALE) == STALE:
+                    self._room_of(name)
+            self._rooms.compact()
 
     def _room_of(self, name: str) -> tuple[int, int]:
         usable = self._usable(name)
@@ -208,7 +210,7 @@ class ClusterCache:
             ledger = usable[1]
             known = (most_free(ledger, mps=False), most_free(ledger, mps=True))
         if name in self._nodes:  # unknown names are not remembered: anyone may send any name
-            self._room[name] = known
+            self._rooms.put(name, plain=known[0], mps=known[1])
         return known
 
     def _why_not(self, name: str, request: PodRequest) -> str:
@@ -444,7 +446,7 @@ class ClusterCache:
         state.cpu_requested += cpu
         state.cpu_version += 1
         if state.ledger is not None:
-            self._room.pop(state.name, None)
+            self._rooms.stale(state.name)
             holding = self._holding(pod, state)
             if holding is not None:
                 state.ledger.add(holding)
@@ -459,7 +461,7 @@ class ClusterCache:
         state.cpu_requested -= cpu
         state.cpu_version += 1
         if state.ledger is not None:
-            self._room.pop(state.name, None)
+            self._rooms.stale(state.name)
             self._forget_kind(_kind(cpu, state.ledger.remove(uid)))
 
     def _forget_kind(self, kind: Kind) -> None:
@@ -470,7 +472,7 @@ class ClusterCache:
     def _rebuild(self, state: NodeState) -> None:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
         state.memo.clear()
-        self._room.pop(state.name, None)
+        self._rooms.stale(state.name)
         for uid in state.pods:
             self._uncount(state, uid)
         state.ledger = None if state.inventory is None else Ledger.build(state.inventory)

@@ -11,7 +11,6 @@ nodes whose GPUs are already taken.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import ssl
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -243,4 +243,4 @@ async def serve(app: web.Application, config: ServerConfig, *, stop: asyncio.Eve
 
 
 def _json(body: Any, *, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(body), status=status, content_type="application/json")
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")

@@ -8,9 +8,10 @@ Kubernetes JSON (camelCase tags) and pass through untouched.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 
 class WireError(ValueError):
@@ -19,8 +20,8 @@ class WireError(ValueError):
 
 def _object(body: bytes, what: str) -> dict[str, Any]:
     try:
-        value = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:  # invalid UTF-8 included
         raise WireError(f"{what}: body is not JSON ({exc})") from None
     if not isinstance(value, dict):
         raise WireError(f"{what}: body must be a JSON object")

@@ -9,13 +9,13 @@ hook, proxy), so the two clients authenticate the same way.
 
 from __future__ import annotations
 
-import json
 import ssl
 from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 import kubernetes
+import orjson
 from kubernetes.client.rest import should_bypass_proxies
 
 from gpushared.kube.api import REQUEST_TIMEOUT, KubeError, status_message
@@ -85,7 +85,7 @@ class AsyncApi:
             async with self._session.request(
                 method,
                 self.host + path,
-                data=None if body is None else json.dumps(body),
+                data=None if body is None else orjson.dumps(body),
                 headers=headers,
                 **self._options,
             ) as response:
@@ -95,7 +95,7 @@ class AsyncApi:
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
         if status >= 300:
             raise KubeError(f"{what}: {status} {status_message(data, reason)}", status=status)
-        return json.loads(data or b"null")
+        return orjson.loads(data or b"null")
 
 
 def _ssl_context(configuration: kubernetes.client.Configuration) -> ssl.SSLContext:

@@ -10,13 +10,14 @@ consumer never misses a deletion that happened while the watch was down. Reads (
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
+
+import orjson
 
 from gpushared.kube.api import REQUEST_TIMEOUT, KubeError
 
@@ -159,7 +160,7 @@ class Informer:
             response = self._call(
                 _request_timeout=REQUEST_TIMEOUT, limit=PAGE, **({"_continue": token} if token else {})
             )
-            listing = json.loads(response.data)
+            listing = orjson.loads(response.data)
             for obj in listing.get("items") or []:
                 items[key_of(obj)] = self.transform(obj)
             token = (listing.get("metadata") or {}).get("continue") or ""
@@ -195,7 +196,7 @@ class Informer:
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
-                        version = self._apply(json.loads(line), version)
+                        version = self._apply(orjson.loads(line), version)
         finally:
             self._response = None
             response.release_conn()

@@ -19,6 +19,7 @@ from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
 from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
+from gpushared.extender.rooms import STALE, Rooms
 from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node
 
@@ -239,3 +240,23 @@ def test_a_warm_cache_answers_filter_without_judging_any_node(monkeypatch: pytes
     passed, failed = cache.filter(list(NODES), pod_request(pod("probe", 4)))
     assert sorted(passed) == sorted(NODES) and not failed
     assert not judged
+
+
+def test_the_room_table_keeps_every_room_across_compactions_and_stale_marks() -> None:
+    """Filter reads rooms from two dicts whose keys are copied side by side; what they answer must not
+    depend on when the table was compacted or how nodes were marked stale."""
+    rooms = Rooms()
+    names = [f"node-{i}" for i in range(300)]  # enough to compact several times while growing
+    for i, name in enumerate(names):
+        rooms.put(name, plain=i % 17, mps=i % 5)
+    rooms.stale("node-7")
+    rooms.stale("no-such-node")  # a name never put stays out of the table
+    rooms.put("node-8", plain=99, mps=98)  # a changed room, written in place
+    rooms.compact()
+    assert len(rooms) == len(names) and "no-such-node" not in rooms
+    plain, mps = rooms.of(mps=False), rooms.of(mps=True)
+    assert list(plain) == names and list(mps) == names
+    assert all(a is b for a, b in zip(plain, mps, strict=True))  # one copy of each key for both kinds
+    assert not any(key is name for key, name in zip(plain, names, strict=True))  # copies, not the originals
+    expected = {name: (i % 17, i % 5) for i, name in enumerate(names)} | {"node-7": (STALE, STALE), "node-8": (99, 98)}
+    assert {name: (plain[name], mps[name]) for name in names} == expected
