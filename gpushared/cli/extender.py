@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
+import uvloop
 
 from gpushared import __version__
 
@@ -153,7 +154,9 @@ def main(
         await serve(app, config, stop=stop)
 
     try:
-        asyncio.run(run())
+        # uvloop: each filter and bind is a few event-loop turns over sockets, and uvloop's turns cost less
+        # (12 % less extender CPU per filter+bind at 2,500 nodes, docs/benchmarks.md)
+        uvloop.run(run())
     finally:
         if elector is not None:
             elector.stop()
