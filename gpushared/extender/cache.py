@@ -156,10 +156,10 @@ class ClusterCache:
         passed: list[str] = []
         failed: dict[str, str] = {}
         need, mps, several = request.per_gpu, request.mps, request.gpus > 1
-        full: dict[MemoryUnit, str] = {}
+        full: dict[str, str] = {}  # unit -> the reason of every too-full node
         with self._lock:
             self._expire_assumed()
-            table = self._rooms.of(mps=mps)
+            table, units = self._rooms.of(mps=mps), self._rooms.units
             for name in names:
                 if several:
                     room = self._room_for_several(name, request)
@@ -170,11 +170,10 @@ class ClusterCache:
                 if 0 < need <= room:
                     passed.append(name)
                 elif need > 0 and room >= 0:
-                    inventory = self._nodes[name].inventory
-                    assert inventory is not None  # a node with room has a ledger
-                    reason = full.get(inventory.unit)
+                    unit = units[name]  # a node with room has a ledger, so a unit
+                    reason = full.get(unit)
                     if reason is None:
-                        reason = full[inventory.unit] = no_room(request, unit=inventory.unit)
+                        reason = full[unit] = no_room(request, unit=MemoryUnit(unit))
                     failed[name] = reason
                 else:
                     failed[name] = self._why_not(name, request)
@@ -205,12 +204,12 @@ class ClusterCache:
     def _room_of(self, name: str) -> tuple[int, int]:
         usable = self._usable(name)
         if isinstance(usable, str):
-            known = (-1, -1)
+            known, unit = (-1, -1), ""
         else:
             ledger = usable[1]
-            known = (most_free(ledger, mps=False), most_free(ledger, mps=True))
+            known, unit = (most_free(ledger, mps=False), most_free(ledger, mps=True)), ledger.inventory.unit.value
         if name in self._nodes:  # unknown names are not remembered: anyone may send any name
-            self._rooms.put(name, plain=known[0], mps=known[1])
+            self._rooms.put(name, plain=known[0], mps=known[1], unit=unit)
         return known
 
     def _why_not(self, name: str, request: PodRequest) -> str:

@@ -6,7 +6,8 @@ costs mostly cache misses, and the largest is the key string the dict compares t
 left where the informer parsed the node, it shares no cache line or page with any other key. Hence:
 
 - one dict per kind, of ints: no tuple to follow, and ints up to 256 (any room counted in GiB) are
-  objects Python shares;
+  objects Python shares; beside them, each node's memory unit as a string (for the reason a node is too
+  full), so a failed node needs no look at its state or its inventory, and no Enum's hash;
 - keys copied in one go (:meth:`Rooms.compact`), so they lie side by side in memory: a filter at 5,000
   nodes takes half the time (docs/benchmarks.md);
 - a node whose ledger changed is marked stale in place rather than popped: the dict keeps the key it had,
@@ -26,6 +27,8 @@ class Rooms:
     def __init__(self) -> None:
         self.plain: dict[str, int] = {}
         self.mps: dict[str, int] = {}
+        #: name -> the value of the node's MemoryUnit ("" for a node with no ledger)
+        self.units: dict[str, str] = {}
         self._added = 0
 
     def __len__(self) -> int:
@@ -38,14 +41,16 @@ class Rooms:
         """The table for one kind of pod: name -> room, STALE, or missing."""
         return self.mps if mps else self.plain
 
-    def put(self, name: str, *, plain: int, mps: int) -> None:
+    def put(self, name: str, *, plain: int, mps: int, unit: str) -> None:
         if name not in self.plain:
             self._added += 1
             if self._added * REGROWTH > len(self.plain) + 64:
                 self.plain[name] = self.mps[name] = STALE
+                self.units[name] = unit
                 self.compact()
         self.plain[name] = plain
         self.mps[name] = mps
+        self.units[name] = unit
 
     def stale(self, name: str) -> None:
         if name in self.plain:
@@ -56,4 +61,5 @@ class Rooms:
         keys = [name.encode().decode() for name in self.plain]
         self.plain = dict(zip(keys, self.plain.values(), strict=True))
         self.mps = dict(zip(keys, self.mps.values(), strict=True))
+        self.units = dict(zip(keys, self.units.values(), strict=True))
         self._added = 0

@@ -248,15 +248,16 @@ def test_the_room_table_keeps_every_room_across_compactions_and_stale_marks() ->
     rooms = Rooms()
     names = [f"node-{i}" for i in range(300)]  # enough to compact several times while growing
     for i, name in enumerate(names):
-        rooms.put(name, plain=i % 17, mps=i % 5)
+        rooms.put(name, plain=i % 17, mps=i % 5, unit="GiB" if i % 3 else "MiB")
     rooms.stale("node-7")
     rooms.stale("no-such-node")  # a name never put stays out of the table
-    rooms.put("node-8", plain=99, mps=98)  # a changed room, written in place
+    rooms.put("node-8", plain=99, mps=98, unit="GiB")  # a changed room, written in place
     rooms.compact()
     assert len(rooms) == len(names) and "no-such-node" not in rooms
     plain, mps = rooms.of(mps=False), rooms.of(mps=True)
-    assert list(plain) == names and list(mps) == names
-    assert all(a is b for a, b in zip(plain, mps, strict=True))  # one copy of each key for both kinds
+    assert list(plain) == names and list(mps) == names and list(rooms.units) == names
+    assert all(a is b is c for a, b, c in zip(plain, mps, rooms.units, strict=True))  # one copy of each key
     assert not any(key is name for key, name in zip(plain, names, strict=True))  # copies, not the originals
     expected = {name: (i % 17, i % 5) for i, name in enumerate(names)} | {"node-7": (STALE, STALE), "node-8": (99, 98)}
     assert {name: (plain[name], mps[name]) for name in names} == expected
+    assert rooms.units["node-8"] == "GiB" and rooms.units["node-9"] == "MiB"
