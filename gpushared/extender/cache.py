@@ -395,8 +395,8 @@ class ClusterCache:
                 if old is not None:
                     self._unplace(old)
                 return
-            if old is not None and (old.get("spec") or {}).get("nodeName") != (new.get("spec") or {}).get("nodeName"):
-                self._unplace(old)
+            if old is not None and uid_of(old) != uid_of(new):
+                self._unplace(old)  # re-created under the same name while the watch was down
             node = (new.get("spec") or {}).get("nodeName")
             if node:
                 self._assumed.pop(uid_of(new), None)
@@ -408,11 +408,14 @@ class ClusterCache:
         node = (pod.get("spec") or {}).get("nodeName", "")
         uid = uid_of(pod)
         state = self._nodes.setdefault(node, NodeState(name=node))
-        if self._node_of.get(uid) == node and self._counts_the_same(state, uid, pod):
+        counted_on = self._node_of.get(uid)
+        if counted_on == node and self._counts_the_same(state, uid, pod):
             # Most often the watch confirming a bind this extender counted already: the ledger keeps its
             # version, so the node's room, reasons and prices stay valid.
             state.pods[uid] = pod
             return
+        if counted_on is not None and counted_on != node:
+            self._remove(uid)  # assumed on another node than the watch shows
         self._uncount(state, uid)
         state.pods[uid] = pod
         self._node_of[uid] = node

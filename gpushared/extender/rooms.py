@@ -8,8 +8,8 @@ left where the informer parsed the node, it shares no cache line or page with an
 - one dict per kind, of ints: no tuple to follow, and ints up to 256 (any room counted in GiB) are
   objects Python shares; beside them, each node's memory unit as a string (for the reason a node is too
   full), so a failed node needs no look at its state or its inventory, and no Enum's hash;
-- keys copied in one go (:meth:`Rooms.compact`), so they lie side by side in memory: a filter at 5,000
-  nodes takes half the time (docs/benchmarks.md);
+- keys copied in one go (:meth:`Rooms.compact`), so they lie side by side in memory: 500 lookups in a
+  5,000-node table with cold caches take half the time (docs/benchmarks.md);
 - a node whose ledger changed is marked stale in place rather than popped: the dict keeps the key it had,
   and the table stays compact while pods come and go.
 """

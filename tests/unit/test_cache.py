@@ -15,7 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpushared import contract
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
+from gpushared.core.placement import BINPACK, GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
 from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
@@ -261,3 +261,47 @@ def test_the_room_table_keeps_every_room_across_compactions_and_stale_marks() ->
     expected = {name: (i % 17, i % 5) for i, name in enumerate(names)} | {"node-7": (STALE, STALE), "node-8": (99, 98)}
     assert {name: (plain[name], mps[name]) for name in names} == expected
     assert rooms.units["node-8"] == "GiB" and rooms.units["node-9"] == "MiB"
+
+
+def test_the_watch_confirming_a_bind_leaves_the_nodes_room_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch shows every pod pending before it shows it bound. Counting the bind again on that event
+    would make every filter after every bind work the node's room out anew, for nothing."""
+    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
+    pending = pod("p", 3, uid="u1")
+    cache.pods.handler(None, pending)  # type: ignore[misc]
+    reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
+    assert not isinstance(reserved, str)
+    cache.warm()
+    bound = copy.deepcopy(pending)
+    bound["metadata"]["annotations"] = reserved.annotations
+    bound["spec"]["nodeName"] = "n1"
+    worked_out: list[object] = []
+    monkeypatch.setattr(cache_module, "most_free", lambda *a, **k: worked_out.append(a) or 0)
+    cache.pods.handler(pending, bound)  # type: ignore[misc]
+    assert cache.filter(["n1"], pod_request(pod("q", 13)))[0] == ["n1"]  # 16 - 3 free, as before the event
+    assert not worked_out
+
+
+def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once() -> None:
+    """A relist hands over (old, new) for a name whose pod was deleted and created again: the old pod's
+    memory is free, wherever the new one runs."""
+    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    for name in ("n1", "n2"):
+        cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
+    before = pod("p", 5, uid="u1", node="n1")
+    before["metadata"]["annotations"] = bind_annotations(
+        pod_request(before), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
+    )
+    after = pod("p", 4, uid="u2", node="n2")
+    after["metadata"]["annotations"] = bind_annotations(
+        pod_request(after), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=2
+    )
+    cache.pods.handler(None, before)  # type: ignore[misc]
+    cache.pods.handler(before, after)  # type: ignore[misc]
+    holders = {}
+    for name in ("n1", "n2"):
+        snapshot = cache.snapshot(name)
+        assert snapshot is not None
+        holders[name] = [h.uid for h in snapshot[1]]
+    assert holders == {"n1": [], "n2": ["u2"]}
