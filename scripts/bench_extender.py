@@ -312,13 +312,14 @@ def sustained(
     *,
     port: int,
     extender: psutil.Process,
+    prefix: str = "rate",
 ) -> dict[str, Any]:
     """Filter one new pod after another and bind each in the background, as kube-scheduler does: its
     scheduling cycle (filter, prioritize) is serial, its binding cycle runs beside the next pods'. The
     caller is a process of its own (``drive``), so it does not queue for one interpreter lock with the
     fake API server. Also what it cost: the extender's CPU per filter+bind, and how busy the whole machine
     was (all cores)."""
-    bodies = backend.create_all([pending_body(f"rate-{i:06d}", rng) for i in range(args.rate_pods)])
+    bodies = backend.create_all([pending_body(f"{prefix}-{i:06d}", rng) for i in range(args.rate_pods)])
     samples = [rng.sample(names, min(args.candidates, len(names))) for _ in range(64)]
     # This process is the harness now (the fake API server's objects and history, the pods to bind). Without
     # this, the collector's passes over them took a fifth of its CPU (1.1 of 5.0 s in a 12 s run at 1,000

@@ -79,6 +79,8 @@ class Extender:
     kubeconfig: Path | None = None
     #: the CPUs the process (and every thread it starts) may run on; None: any
     cpus: set[int] | None = None
+    #: where it runs: a source tree whose gpushared package it runs instead of this one (scripts/ab_extender.py)
+    cwd: Path | None = None
 
     def start(self, *extra: str) -> Extender:
         kubeconfig = self.kubeconfig or self.workdir / "kubeconfig"
@@ -109,6 +111,7 @@ class Extender:
             stdout=log,
             stderr=subprocess.STDOUT,
             text=True,
+            cwd=self.cwd,
         )
         return self
 

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -93,3 +96,23 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
     assert report["extenderCpus"] == (cpus[:1] if pin else "any")
     assert report["http"]["extenderCpuMsPerFilterAlone"] > 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the paired comparison pins the extender to a CPU")
+def test_ab_extender_compares_two_trees_in_alternating_rounds(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "gpushared", other / "gpushared", ignore=shutil.ignore_patterns("__pycache__"))
+    sizes = ["--nodes", "20", "--pods", "100", "--candidates", "20", "--seconds", "1", "--rate-pods", "40"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "ab_extender.py"), str(ROOT), str(other), *sizes, "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    report = json.loads(out.stdout)
+    assert set(report["runs"]) == {str(ROOT), str(other)}
+    for rows in report["runs"].values():
+        assert len(rows) == 2 and all(row["extenderCpuMs"] > 0 and row["extenderPerCallerCpu"] > 0 for row in rows)
+    order = [line.split(":")[0] for line in out.stderr.splitlines() if line.startswith("round ")]
+    assert order == [f"round 0 {ROOT}", f"round 0 {other}", f"round 1 {other}", f"round 1 {ROOT}"]
