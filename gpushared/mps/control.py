@@ -151,8 +151,15 @@ class MpsControl:
         _wait_gone(pid, self.timeout)
 
     def release_shm(self) -> None:
-        if _is_mountpoint(self.dirs.shm):
+        """Unmount the shm tmpfs if it is mounted. The supervisor and an operator's `gpushared mps stop` can
+        release it at the same moment: an unmount that fails because the other one got there first is done."""
+        if not _is_mountpoint(self.dirs.shm):
+            return
+        try:
             _run(["umount", str(self.dirs.shm)])
+        except MpsError:
+            if _is_mountpoint(self.dirs.shm):
+                raise
 
     # --- talking to it ------------------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ import pytest
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSettings, MpsSupervisor, thread_percentage
+from gpushared.mps import control as mps_control
+from gpushared.mps.control import GpuDirs, MpsControl, MpsError
 from gpushared.nvml.backend import GpuDevice
 
 
@@ -50,3 +52,25 @@ def test_container_setup_limits_memory_in_mib_on_ordinal_zero(tmp_path: Path) ->
     envs, _ = supervisor.container_setup(gpu=gpu, amount_mib=16384, percentage=100)
     assert envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=15360M"
     assert not supervisor.running("GPU-3")
+
+
+@pytest.mark.parametrize("released_meanwhile", [True, False])
+def test_releasing_the_shm_that_another_process_just_released_is_done(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, released_meanwhile: bool
+) -> None:
+    """`gpushared mps stop` and the running daemon's supervisor both release a stopped GPU's shm; the one
+    whose umount finds it gone must not fail (it failed the operator's stop in CI). A umount that fails
+    with the tmpfs still mounted is still an error."""
+    control = MpsControl(binary="nvidia-cuda-mps-control", uuid="GPU-1", dirs=GpuDirs.of(tmp_path, "GPU-1"))
+    mounted = iter([True, not released_meanwhile])
+    monkeypatch.setattr(mps_control, "_is_mountpoint", lambda path, **_: next(mounted))
+
+    def umount(argv: list[str]) -> None:
+        raise MpsError(f"{' '.join(argv)}: umount: {argv[-1]}: not mounted.")
+
+    monkeypatch.setattr(mps_control, "_run", umount)
+    if released_meanwhile:
+        control.release_shm()
+    else:
+        with pytest.raises(MpsError, match="not mounted"):
+            control.release_shm()
