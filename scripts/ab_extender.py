@@ -90,11 +90,11 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         backend = FakeBackend(stack.enter_context(FakeApiServer(history=1_000_000)))
         names = populate(backend, nodes=args.nodes, pods=args.pods, rng=rng)
-        for number in range(args.rounds):
-            for tree in trees if number % 2 == 0 else trees[::-1]:
-                row = run_once(tree, backend, names, args, rng, run=sum(map(len, runs.values())))
-                runs[str(tree)].append(row)
-                print(f"round {number} {tree}: {json.dumps(row)}", file=sys.stderr, flush=True)
+        order = [(number, tree) for number in range(args.rounds) for tree in trees[:: 1 if number % 2 == 0 else -1]]
+        for run, (number, tree) in enumerate(order):
+            row = run_once(tree, backend, names, args, rng, run=run)
+            runs[str(tree)].append(row)
+            print(f"round {number} {tree}: {json.dumps(row)}", file=sys.stderr, flush=True)
     medians = {
         tree: {key: statistics.median(row[key] for row in rows) for key in ("extenderCpuMs", "extenderPerCallerCpu")}
         for tree, rows in runs.items()

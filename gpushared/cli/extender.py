@@ -155,7 +155,7 @@ def main(
 
     try:
         # uvloop: each filter and bind is a few event-loop turns over sockets, and uvloop's turns cost less
-        # (12 % less extender CPU per filter+bind at 2,500 nodes, docs/benchmarks.md)
+        # (11-18 % less extender CPU per filter+bind at 2,500 nodes, docs/benchmarks.md)
         uvloop.run(run())
     finally:
         if elector is not None:

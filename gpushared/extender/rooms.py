@@ -42,15 +42,13 @@ class Rooms:
         return self.mps if mps else self.plain
 
     def put(self, name: str, *, plain: int, mps: int, unit: str) -> None:
+        """A node's rooms, written in place when the node is in the table already. A filter holds on to the
+        dicts it started with: a compaction here leaves them complete, since the node goes in first."""
         if name not in self.plain:
             self._added += 1
-            if self._added * REGROWTH > len(self.plain) + 64:
-                self.plain[name] = self.mps[name] = STALE
-                self.units[name] = unit
-                self.compact()
-        self.plain[name] = plain
-        self.mps[name] = mps
-        self.units[name] = unit
+        self.plain[name], self.mps[name], self.units[name] = plain, mps, unit
+        if self._added * REGROWTH > len(self.plain) + 64:
+            self.compact()
 
     def stale(self, name: str) -> None:
         if name in self.plain:
