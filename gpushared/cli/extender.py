@@ -51,6 +51,20 @@ ENV = "GPUSHARED_EXTENDER"
     help="Address the other replica reaches this one at (default: the listen address; in a pod, its IP).",
 )
 @click.option(
+    "--watch-seconds",
+    type=click.IntRange(5, 1800),
+    default=60,
+    show_default=True,
+    help="Each watch is ended by the API server after this long; one silent for 10 s more is taken for dead.",
+)
+@click.option(
+    "--binding-landing-seconds",
+    type=click.FloatRange(1, 3600),
+    default=120.0,
+    show_default=True,
+    help="How long a Binding whose answer was lost may still land: its memory stays reserved that long.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def main(
@@ -70,6 +84,8 @@ def main(
     lease_seconds: float,
     identity: str,
     advertise_address: str | None,
+    watch_seconds: int,
+    binding_landing_seconds: float,
     log_level: str,
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
@@ -96,7 +112,11 @@ def main(
         raise click.ClickException(str(exc)) from None
     resources = ResourceNames(domain=resource_domain)
     cache = ClusterCache(
-        list_nodes=api.core.list_node, list_pods=api.core.list_pod_for_all_namespaces, resources=resources
+        list_nodes=api.core.list_node,
+        list_pods=api.core.list_pod_for_all_namespaces,
+        resources=resources,
+        watch_seconds=watch_seconds,
+        landing_seconds=binding_landing_seconds,
     )
     own_url = f"{'https' if tls_cert else 'http'}://{advertise_address or address}:{port}"
     elector = (

@@ -4,8 +4,9 @@ Aliyun's cache is where its users' pain comes from (reference §5, §8): it free
 never notices a node's GPU count changing, and keeps a failed bind's reservation. Here each node's ledger is
 derived from the node's inventory and the pods bound to it, through the core's single definition of what a
 pod holds (``holding_from_pod``): a terminating pod holds until its containers have stopped, a new GPU
-count or size rebuilds the node's ledger, and a pod counts only once it is bound — a bind that fails is
-taken back out at once.
+count or size rebuilds the node's ledger, and a pod counts only once it is bound — a bind the API server
+refused is taken back out at once, and one it may have applied stays counted until the API server says
+where the pod is (``reservations``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,20 @@ from gpushared.core.placement import (
     no_room,
 )
 from gpushared.core.requests import PodRequest
+from gpushared.extender.reservations import (
+    CHECK_SECONDS,
+    CONFIRM_SECONDS,
+    LANDING_SECONDS,
+    Action,
+    Assumed,
+    Settlement,
+    settle,
+)
 from gpushared.extender.rooms import STALE, Rooms
-from gpushared.kube.informer import Informer, uid_of
+from gpushared.kube.informer import Informer, key_of, uid_of
 
 log = logging.getLogger(__name__)
 
-#: How long a bind this extender made counts before the watch shows the bound pod.
-ASSUME_SECONDS = 60.0
 #: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
 MIX_SECONDS = 10.0
 
@@ -97,26 +105,38 @@ class ClusterCache:
         list_pods: Callable[..., Any],
         resources: ResourceNames,
         clock: Callable[[], float] = time.monotonic,
+        watch_seconds: int = 60,
+        landing_seconds: float = LANDING_SECONDS,
     ) -> None:
         self.resources = resources
         self.clock = clock
+        #: how long after it was sent a Binding whose answer was lost may still land
+        self.landing_seconds = landing_seconds
         self._lock = threading.RLock()
         self._nodes: dict[str, NodeState] = {}
-        self._assumed: dict[str, tuple[str, float]] = {}  # pod uid -> (node, deadline)
+        #: binds the watch has not shown yet, by the key they are counted under (``Assumed.key``)
+        self._assumed: dict[str, Assumed] = {}
+        #: pod uid -> the keys of its unanswered Bindings (rare: only after an API server fault)
+        self._unanswered: dict[str, set[str]] = {}
+        #: when the pod watch was last caught lagging behind a read-back (None: never)
+        self._lag_seen: float | None = None
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
         self._node_of: dict[str, str] = {}
         #: node -> the most units free on one GPU a plain and an MPS pod may take (``most_free``; -1: none, or
         #: not a usable node); stale whenever the node's ledger changes, so a filter answers most nodes with
         #: one dict lookup and one comparison
         self._rooms = Rooms()
-        self._next_expiry = 0.0
         self._mix = RequestMix()
         #: (milli-CPU, GPU memory units) -> running pods of that kind on gpushared nodes
         self._kinds: Counter[Kind] = Counter()
         self._mix_generation = 0
         self._mix_counted = -MIX_SECONDS
-        self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node)
-        self.pods = Informer(list_pods, name="pods", handler=self._on_pod, transform=slim_pod)
+        # Short watches: a watch that neither delivers nor ends within watch_seconds + its grace is dead,
+        # and is replaced by a relist (Informer.stale).
+        self.nodes = Informer(list_nodes, name="nodes", handler=self._on_node, watch_seconds=watch_seconds)
+        self.pods = Informer(
+            list_pods, name="pods", handler=self._on_pod, transform=slim_pod, watch_seconds=watch_seconds
+        )
 
     def start(self) -> None:
         self.nodes.start()
@@ -136,7 +156,6 @@ class ClusterCache:
         change a ledger half-way through.
         """
         with self._lock:
-            self._expire_assumed()
             usable = self._usable(name, gpus=request.gpus)
             if isinstance(usable, str):
                 return usable
@@ -158,7 +177,6 @@ class ClusterCache:
         need, mps, several = request.per_gpu, request.mps, request.gpus > 1
         full: dict[str, str] = {}  # unit -> the reason of every too-full node
         with self._lock:
-            self._expire_assumed()
             table, units = self._rooms.of(mps=mps), self._rooms.units
             for name in names:
                 if several:
@@ -229,7 +247,6 @@ class ClusterCache:
         ledger, its CPU (for a policy that reads it) or the request mix changes."""
         keys: list[NodeKey | None] = []
         with self._lock:
-            self._expire_assumed()
             mix = self.request_mix()
             pod_cpu = _cpu_of(pod) if policy.reads_cpu else 0
             mixed = self._mix_generation if policy.reads_mix else 0
@@ -252,7 +269,6 @@ class ClusterCache:
     def idle_costs(self, names: list[str]) -> list[float]:
         """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
         with self._lock:
-            self._expire_assumed()
             costs: list[float] = []
             for name in names:
                 state = self._nodes.get(name)
@@ -286,7 +302,6 @@ class ClusterCache:
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""
         with self._lock:
-            self._expire_assumed()
             state = self._nodes.get(name)
             if state is None or state.ledger is None or state.inventory is None:
                 return None
@@ -305,6 +320,11 @@ class ClusterCache:
         annotations that record the choice; or say why it cannot go there. One hold of the lock from the
         judgement to the count: two binds to one node never both take the same memory."""
         with self._lock:
+            known = self._assumed.get(uid_of(pod))  # type: ignore[arg-type]
+            if known is not None:
+                # Its Binding was created and the watch has not shown it yet: a second one would fail, and
+                # counting the pod on another node meanwhile would free the memory it holds on the first.
+                return f"it is already bound to node {known.node} (the watch has not shown it yet)"
             judged = self.judge(name, pod, request)
             if isinstance(judged, str):
                 return judged
@@ -322,35 +342,103 @@ class ClusterCache:
             return Reservation(gpus=gpus, annotations=annotations, unit=inventory.unit)
 
     def assume(self, pod: dict[str, Any], node: str) -> None:
-        """Count a pod this extender just bound, until the watch delivers it bound (or the time runs out)."""
+        """Count a pod this extender is binding, until the watch or a read-back shows where it is."""
         slim = slim_pod(pod)  # kept as the watch would keep it; its parts may be shared, so copied, not changed
         bound = {**slim, "spec": {**slim["spec"], "nodeName": node}}
+        namespace, name = key_of(bound)
         with self._lock:
-            self._assumed[uid_of(bound)] = (node, self.clock() + ASSUME_SECONDS)
+            now = self.clock()
+            uid = uid_of(bound)
+            self._assumed[uid] = Assumed(uid, namespace, name, node, since=now, check_at=now + CONFIRM_SECONDS)
             self._place(bound)
 
     def forget(self, pod: dict[str, Any], node: str) -> None:
-        """A bind that failed: its reservation goes at once."""
+        """A Binding the API server refused: it never lands, so its reservation goes at once."""
         uid = uid_of(pod)
         with self._lock:
-            self._assumed.pop(uid, None)
-            if self._node_of.get(uid) == node:
-                self._remove(uid)
-
-    def _expire_assumed(self) -> None:
-        """Release binds the watch never confirmed. Called on reads, so at most once a second: a filter
-        judges every candidate node and must not walk the assumed pods for each."""
-        now = self.clock()
-        if now < self._next_expiry:
-            return
-        self._next_expiry = now + 1.0
-        for uid, (node, deadline) in list(self._assumed.items()):
-            if deadline < now:
+            known = self._assumed.get(uid)
+            if known is not None and known.node == node:
                 del self._assumed[uid]
-                current = self.pods.get(*_pod_key(self._nodes.get(node), uid))
-                if current is None or (current.get("spec") or {}).get("nodeName") != node:
-                    log.warning("bind of pod %s to %s never showed in the watch; releasing it", uid, node)
-                    self.forget({"metadata": {"uid": uid}}, node)
+                if self._node_of.get(uid) == node:
+                    self._remove(uid)
+
+    def unanswered(self, pod: dict[str, Any], node: str) -> None:
+        """A Binding whose answer was lost (timeout, cut connection, 5xx): it may land yet. Its memory stays
+        counted on ``node`` under a key of its own until the pod is read back or seen (``reservations``);
+        the pod itself is free to be tried elsewhere meanwhile."""
+        uid = uid_of(pod)
+        with self._lock:
+            known = self._assumed.get(uid)
+            if known is None or known.node != node or self._node_of.get(uid) != node:
+                return  # the watch showed the pod already: it is counted where it is
+            body = self._nodes[node].pods[uid]
+            del self._assumed[uid]
+            self._remove(uid)
+            known.unanswered, known.check_at = True, self.clock()
+            self._assumed[known.key] = known
+            self._unanswered.setdefault(uid, set()).add(known.key)
+            self._place({**body, "metadata": {**body["metadata"], "uid": known.key}})
+            log.warning("%s: no answer; its memory stays reserved until the pod is read back", known.describe())
+
+    def due(self, *, limit: int) -> list[Assumed]:
+        """Reservations to read back now: binds the watch has not confirmed within CONFIRM_SECONDS, and
+        unanswered Bindings; each is handed out again only CHECK_SECONDS later."""
+        with self._lock:
+            now = self.clock()
+            found = [assumed for assumed in self._assumed.values() if assumed.check_at <= now][:limit]
+            for assumed in found:
+                assumed.check_at = now + CHECK_SECONDS
+            return found
+
+    def settle(self, assumed: Assumed, read: dict[str, Any] | None) -> Settlement | None:
+        """Apply what a read-back of the pod showed (None: 404); None when the watch settled it meanwhile."""
+        with self._lock:
+            if self._assumed.get(assumed.key) is not assumed:
+                return None
+            outcome = settle(assumed, read, now=self.clock(), landing=self.landing_seconds)
+            if outcome.action is Action.WAIT:
+                return outcome
+            log.info("%s", outcome.reason)
+            if outcome.action is Action.COUNT:
+                assert read is not None
+                shown = self.pods.get(assumed.namespace, assumed.name)
+                if shown is None or uid_of(shown) != assumed.uid or not (shown.get("spec") or {}).get("nodeName"):
+                    self._lagging(f"the pod watch has not shown pod {assumed.namespace}/{assumed.name} bound")
+                self._settled(assumed.uid)
+                self._place(slim_pod(read))
+                return outcome
+            del self._assumed[assumed.key]
+            if assumed.unanswered:
+                self._unanswered.get(assumed.uid, set()).discard(assumed.key)
+                self._remove(assumed.key)
+            elif self._node_of.get(assumed.uid) == assumed.node:
+                self._remove(assumed.uid)
+            return outcome
+
+    def _settled(self, uid: str) -> None:
+        """The pod is seen bound, deleted or re-created: none of its reservations is needed any more (a bound
+        pod refuses every other Binding, and a deleted one every Binding)."""
+        self._assumed.pop(uid, None)
+        for key in self._unanswered.pop(uid, ()):
+            self._assumed.pop(key, None)
+            self._remove(key)
+
+    def _lagging(self, why: str) -> None:
+        """Evidence that the pod watch is behind the API server: relist, at most once per CHECK_SECONDS."""
+        now = self.clock()
+        if self._lag_seen is None or now - self._lag_seen >= CHECK_SECONDS:
+            self._lag_seen = now
+            self.pods.relist(why)
+
+    def unconfirmed(self) -> int:
+        """Binds counted that neither the watch nor a read-back has confirmed yet."""
+        with self._lock:
+            return len(self._assumed)
+
+    def stale(self) -> str | None:
+        """Why the cache cannot be trusted right now (a watch silent too long, a relist under way after
+        the watch was caught lagging), or None."""
+        return self.nodes.stale() or self.pods.stale()
 
     # --- informer handlers ---------------------------------------------------------------------------------
 
@@ -393,13 +481,15 @@ class ClusterCache:
         with self._lock:
             if new is None:
                 if old is not None:
+                    self._settled(uid_of(old))
                     self._unplace(old)
                 return
             if old is not None and uid_of(old) != uid_of(new):
+                self._settled(uid_of(old))
                 self._unplace(old)  # re-created under the same name while the watch was down
             node = (new.get("spec") or {}).get("nodeName")
             if node:
-                self._assumed.pop(uid_of(new), None)
+                self._settled(uid_of(new))
                 self._place(new)
             elif uid_of(new) not in self._assumed:
                 self._unplace(new)
@@ -514,9 +604,3 @@ def _cpu_of(pod: PodBody | dict[str, Any]) -> int:
         return cpu_request(pod)  # type: ignore[arg-type]
     except ContractError:
         return 0
-
-
-def _pod_key(state: NodeState | None, uid: str) -> tuple[str, str]:
-    pod = state.pods.get(uid) if state is not None else None
-    meta = (pod or {}).get("metadata") or {}
-    return meta.get("namespace", ""), meta.get("name", "")

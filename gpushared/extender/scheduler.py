@@ -1,12 +1,15 @@
 """Filter, prioritize and bind: the extender's three verbs over the cache, the core's policies and the API.
 
 Filter and prioritize only read the cache. Bind is the one writer: it judges the node again, counts the
-pod there in the cache, and creates the pod's Binding with the GPU choice as its annotations; if the
-Binding fails, the reservation is released, so the pod is free to be scheduled elsewhere.
+pod there in the cache, and creates the pod's Binding with the GPU choice as its annotations. If the API
+server refuses the Binding, the reservation is released, so the pod is free to be scheduled elsewhere; if
+its answer is lost, the memory stays reserved until the pod is read back (``reservations``), which
+:meth:`Scheduler.settle_binds` does in the background.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -16,6 +19,7 @@ from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.placement import Policy, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.reservations import Assumed
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import KubeError
@@ -111,8 +115,17 @@ class Scheduler:
                 args.pod_namespace, args.pod_name, uid=args.pod_uid, node=args.node, annotations=annotations
             )
         except KubeError as exc:
+            if not _refused(exc):
+                self.cache.unanswered(pod, args.node)
+                raise BindError(
+                    f"{where}: the Binding to node {args.node} got no answer ({exc}); it may still land, so its "
+                    "GPU memory stays reserved there until the pod is read back"
+                ) from None
             self.cache.forget(pod, args.node)
             raise BindError(f"{where}: binding to node {args.node} failed: {exc}") from None
+        except BaseException:  # cancelled with the request: the Binding may have been sent
+            self.cache.unanswered(pod, args.node)
+            raise
         log.info(
             "bound %s to node %s GPU %s (%d %s)",
             where,
@@ -121,6 +134,24 @@ class Scheduler:
             request.total,
             unit.value,
         )
+
+    async def settle_binds(self, *, limit: int = 64) -> int:
+        """Read back the pods of binds the watch has not confirmed and of unanswered Bindings, and count
+        each where the API server shows it; a read that fails settles nothing. Returns how many were read."""
+        due = self.cache.due(limit=limit)
+
+        async def read_back(assumed: Assumed) -> None:
+            try:
+                read: dict[str, Any] | None = await self.api.get_pod(assumed.namespace, assumed.name)
+            except KubeError as exc:
+                if exc.status != 404:
+                    log.info("%s: cannot read the pod back yet (%s)", assumed.describe(), exc)
+                    return
+                read = None
+            self.cache.settle(assumed, read)
+
+        await asyncio.gather(*(read_back(assumed) for assumed in due))
+        return len(due)
 
     async def _read(self, args: BindingArgs) -> dict[str, Any]:
         pod = self.cache.pods.get(args.pod_namespace, args.pod_name)
@@ -134,6 +165,12 @@ class Scheduler:
                 f"pod {args.pod_namespace}/{args.pod_name} is {uid_of(pod)}, not {args.pod_uid}: it was re-created"
             )
         return pod
+
+
+def _refused(exc: KubeError) -> bool:
+    """Whether the API server answered that it did not create the Binding. No answer (timeout, cut
+    connection) and a 5xx (kube-apiserver's 504 says the request may still complete) are not refusals."""
+    return exc.status is not None and exc.status < 500
 
 
 def _pod_name(pod: dict[str, Any]) -> str:

@@ -11,6 +11,8 @@ nodes whose GPUs are already taken.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import ssl
 import time
@@ -58,6 +60,22 @@ class Metrics:
             "gpushared_extender_errors", "Requests answered with an error, per verb", ("verb",), registry=self.registry
         )
         self.nodes = Gauge("gpushared_extender_nodes", "gpushared nodes in the cache", registry=self.registry)
+        self.stale = Gauge(
+            "gpushared_extender_cache_stale",
+            "1 while a watch of the cache is silent past its bound or being listed again after it lagged",
+            registry=self.registry,
+        )
+        self.watch_restarts = Gauge(
+            "gpushared_extender_watch_restarts",
+            "Watches of the cache listed again because they went silent, or lagged behind a read-back",
+            ("informer", "reason"),
+            registry=self.registry,
+        )
+        self.unconfirmed = Gauge(
+            "gpushared_extender_unconfirmed_binds",
+            "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
+            registry=self.registry,
+        )
 
 
 Ready = Callable[[], tuple[bool, str]]
@@ -74,7 +92,24 @@ def build_app(
     leader: Leader = lambda: None,
     metrics: Metrics | None = None,
 ) -> web.Application:
-    routes = _Routes(scheduler, config, ready=ready, leader=leader, metrics=metrics or Metrics())
+    metrics = metrics or Metrics()
+    cache = scheduler.cache
+
+    def ready_and_fresh() -> tuple[bool, str]:
+        """Synced, and no watch known to be behind: a stale cache would place pods on GPUs already taken."""
+        ok, why = ready()
+        if not ok:
+            return ok, why
+        stale = cache.stale()
+        return (False, f"the cache is stale: {stale}") if stale else (True, "")
+
+    metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
+    metrics.unconfirmed.set_function(cache.unconfirmed)
+    for informer in (cache.nodes, cache.pods):
+        silent, lagging = (metrics.watch_restarts.labels(informer=informer.name, reason=r) for r in ("silent", "lagging"))
+        silent.set_function(functools.partial(getattr, informer, "silent_watches"))
+        lagging.set_function(functools.partial(getattr, informer, "lag_relists"))
+    routes = _Routes(scheduler, config, ready=ready_and_fresh, leader=leader, metrics=metrics)
     app = web.Application(client_max_size=config.max_body_bytes)
     prefix = config.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", routes.verb("filter", routes.filter))
@@ -88,7 +123,31 @@ def build_app(
     app.router.add_get("/metrics", routes.prometheus)
     app.router.add_get("/version", routes.version)
     app.on_cleanup.append(routes.close)
+    app.cleanup_ctx.append(_settling(scheduler))
     return app
+
+
+#: How often the extender reads back binds the watch has not confirmed (``Scheduler.settle_binds``).
+SETTLE_SECONDS = 1.0
+
+
+def _settling(scheduler: Scheduler) -> Callable[[web.Application], Any]:
+    async def settle_in_background(app: web.Application) -> Any:
+        async def loop() -> None:
+            while True:
+                try:
+                    await scheduler.settle_binds()
+                except Exception:  # one bad round must not end the reads that release memory
+                    log.exception("reading binds back failed")
+                await asyncio.sleep(SETTLE_SECONDS)
+
+        task = asyncio.get_running_loop().create_task(loop(), name="settle-binds")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return settle_in_background
 
 
 class _Routes:

@@ -5,6 +5,12 @@ version seen, a 410 Gone (history compacted) or a broken stream is answered by l
 difference between the old mirror and the new list is handed to the handler as ordinary changes, so a
 consumer never misses a deletion that happened while the watch was down. Reads (:meth:`objects`,
 :meth:`get`) are snapshots, never network calls.
+
+A watch can also go quiet without ending: an API server or a proxy that keeps the stream open and sends
+nothing. Every watch asks the server to end it after ``watch_seconds``, and one that has neither delivered
+nor ended ``SILENCE_GRACE`` seconds after that is dead: its read times out and the mirror is listed again
+(:meth:`stale` says so meanwhile). A consumer that catches the watch lagging behind what it read from the
+API server asks for a relist itself (:meth:`relist`).
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ def version_of(obj: dict[str, Any]) -> int:
 
 #: Objects per list page: client-go's default.
 PAGE = 500
+#: How long past its own timeout a watch may stay silent before it is taken for dead.
+SILENCE_GRACE = REQUEST_TIMEOUT
 
 
 class Informer:
@@ -75,6 +83,16 @@ class Informer:
         self._thread = threading.Thread(target=self._run, name=f"informer-{name}", daemon=True)
         self._response: Any = None
         self.relists = 0
+        #: when the informer last heard from the API server: a list, an event, a bookmark, a watch's end
+        self._heard = time.monotonic()
+        #: why a relist was asked for and has not completed yet
+        self._relist_reason: str | None = None
+        #: the last watch died silent (no event, bookmark or end past its bound), and none has spoken since:
+        #: the mirror is listed again after each, but what changed since the last list is not seen
+        self._went_silent = False
+        #: watches taken for dead, and relists asked for by a consumer: what the metrics count
+        self.silent_watches = 0
+        self.lag_relists = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -83,16 +101,39 @@ class Informer:
 
     def stop(self) -> None:
         self._stop.set()
-        response = self._response
-        if response is not None:
-            # Closing the response would wait for the reader's lock; shutting the socket ends the read.
-            with contextlib.suppress(Exception):
-                response.connection.sock.shutdown(socket.SHUT_RDWR)
+        self._end_watch()
         self._thread.join(timeout=2)
 
     @property
     def synced(self) -> bool:
         return self._synced
+
+    def stale(self) -> str | None:
+        """Why this mirror may be behind the API server right now, or None."""
+        if self._relist_reason is not None:
+            return f"{self.name}: listing again ({self._relist_reason})"
+        bound = self.watch_seconds + SILENCE_GRACE
+        silent = time.monotonic() - self._heard
+        if self._synced and silent > bound:
+            return f"{self.name}: the watch has been silent for {silent:.0f} s"
+        if self._went_silent:
+            return f"{self.name}: the last watch sent nothing for {bound:.0f} s, not even its end; listed again"
+        return None
+
+    def relist(self, reason: str) -> None:
+        """List again now: the consumer has seen the API server ahead of the watch."""
+        if self._relist_reason is None:
+            log.warning("%s: %s; listing again", self.name, reason)
+            self.lag_relists += 1
+            self._relist_reason = reason
+        self._end_watch()
+
+    def _end_watch(self) -> None:
+        response = self._response
+        if response is not None:
+            # Closing the response would wait for the reader's lock; shutting the socket ends the read.
+            with contextlib.suppress(Exception):
+                response.connection.sock.shutdown(socket.SHUT_RDWR)
 
     def wait_synced(self, timeout: float) -> bool:
         with self._lock:
@@ -125,7 +166,11 @@ class Informer:
                 version = self._list()
                 backoff = 0.5
                 listed_at = time.monotonic()
-                while not self._stop.is_set() and time.monotonic() - listed_at < self.relist_seconds:
+                while (
+                    not self._stop.is_set()
+                    and self._relist_reason is None
+                    and time.monotonic() - listed_at < self.relist_seconds
+                ):
                     version = self._watch(version)
                 continue
             except KubeError as exc:
@@ -133,9 +178,14 @@ class Informer:
             except _Expired:
                 log.info("%s: watch expired (410); listing again", self.name)
                 continue
-            except Exception as exc:  # a cut stream, a bad chunk: list again
+            except Exception as exc:  # a cut stream, a bad chunk, a silent watch: list again
                 if self._stop.is_set():
                     return
+                if self._relist_reason is not None:
+                    continue  # asked for: list at once
+                if time.monotonic() - self._heard >= self.watch_seconds + SILENCE_GRACE:
+                    self._went_silent = True
+                    self.silent_watches += 1
                 log.warning("%s: watch broke (%s: %s); listing again", self.name, type(exc).__name__, exc)
             self._stop.wait(backoff)
             backoff = min(backoff * 2, 30.0)
@@ -156,6 +206,7 @@ class Informer:
         is read, so a cache of 150k pods never holds them all whole at once."""
         items: dict[Key, dict[str, Any]] = {}
         token = ""
+        reason = self._relist_reason
         while True:
             response = self._call(
                 _request_timeout=REQUEST_TIMEOUT, limit=PAGE, **({"_continue": token} if token else {})
@@ -176,6 +227,9 @@ class Informer:
                 self._notify(before, after)
             self._synced = True
             self.relists += 1
+            self._heard = time.monotonic()
+            if self._relist_reason is reason:
+                self._relist_reason = None
             self._lock.notify_all()
         return str(listing["metadata"]["resourceVersion"])
 
@@ -186,12 +240,16 @@ class Informer:
             resource_version=version,
             timeout_seconds=self.watch_seconds,
             allow_watch_bookmarks=True,
-            _request_timeout=(REQUEST_TIMEOUT, self.watch_seconds + REQUEST_TIMEOUT),
+            _request_timeout=(REQUEST_TIMEOUT, self.watch_seconds + SILENCE_GRACE),
         )
         self._response = response
+        if self._relist_reason is not None:
+            self._end_watch()  # asked for while this watch was being opened
         try:
             buffer = b""
             for chunk in response.stream(amt=None, decode_content=False):
+                self._heard = time.monotonic()
+                self._went_silent = False
                 buffer += chunk
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
@@ -200,6 +258,8 @@ class Informer:
         finally:
             self._response = None
             response.release_conn()
+        self._heard = time.monotonic()  # ended by the server: it is alive
+        self._went_silent = False
         if time.monotonic() - started < 1 and not self._stop.is_set():
             time.sleep(0.2)  # a server that ends watches at once must not make us spin
         return version

@@ -15,6 +15,7 @@ Every request is logged in :attr:`FakeApiServer.requests` so tests can assert wh
 from __future__ import annotations
 
 import bisect
+import contextlib
 import datetime
 import itertools
 import json
@@ -106,7 +107,9 @@ class Fault:
 
     ``path`` is a regular expression searched in the request path; ``watch`` restricts to watch (True)
     or non-watch (False) requests; ``times`` is how many requests it hits (None: until removed). A 410 on
-    a watch is sent as the API server does: HTTP 200 with an ERROR event.
+    a watch is sent as the API server does: HTTP 200 with an ERROR event. With ``applied`` the request is
+    carried out first and only its answer is delayed, replaced or cut: a write that lands although the
+    client saw it fail.
     """
 
     method: str | None = None
@@ -117,6 +120,7 @@ class Fault:
     watch: bool | None = None
     times: int | None = 1
     message: str = "injected fault"
+    applied: bool = False
     hits: int = 0
 
     def matches(self, method: str, path: str, *, watching: bool) -> bool:
@@ -172,6 +176,7 @@ class FakeApiServer:
         self._history = history
         self._compacted_rv = 0
         self._watches: list[_Watch] = []
+        self._stalled = False
         self.faults: list[Fault] = []
         self.requests: list[Request] = []
         self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
@@ -237,6 +242,13 @@ class FakeApiServer:
         with self._lock:
             for watch in self._watches:
                 watch.expire = True
+            self._changed.notify_all()
+
+    def stall_watches(self, stalled: bool = True) -> None:
+        """Open and new watches deliver nothing and never end while ``stalled``, as behind a proxy that
+        keeps the stream open and silent; lists and writes go on. Events held back are sent afterwards."""
+        with self._lock:
+            self._stalled = stalled
             self._changed.notify_all()
 
     def cut_watches(self) -> None:
@@ -518,6 +530,14 @@ class FakeApiServer:
             raise ApiError(400, "BadRequest", str(exc)) from None
         return self._events_of(resource, namespace, query, fields, labels)
 
+    def _stall(self, watch: _Watch) -> bool:
+        """While watches are stalled: wait a little and say so (a cut still ends the stream)."""
+        with self._lock:
+            if not self._stalled or watch.cut:
+                return False
+            self._changed.wait(timeout=0.5)
+            return self._stalled and not watch.cut
+
     def _events_after(self, since: int, plural: str) -> list[_Event]:
         """History is in resourceVersion order: find the start by bisection, not by scanning all of it
         on every wake of every watch (which made benchmarks with 100k objects measure this fake)."""
@@ -564,8 +584,13 @@ class FakeApiServer:
             if watch.expire:
                 yield from initial
                 return
+            while self._stall(watch):
+                yield None
             yield from initial
             while True:
+                if self._stall(watch):
+                    yield None
+                    continue
                 with self._lock:
                     pending = self._events_after(since, resource.plural)
                     if not pending and not (watch.expire or watch.cut):
@@ -717,6 +742,9 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 fault = next((f for f in server.faults if f.matches(method, parts.path, watching=watching)), None)
                 if fault is not None:
                     fault.hits += 1
+            if fault is not None and fault.applied:
+                with contextlib.suppress(ApiError):
+                    self._dispatch(method, parts.path, query, body)
             if fault is not None:
                 if fault.delay:
                     time.sleep(fault.delay)

@@ -224,7 +224,7 @@ def test_bind_that_does_not_fit_is_refused_with_the_reason(api: FakeApiServer, e
 
 def test_a_failed_binding_leaves_nothing_and_releases_the_reservation(api: FakeApiServer, extender: Extender) -> None:
     body = created(api, "p", 8)
-    api.inject(Fault(method="POST", path=r"/pods/p/binding$", status=500, message="etcd hiccup"))
+    api.inject(Fault(method="POST", path=r"/pods/p/binding$", status=422, message="refused"))
     _, result = extender.bind(body, "n1")
     assert "binding to node n1 failed" in result["Error"]
     assert api.get("pods", "p", "default")["spec"].get("nodeName") is None  # type: ignore[index]

@@ -18,7 +18,8 @@ from gpushared.core.ledger import Ledger
 from gpushared.core.placement import BINPACK, GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
 from gpushared.core.requests import pod_request
 from gpushared.extender import cache as cache_module
-from gpushared.extender.cache import ASSUME_SECONDS, MIX_SECONDS, ClusterCache
+from gpushared.extender.cache import MIX_SECONDS, ClusterCache
+from gpushared.extender.reservations import LANDING_SECONDS, ghost_uid
 from gpushared.extender.rooms import STALE, Rooms
 from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node
@@ -45,8 +46,10 @@ class CacheHistory(RuleBasedStateMachine):
         for name in NODES:
             self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
         self.watched: dict[str, dict[str, Any]] = {}  # what the watch last said of each pod
-        #: pods this extender bound and the watch has not shown bound yet: node and when the bind expires
-        self.assumed: dict[str, tuple[str, float]] = {}
+        #: pods this extender bound and the watch has not shown bound yet: their node
+        self.assumed: dict[str, str] = {}
+        #: Bindings whose answer was lost: (pod uid, node) -> when they were sent
+        self.unanswered: dict[tuple[str, str], float] = {}
 
     def _body(self, uid: str, node: str | None, phase: str = "Pending") -> dict[str, Any]:
         cpu = f"{cpu_milli(uid)}m"
@@ -70,7 +73,7 @@ class CacheHistory(RuleBasedStateMachine):
         if watched.get("status", {}).get("phase") == "Succeeded":
             return None
         bound = watched.get("spec", {}).get("nodeName")
-        return bound or (self.assumed[uid][0] if uid in self.assumed else None)
+        return bound or self.assumed.get(uid)
 
     def _event(self, uid: str, new: dict[str, Any] | None) -> None:
         self.cache.pods.handler(self.watched.get(uid), new)  # type: ignore[misc]
@@ -78,6 +81,9 @@ class CacheHistory(RuleBasedStateMachine):
             self.watched.pop(uid, None)
         else:
             self.watched[uid] = new
+        if new is None or new["spec"].get("nodeName"):
+            # seen bound or deleted: no Binding of it can land any more
+            self.unanswered = {k: v for k, v in self.unanswered.items() if k[0] != uid}
 
     @rule(uid=st.sampled_from(UIDS))
     def created_pending(self, uid: str) -> None:
@@ -85,6 +91,10 @@ class CacheHistory(RuleBasedStateMachine):
 
     @rule(uid=st.sampled_from(UIDS), node=st.sampled_from(NODES))
     def watch_shows_bound(self, uid: str, node: str) -> None:
+        if uid in self.watched and self.watched[uid]["spec"].get("nodeName"):
+            return  # a bound pod stays where it is
+        if uid in self.assumed:
+            node = self.assumed[uid]  # the Binding that was created is the one that landed
         self._event(uid, self._body(uid, node))
         self.assumed.pop(uid, None)
 
@@ -114,19 +124,52 @@ class CacheHistory(RuleBasedStateMachine):
     def bind_assumed(self, uid: str, node: str) -> None:
         if uid in self.watched and not self.watched[uid]["spec"].get("nodeName") and uid not in self.assumed:
             self.cache.assume(self._body(uid, None), node)
-            self.assumed[uid] = (node, self.now + ASSUME_SECONDS)
+            self.assumed[uid] = node
 
     @rule(uid=st.sampled_from(UIDS))
     def bind_failed(self, uid: str) -> None:
         if uid in self.assumed:
-            self.cache.forget(self._body(uid, None), self.assumed.pop(uid)[0])
+            self.cache.forget(self._body(uid, None), self.assumed.pop(uid))
+
+    @rule(uid=st.sampled_from(UIDS))
+    def bind_unanswered(self, uid: str) -> None:
+        """The Binding's answer is lost: its memory stays on the node, and the pod may be bound again."""
+        if uid in self.assumed:
+            node = self.assumed.pop(uid)
+            self.cache.unanswered(self._body(uid, None), node)
+            self.unanswered[(uid, node)] = self.now
+
+    @rule(data=st.data())
+    def read_back(self, data: st.DataObject) -> None:
+        """The settler reads a reservation's pod back; what the API server says is what the watch says
+        (or, for a pod the watch never had, that it is gone)."""
+        due = self.cache.due(limit=100)
+        if not due:
+            return
+        assumed = data.draw(st.sampled_from(due))
+        read = self.watched.get(assumed.uid)
+        if read is not None and assumed.uid in self.assumed:
+            read = self._body(assumed.uid, self.assumed[assumed.uid])  # created, not yet watched
+        outcome = self.cache.settle(assumed, read)
+        if outcome is None:
+            return
+        if read is None or read["spec"].get("nodeName"):
+            self.unanswered = {k: v for k, v in self.unanswered.items() if k[0] != assumed.uid}
+            if read is not None:
+                self.watched[assumed.uid] = read  # counted from the read: as if the watch had shown it
+                self.cache.pods.handler(None, read)  # type: ignore[misc]
+                self.assumed.pop(assumed.uid, None)
+        elif (
+            assumed.unanswered
+            and self.now - self.unanswered.get((assumed.uid, assumed.node), self.now) >= LANDING_SECONDS
+        ):
+            del self.unanswered[(assumed.uid, assumed.node)]
 
     @invariant()
     def each_pod_counted_once_where_it_is_and_in_the_mix(self) -> None:
-        # Time passes: binds the watch never confirmed are released after ASSUME_SECONDS, and the request
-        # mix may be taken anew.
+        # Time passes: nothing the watch never confirmed is released for that alone (only evidence ends a
+        # reservation), and the request mix may be taken anew.
         self.now += MIX_SECONDS
-        self.assumed = {uid: (node, end) for uid, (node, end) in self.assumed.items() if end >= self.now}
         holdings = []
         for name in NODES:
             snapshot = self.cache.snapshot(name)
@@ -135,8 +178,13 @@ class CacheHistory(RuleBasedStateMachine):
         for uid in UIDS[:-1]:
             expected = {self._counted(uid)} - {None}
             assert {name for name, h in holdings if h.uid == uid} == expected, uid
+            # an unanswered Binding's memory stays on its node, beside wherever the pod is counted
+            for node in NODES:
+                ghost = [h for name, h in holdings if name == node and h.uid == ghost_uid(uid, node)]
+                assert len(ghost) == ((uid, node) in self.unanswered), (uid, node)
         shapes = {uid: (1 + UIDS.index(uid), 1) for uid in UIDS[:-2]} | {UIDS[-2]: (2, 2), UIDS[-1]: (0, 0)}
         kinds = [(cpu_milli(uid), *shapes[uid]) for uid in UIDS if self._counted(uid)]
+        kinds += [(cpu_milli(uid), *shapes[uid]) for uid, _ in self.unanswered]  # it may land: it counts
         mix, truth = self.cache.request_mix(), RequestMix(kinds)
         assert len(mix) == len(truth) == len(kinds)
         for frees in ([1, 2, 3], [4, 0], [16, 16], [2, 2, 1]):
@@ -146,6 +194,7 @@ class CacheHistory(RuleBasedStateMachine):
             judged = self.cache.judge(name, pod("probe"), pod_request(pod("probe", 1)))
             assert not isinstance(judged, str) and judged[1].cpu is not None
             requested = sum(cpu_milli(uid) for uid in UIDS if self._counted(uid) == name)
+            requested += sum(cpu_milli(uid) for uid, node in self.unanswered if node == name)
             assert judged[1].cpu == NodeCpu(allocatable=8000, requested=requested), name
 
     @invariant()

@@ -1,0 +1,134 @@
+"""When a bind's reservation may end: only on evidence from the API server (``reservations.settle``), never
+because time passed while the watch said nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpushared import contract
+from gpushared.core.placement import BINPACK
+from gpushared.core.requests import pod_request
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.reservations import CONFIRM_SECONDS, LANDING_SECONDS, Action, Assumed, ghost_uid, settle
+from tests.builders import inventory, pod
+from tests.extender_harness import gpu_node
+
+
+def read(uid: str = "u1", node: str | None = None, *, deleting: bool = False) -> dict[str, Any]:
+    body = pod("p", 4, uid=uid, node=node)
+    if deleting:
+        body["metadata"]["deletionTimestamp"] = "2026-11-23T00:00:00Z"
+    return body
+
+
+SENT = Assumed("u1", "default", "p", "n1", since=0.0)
+LOST = Assumed("u1", "default", "p", "n1", since=0.0, unanswered=True)
+
+
+@pytest.mark.parametrize(
+    ("assumed", "answer", "now", "action"),
+    [
+        (SENT, None, 10.0, Action.RELEASE),  # 404: deleted
+        (SENT, read("u2", "n1"), 10.0, Action.RELEASE),  # another pod under the name
+        (SENT, read(node="n1"), 10.0, Action.COUNT),  # bound where the bind put it: the watch lags
+        (SENT, read(node="n2"), 10.0, Action.COUNT),  # bound elsewhere: counted there
+        (SENT, read(), 10.0, Action.WAIT),  # not bound yet: may still land
+        (SENT, read(), LANDING_SECONDS + 1, Action.RELEASE),
+        (SENT, read(deleting=True), 10.0, Action.RELEASE),  # deleting, unbound: no Binding can land
+        (LOST, read(), 10.0, Action.WAIT),
+        (LOST, read(), LANDING_SECONDS - 1, Action.WAIT),
+        (LOST, read(), LANDING_SECONDS + 1, Action.RELEASE),
+        (LOST, read(node="n1"), 10.0, Action.COUNT),  # it landed
+        (LOST, read(node="n2"), 10.0, Action.COUNT),  # bound elsewhere: the lost one can never land
+        (LOST, None, 10.0, Action.RELEASE),
+    ],
+)
+def test_settle(assumed: Assumed, answer: dict[str, Any] | None, now: float, action: Action) -> None:
+    outcome = settle(assumed, answer, now=now)
+    assert outcome.action is action, outcome.reason
+    assert "pod default/p" in outcome.reason
+
+
+def test_the_key_of_an_unanswered_binding_is_never_a_uid() -> None:
+    assert LOST.key == ghost_uid("u1", "n1") != "u1" and SENT.key == "u1"
+
+
+def cache_at(now: list[float]) -> ClusterCache:
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        clock=lambda: now[0],
+    )
+    cache.nodes.handler(None, gpu_node("n1", inv=inventory(16)))  # type: ignore[misc]
+    return cache
+
+
+def fits(cache: ClusterCache, amount: int) -> bool:
+    return cache.filter(["n1"], pod_request(pod("probe", amount)))[0] == ["n1"]
+
+
+def test_a_bind_the_watch_never_shows_keeps_its_memory_however_long() -> None:
+    """Defect: a stalled watch used to release every bind after 60 s, and the memory was bound again."""
+    now = [0.0]
+    cache = cache_at(now)
+    pending = pod("p", 10, uid="u1")
+    cache.pods.handler(None, pending)  # type: ignore[misc]
+    reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
+    assert not isinstance(reserved, str)
+    for _ in range(100):  # ten minutes of silence, read on every filter
+        now[0] += 6
+        assert not fits(cache, 10)
+    # The settler reads it back: bound there. It stays counted, now from the API server's body.
+    (due,) = cache.due(limit=10)
+    bound = read(node="n1")
+    bound["metadata"]["annotations"] = reserved.annotations
+    outcome = cache.settle(due, bound)
+    assert outcome is not None and outcome.action is Action.COUNT
+    assert not fits(cache, 10) and fits(cache, 6) and cache.unconfirmed() == 0
+
+
+def test_a_read_back_that_fails_settles_nothing_and_is_tried_again() -> None:
+    now = [0.0]
+    cache = cache_at(now)
+    pending = pod("p", 10, uid="u1")
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    assert cache.due(limit=10) == []  # the watch gets CONFIRM_SECONDS first
+    now[0] += CONFIRM_SECONDS
+    assert len(cache.due(limit=10)) == 1
+    assert cache.due(limit=10) == []  # handed out once per CHECK_SECONDS
+    now[0] += CONFIRM_SECONDS
+    assert len(cache.due(limit=10)) == 1 and not fits(cache, 10)
+
+
+def test_an_unanswered_binding_keeps_its_memory_while_the_pod_is_tried_elsewhere() -> None:
+    """Defect: a Binding that timed out on the client but landed on the server was forgotten; the memory went
+    to another pod, then the Binding landed: 20/16."""
+    now = [0.0]
+    cache = cache_at(now)
+    cache.nodes.handler(None, gpu_node("n2", inv=inventory(16)))  # type: ignore[misc]
+    pending = pod("p", 10, uid="u1")
+    cache.pods.handler(None, pending)  # type: ignore[misc]
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    cache.unanswered(pending, "n1")
+    assert not fits(cache, 10)  # the late Binding may take it
+    # kube-scheduler tries the pod again, on n2: allowed, and both nodes hold it until the truth is known
+    assert not isinstance(cache.reserve("n2", pending, pod_request(pending), policy=BINPACK, now_ns=2), str)  # type: ignore[arg-type]
+    assert not cache.filter(["n1", "n2"], pod_request(pod("probe", 10)))[0]
+    # The watch shows it bound to n2: no Binding to n1 can land any more.
+    bound = read(node="n2")
+    cache.pods.handler(pending, bound)  # type: ignore[misc]
+    assert fits(cache, 10) and cache.unconfirmed() == 0
+
+
+def test_a_second_bind_of_a_pod_whose_binding_was_created_is_refused() -> None:
+    """Counting it on another node would free what it holds on the first before the watch shows it there."""
+    cache = cache_at([0.0])
+    pending = pod("p", 10, uid="u1")
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    again = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=2)  # type: ignore[arg-type]
+    assert again == "it is already bound to node n1 (the watch has not shown it yet)"
+    assert not fits(cache, 10) and fits(cache, 6)
+
