@@ -106,7 +106,8 @@ def build_app(
     metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
     metrics.unconfirmed.set_function(cache.unconfirmed)
     for informer in (cache.nodes, cache.pods):
-        silent, lagging = (metrics.watch_restarts.labels(informer=informer.name, reason=r) for r in ("silent", "lagging"))
+        restarts = metrics.watch_restarts
+        silent, lagging = (restarts.labels(informer=informer.name, reason=r) for r in ("silent", "lagging"))
         silent.set_function(functools.partial(getattr, informer, "silent_watches"))
         lagging.set_function(functools.partial(getattr, informer, "lag_relists"))
     routes = _Routes(scheduler, config, ready=ready_and_fresh, leader=leader, metrics=metrics)

@@ -131,4 +131,3 @@ def test_a_second_bind_of_a_pod_whose_binding_was_created_is_refused() -> None:
     again = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=2)  # type: ignore[arg-type]
     assert again == "it is already bound to node n1 (the watch has not shown it yet)"
     assert not fits(cache, 10) and fits(cache, 6)
-
