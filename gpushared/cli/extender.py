@@ -36,7 +36,31 @@ ENV = "GPUSHARED_EXTENDER"
 @click.option("--kubeconfig", type=click.Path(path_type=Path), help="Kubeconfig; in-cluster credentials without it.")
 @click.option("--tls-cert", type=click.Path(exists=True, path_type=Path), help="Serve HTTPS with this certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, path_type=Path), help="The certificate's private key.")
-@click.option("--max-body-mib", type=click.IntRange(1, 1024), default=64, show_default=True, help="Request size limit.")
+@click.option(
+    "--client-ca",
+    type=click.Path(exists=True, path_type=Path),
+    help="Mutual TLS: the verbs answer only callers with a client certificate this CA signed (needs --tls-*).",
+)
+@click.option(
+    "--client-name",
+    "client_names",
+    multiple=True,
+    help="With --client-ca: only certificates with this common name or DNS name (repeatable; default: any).",
+)
+@click.option(
+    "--public-pod-names/--no-public-pod-names",
+    default=False,
+    show_default=True,
+    help="/inspect names pods to callers without a client certificate too.",
+)
+@click.option("--max-body-mib", type=click.IntRange(1, 1024), default=8, show_default=True, help="Request size limit.")
+@click.option(
+    "--max-nodes",
+    type=click.IntRange(1, 1_000_000),
+    default=15_000,
+    show_default=True,
+    help="The most candidate nodes one filter or prioritize may name.",
+)
 @click.option(
     "--leader-elect/--no-leader-elect", default=False, show_default=True, help="Only the Lease holder serves verbs."
 )
@@ -77,7 +101,11 @@ def main(
     kubeconfig: Path | None,
     tls_cert: Path | None,
     tls_key: Path | None,
+    client_ca: Path | None,
+    client_names: tuple[str, ...],
+    public_pod_names: bool,
     max_body_mib: int,
+    max_nodes: int,
     leader_elect: bool,
     lease_namespace: str,
     lease_name: str,
@@ -103,8 +131,7 @@ def main(
         chosen = policy_named(policy)
     except ContractError as exc:
         raise click.BadParameter(exc.reason, param_hint="--policy") from None
-    if (tls_cert is None) != (tls_key is None):
-        raise click.UsageError("--tls-cert and --tls-key go together")
+    _check_tls(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, where=f"{address}:{port}")
     try:
         api = Api(connect(kubeconfig))
         binder = AsyncApi(api.client.configuration)
@@ -152,8 +179,12 @@ def main(
         port=port,
         prefix=prefix,
         max_body_bytes=max_body_mib * 2**20,
+        max_nodes=max_nodes,
         tls_cert=tls_cert,
         tls_key=tls_key,
+        client_ca=client_ca,
+        client_names=frozenset(client_names),
+        public_pod_names=public_pod_names,
     )
     app = build_app(
         Scheduler(cache=cache, api=binder, policy=chosen, resources=resources),
@@ -181,6 +212,18 @@ def main(
         if elector is not None:
             elector.stop()
         cache.stop()
+
+
+def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, where: str) -> None:
+    if (tls_cert is None) != (tls_key is None):
+        raise click.UsageError("--tls-cert and --tls-key go together")
+    if client_ca is not None and tls_cert is None:
+        raise click.UsageError("--client-ca needs --tls-cert and --tls-key: client certificates come with TLS")
+    if client_ca is None:
+        log.warning(
+            "no --client-ca: anyone who reaches %s may filter and bind pods; see docs/install.md (mutual TLS)",
+            where,
+        )
 
 
 def _prepare_when_synced(cache: ClusterCache, prepared: threading.Event) -> None:

@@ -207,3 +207,74 @@ def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
     elif slim_status:
         slim["status"] = slim_status
     return slim
+
+
+def pod_shape_problem(pod: Any) -> str | None:
+    """What is structurally wrong with a pod body from an untrusted caller, in the fields the core reads;
+    None if nothing. The API server never sends such a pod, but anyone who can reach the extender's port
+    can, and each of these would otherwise be an exception deep in the core."""
+    if not isinstance(pod, dict):
+        return "'Pod' must be an object"
+    meta = pod.get("metadata")
+    if not isinstance(meta, dict):
+        return "'Pod.metadata' must be an object"
+    for key in ("name", "namespace", "uid", "resourceVersion", "deletionTimestamp"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"'Pod.metadata.{key}' must be a string"
+    for key in ("annotations", "labels"):
+        problem = _string_map(meta.get(key), f"Pod.metadata.{key}")
+        if problem:
+            return problem
+    spec = pod.get("spec")
+    if spec is None:
+        return None
+    if not isinstance(spec, dict):
+        return "'Pod.spec' must be an object"
+    if spec.get("nodeName") is not None and not isinstance(spec["nodeName"], str):
+        return "'Pod.spec.nodeName' must be a string"
+    if spec.get("overhead") is not None and not isinstance(spec["overhead"], dict):
+        return "'Pod.spec.overhead' must be an object"
+    for part in ("initContainers", "containers"):
+        containers = spec.get(part)
+        if containers is None:
+            continue
+        if not isinstance(containers, list):
+            return f"'Pod.spec.{part}' must be a list"
+        for position, container in enumerate(containers):
+            where = f"Pod.spec.{part}[{position}]"
+            if not isinstance(container, dict):
+                return f"'{where}' must be an object"
+            for key in ("name", "restartPolicy"):
+                if container.get(key) is not None and not isinstance(container[key], str):
+                    return f"'{where}.{key}' must be a string"
+            resources = container.get("resources")
+            if resources is None:
+                continue
+            if not isinstance(resources, dict):
+                return f"'{where}.resources' must be an object"
+            for kind in ("limits", "requests"):
+                amounts = resources.get(kind)
+                if amounts is not None and not isinstance(amounts, dict):
+                    return f"'{where}.resources.{kind}' must be an object"
+    status = pod.get("status")
+    if status is not None and not isinstance(status, dict):
+        return "'Pod.status' must be an object"
+    if isinstance(status, dict):
+        if status.get("phase") is not None and not isinstance(status["phase"], str):
+            return "'Pod.status.phase' must be a string"
+        for part in ("containerStatuses", "initContainerStatuses"):
+            statuses = status.get(part)
+            if statuses is not None and (
+                not isinstance(statuses, list)
+                or not all(isinstance(s, dict) and isinstance(s.get("state") or {}, dict) for s in statuses)
+            ):
+                return f"'Pod.status.{part}' must be a list of container statuses"
+    return None
+
+
+def _string_map(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        return f"'{where}' must be an object of strings"
+    return None

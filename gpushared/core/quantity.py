@@ -31,6 +31,12 @@ _SUFFIXES: Final = {
     "u": Decimal(1) / 10**6,
     "n": Decimal(1) / 10**9,
 }
+#: Bounds checked on the text, before any arithmetic: Kubernetes keeps quantities in 64 bits, and
+#: ``1e999999`` would otherwise be a million-digit integer (41 s of one CPU, measured).
+MAX_DIGITS: Final = 40
+MAX_EXPONENT: Final = 30
+#: Kubernetes' largest quantity: int64.
+MAX_VALUE: Final = Decimal(2) ** 63 - 1
 _QUANTITY: Final = re.compile(r"^([+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))(?:([eE][+-]?[0-9]+)|([a-zA-Z]*))$")
 
 
@@ -53,9 +59,14 @@ def _decimal(key: str, value: object) -> Decimal:
     if isinstance(value, int):
         number = Decimal(value)
     elif isinstance(value, str):
+        if len(value) > 2 * MAX_DIGITS:
+            raise ContractError(key=key, value=value[:MAX_DIGITS] + "...", reason="too long for a quantity")
         match = _QUANTITY.match(value.strip())
         if match is None or (match.group(3) or "") not in _SUFFIXES:
             raise ContractError(key=key, value=value, reason="not a Kubernetes quantity")
+        exponent = match.group(2)
+        if exponent is not None and abs(int(exponent[1:])) > MAX_EXPONENT:
+            raise ContractError(key=key, value=value, reason=f"exponent beyond ±{MAX_EXPONENT}")
         try:
             number = Decimal(match.group(1) + (match.group(2) or "")) * _SUFFIXES[match.group(3) or ""]
         except InvalidOperation:
@@ -64,4 +75,6 @@ def _decimal(key: str, value: object) -> Decimal:
         raise ContractError(key=key, value=value, reason="expected a quantity")
     if number < 0:
         raise ContractError(key=key, value=value, reason="must not be negative")
+    if number > MAX_VALUE:
+        raise ContractError(key=key, value=value, reason="larger than Kubernetes' largest quantity (2^63 - 1)")
     return number

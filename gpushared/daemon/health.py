@@ -3,7 +3,8 @@
 NVIDIA's plugin never lets a GPU recover, so one stray XID costs a node its GPU until a restart. Here a
 GPU is unhealthy for ``recover_after`` seconds after its last critical event. Application XIDs (a kernel
 of one pod faulting, 13, 31, 43, 45, 68, 109 by default) say nothing about the GPU and are ignored. When
-NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
+NVML fails on one GPU (GPU_IS_LOST on its memory info), that GPU alone is unhealthy, as after an event;
+when NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
 A GPU whose MPS control daemon does not answer is unhealthy for as long as that lasts (a condition, not
 an event: it clears the moment the daemon answers).
 """
@@ -14,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+_NVML_FAILED = "NVML failed on this GPU"
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,15 @@ class Health:
             for target in [uuid] if uuid else list(all_uuids):
                 self._marks[target] = Mark(reason=reason, since=now)
         return True
+
+    def gpu_failed(self, uuid: str, reason: str) -> bool:
+        """NVML failed on this one GPU: it is unhealthy until it has read well for the quiet period, as after
+        a critical event. True when it was healthy until now."""
+        with self._lock:
+            mark = self._marks.get(uuid)
+            fresh = mark is None or not mark.reason.startswith(_NVML_FAILED)
+            self._marks[uuid] = Mark(reason=f"{_NVML_FAILED}: {reason}", since=self.clock())
+        return fresh
 
     def backend_failed(self, reason: str) -> None:
         with self._lock:

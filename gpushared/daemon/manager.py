@@ -40,6 +40,10 @@ log = logging.getLogger(__name__)
 COMPONENT = "gpushared"
 EVENT_FAILED = "GPUAllocationFailed"
 EVENT_ALLOCATED = "GPUAllocated"
+#: What one GetPreferredAllocation or Allocate may spend on the API server, all reads together. The kubelet
+#: admits pods one at a time: a hung API server once held every admission on the node for 40 s (10 s x
+#: urllib3's retries). Past it the kubelet gets UNAVAILABLE, and tries the pod again.
+ALLOCATE_BUDGET_SECONDS = 2.0
 
 
 def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health, mps: bool = False) -> GpuInventory:
@@ -90,6 +94,9 @@ class Manager:
         self.resource_name = resources.gpu_mem
         self.unit = unit
         self.api = api
+        #: the reads on the kubelet's path: tried once, within what is left of ALLOCATE_BUDGET_SECONDS
+        self._lookup = api.without_retries() if api is not None else None
+        self._deadline = 0.0
         self.pods = pods
         self.pod_resources_socket = pod_resources_socket
         self.health = health
@@ -169,6 +176,7 @@ class Manager:
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Devices on the GPU the admitted pod's annotations name; empty when the pod cannot be named."""
+        self._deadline = time.monotonic() + ALLOCATE_BUDGET_SECONDS
         try:
             slot = self._identify(size).chosen.next
         except (handshake.Unidentified, AllocationRefused) as exc:
@@ -189,6 +197,7 @@ class Manager:
         started = time.perf_counter()
         try:
             with self._allocate_lock:
+                self._deadline = time.monotonic() + ALLOCATE_BUDGET_SECONDS
                 result = self._allocate(devices)
         except AllocationRefused as exc:
             self.metrics.allocate_failures.inc()
@@ -370,12 +379,19 @@ class Manager:
     def _pod(self, namespace: str, name: str, *, listed: dict[str, list[str]]) -> dict[str, Any] | None:
         """The pod's body from the watch; fetched (one pod, by name) only when it may be the one admitted."""
         pod = self.pods.find(namespace, name) if self.pods is not None else None
-        if pod is not None or self.api is None:
+        if pod is not None or self._lookup is None:
             return pod
         if listed and all(listed.values()):
             return None  # every app container has devices: not being admitted
+        left = self._deadline - time.monotonic()
+        if left <= 0.05:
+            raise AllocationRefused(
+                f"cannot read pod {namespace}/{name} to find its GPU: the API server took the "
+                f"{ALLOCATE_BUDGET_SECONDS:.0f} s an admission may wait",
+                retryable=True,
+            )
         try:
-            pod = self.api.get_pod(namespace, name)
+            pod = self._lookup.get_pod(namespace, name, timeout=left)
         except KubeError as exc:
             if exc.status == 404:
                 return None

@@ -308,7 +308,7 @@ def daemon_uuids(settings: MpsSettings, *, gpu: str | None, backend: GpuBackend)
         return known if gpu is None else [gpu]
     if gpu.isdigit():
         backend.start()
-        for device in backend.devices():
+        for device in backend.devices()[0]:
             if device.index == int(gpu) and device.uuid in known:
                 return [device.uuid]
     raise MpsError(f"no MPS daemon directory for GPU {gpu} under {root}")
@@ -345,7 +345,7 @@ def prepare_mounts(settings: MpsSettings, *, backend: GpuBackend) -> list[str]:
     backend.start()
     host = host_mount_namespace()
     lines = []
-    for gpu in backend.devices():
+    for gpu in backend.devices()[0]:
         if gpu.mig_enabled:
             continue  # never advertised, so never given an MPS daemon
         control = MpsControl(binary=settings.binary, uuid=gpu.uuid, dirs=GpuDirs.of(settings.root, gpu.uuid))

@@ -34,7 +34,7 @@ from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
-from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
+from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice, GpuReadError
 
 log = logging.getLogger(__name__)
 
@@ -257,7 +257,7 @@ class Service:
         try:
             if not self._backend_ok:
                 self.backend.start()
-            gpus = self.backend.devices()
+            gpus, failed = self.backend.devices()
         except GpuBackendError as exc:
             if str(exc) != self._backend_error:  # once per failure, not twice a second on a node without a driver
                 log.error("GPUs unreadable: %s; every GPU is unhealthy until NVML answers", exc)
@@ -268,6 +268,7 @@ class Service:
             log.info("NVML answers again")
         self._backend_ok, self._backend_error = True, None
         self.health.backend_ok()
+        gpus = sorted([*gpus, *self._failed_gpus(failed)], key=lambda g: g.index)
         usable = []
         for gpu in gpus:
             if gpu.mig_enabled:
@@ -283,6 +284,26 @@ class Service:
                 continue
             usable.append(gpu)
         self._gpus = usable
+
+    def _failed_gpus(self, failed: list[GpuReadError]) -> list[GpuDevice]:
+        """GPUs NVML failed on this time: each is unhealthy, alone, and keeps its last reading so the node's
+        inventory still lists it; one never read yet cannot be named, and is left out until it is."""
+        known = {gpu.index: gpu for gpu in self._gpus}
+        kept = []
+        for error in failed:
+            previous = known.get(error.index)
+            if previous is None or error.uuid not in (None, previous.uuid):
+                log.error("GPU %d cannot be read (%s); it is not advertised until it can", error.index, error.reason)
+                continue
+            if self.health.gpu_failed(previous.uuid, error.reason):
+                log.error(
+                    "GPU %d (%s): NVML failed on it (%s); it alone is unhealthy",
+                    error.index,
+                    previous.uuid,
+                    error.reason,
+                )
+            kept.append(previous)
+        return kept
 
     def _keep_registered(self) -> None:
         """(Re-)register when kubelet.sock is new (kubelet restarted) or our socket is gone (kubelet deleted it)."""

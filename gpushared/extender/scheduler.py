@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 class BindError(Exception):
     pass
+
+
+#: A Kubernetes UID as the API server writes them.
+_UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
 
 
 class Scheduler:
@@ -83,7 +88,8 @@ class Scheduler:
         return list(zip(args.names, node_scores(keys), strict=True))
 
     async def bind(self, args: BindingArgs) -> None:
-        """Raises :class:`BindError` with a message for the pod's events.
+        """Raises :class:`BindError` with a message for the pod's events, with no UID in it but the one the
+        caller gave (the API server's own messages name the UIDs they compared).
 
         One API write: the Binding carries the GPU choice as annotations, which kube-apiserver copies onto
         the pod in the same update that sets its node. So no one ever sees the pod bound without its GPUs or
@@ -91,6 +97,12 @@ class Scheduler:
         counted in the cache before the write, under the cache's lock, so two binds to one node see each
         other; a failed write releases it at once.
         """
+        try:
+            await self._bind(args)
+        except BindError as exc:
+            raise BindError(_UID.sub(lambda m: m[0] if m[0] == args.pod_uid else "<uid>", str(exc))) from None
+
+    async def _bind(self, args: BindingArgs) -> None:
         where = f"pod {args.pod_namespace}/{args.pod_name}"
         pod = await self._read(args)
         bound_to = (pod.get("spec") or {}).get("nodeName")
@@ -161,8 +173,9 @@ class Scheduler:
             except KubeError as exc:
                 raise BindError(f"pod {args.pod_namespace}/{args.pod_name} cannot be read: {exc}") from None
         if uid_of(pod) != args.pod_uid:
+            # Never the UID it has: a UID is what a Binding needs, and the caller may not know it.
             raise BindError(
-                f"pod {args.pod_namespace}/{args.pod_name} is {uid_of(pod)}, not {args.pod_uid}: it was re-created"
+                f"pod {args.pod_namespace}/{args.pod_name} does not have UID {args.pod_uid}: it was re-created"
             )
         return pod
 

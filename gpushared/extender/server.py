@@ -39,11 +39,20 @@ class ServerConfig:
     address: str = "0.0.0.0"
     port: int = 39999
     prefix: str = "/gpushare-scheduler"
-    max_body_bytes: int = 64 * 2**20
+    #: 8 MiB: 15,000 node names are 0.3 MiB (nodeCacheCapable), and orjson parses 8 MiB in about 60 ms of
+    #: the event loop; a larger body would hold /healthz past 100 ms
+    max_body_bytes: int = 8 * 2**20
+    max_nodes: int = wire.MAX_NODES
     read_timeout: float = 10.0
     keepalive_timeout: float = 75.0
     tls_cert: Path | None = None
     tls_key: Path | None = None
+    #: mutual TLS: the verbs answer only callers whose client certificate this CA signed
+    client_ca: Path | None = None
+    #: and, if any are given, whose certificate's common name or DNS name is one of these
+    client_names: frozenset[str] = frozenset()
+    #: /inspect names pods to callers without a client certificate too
+    public_pod_names: bool = False
 
 
 class Metrics:
@@ -171,6 +180,10 @@ class _Routes:
         """A follower passes the verb to the leader, so every replica can be Ready behind the Service."""
         if self._session is None:
             context = ssl.create_default_context(cafile=str(self.config.tls_cert)) if self.config.tls_cert else None
+            if context is not None and self.config.client_ca is not None:
+                # The leader asks for a client certificate too: this replica presents its own.
+                context.load_verify_locations(cafile=str(self.config.client_ca))
+                context.load_cert_chain(str(self.config.tls_cert), str(self.config.tls_key))
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.config.read_timeout),
                 connector=aiohttp.TCPConnector(ssl=context) if context else None,
@@ -193,6 +206,11 @@ class _Routes:
         async def serve(request: web.Request) -> web.Response:
             started = time.perf_counter()
             try:
+                refused = self._unauthenticated(request)
+                if refused is not None:
+                    errors.inc()
+                    log.warning("%s from %s refused: %s", name, request.remote, refused[1])
+                    return _json({"Error": refused[1]}, status=refused[0])
                 ok, why = self.ready()
                 if not ok:
                     errors.inc()
@@ -217,22 +235,38 @@ class _Routes:
                 except wire.WireError as exc:
                     errors.inc()
                     return _json({"Error": str(exc)}, status=400)
+                except Exception as exc:  # a bug, never a caller's fault: say so, keep serving
+                    errors.inc()
+                    log.exception("%s failed", name)
+                    return _json({"Error": f"{name}: internal error ({type(exc).__name__}); see the log"}, status=500)
             finally:
                 seconds.observe(time.perf_counter() - started)
 
         return serve
 
+    def _unauthenticated(self, request: web.Request) -> tuple[int, str] | None:
+        """The HTTP status and reason the caller may not use the verbs with (None: it may): 401 without a
+        client certificate, 403 with one whose name is not allowed. Without --client-ca anyone may."""
+        if self.config.client_ca is None:
+            return None
+        names = _certificate_names(request)
+        if names is None:
+            return 401, "a client certificate signed by the extender's client CA is required"
+        if self.config.client_names and not names & self.config.client_names:
+            return 403, f"client certificate {sorted(names)} is not allowed here"
+        return None
+
     async def filter(self, raw: bytes) -> web.Response:
-        args = wire.parse_args(raw, verb="filter")
+        args = wire.parse_args(raw, verb="filter", max_nodes=self.config.max_nodes)
         passed, failed, error = self.scheduler.filter(args)
         return _json(wire.filter_result(args, passed=passed, failed=failed, error=error))
 
     async def prioritize(self, raw: bytes) -> web.Response:
-        args = wire.parse_args(raw, verb="prioritize")
+        args = wire.parse_args(raw, verb="prioritize", max_nodes=self.config.max_nodes)
         return _json(wire.priority_list(self.scheduler.prioritize(args)))
 
     async def prioritize_no_gpu(self, raw: bytes) -> web.Response:
-        args = wire.parse_args(raw, verb="prioritize-no-gpu")
+        args = wire.parse_args(raw, verb="prioritize-no-gpu", max_nodes=self.config.max_nodes)
         return _json(wire.priority_list(self.scheduler.prioritize_no_gpu(args)))
 
     async def bind(self, raw: bytes) -> web.Response:
@@ -245,21 +279,30 @@ class _Routes:
             return _json(wire.binding_result(str(exc)))
         return _json(wire.binding_result())
 
-    def _report(self, name: str) -> dict[str, Any] | None:
+    def _report(self, name: str, request: web.Request) -> dict[str, Any] | None:
         snapshot = self.scheduler.cache.snapshot(name)
         if snapshot is None:
             return None
         inventory, holdings, address = snapshot
-        return node_report(name=name, address=address, inventory=inventory, holdings=holdings)
+        report = node_report(name=name, address=address, inventory=inventory, holdings=holdings)
+        if not self._may_see_pods(request):
+            _hide_pods(report)
+        return report
+
+    def _may_see_pods(self, request: web.Request) -> bool:
+        """Pod names (and so which tenants run where) only to authenticated callers, unless the flag says."""
+        if self.config.public_pod_names:
+            return True
+        return self.config.client_ca is not None and self._unauthenticated(request) is None
 
     async def inspect_all(self, request: web.Request) -> web.Response:
-        nodes = [r for r in (self._report(n) for n in self.scheduler.cache.node_names()) if r is not None]
+        nodes = [r for r in (self._report(n, request) for n in self.scheduler.cache.node_names()) if r is not None]
         self.metrics.nodes.set(len(nodes))
         return _json({"nodes": nodes})
 
     async def inspect_node(self, request: web.Request) -> web.Response:
         name = request.match_info["node"]
-        found = self._report(name)
+        found = self._report(name, request)
         if found is None:
             return _json(
                 {"nodes": [], "error": f"node {name} is not a gpushared node known to the extender"}, status=404
@@ -280,13 +323,41 @@ class _Routes:
         return web.Response(text=__version__ + "\n")
 
 
+def _hide_pods(report: dict[str, Any]) -> None:
+    """Amounts stay (they are the node's state); who holds them goes."""
+    for holder in [*(p for dev in report["devs"] for p in dev["pods"]), *report["pending"]]:
+        holder["name"] = holder["namespace"] = HIDDEN
+
+
+#: What an unauthenticated caller sees in place of a pod's name and namespace.
+HIDDEN = "(hidden)"
+
+
+def _certificate_names(request: web.Request) -> set[str] | None:
+    """The common names and DNS names of the caller's verified client certificate; None without one."""
+    ssl_object = request.transport.get_extra_info("ssl_object") if request.transport is not None else None
+    certificate = ssl_object.getpeercert() if ssl_object is not None else None
+    if not certificate:
+        return None
+    names = {value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"}
+    names |= {value for kind, value in certificate.get("subjectAltName", ()) if kind == "DNS"}
+    return names
+
+
 def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     if config.tls_cert is None and config.tls_key is None:
+        if config.client_ca is not None:
+            raise ValueError("client certificates need TLS: give a certificate and a key too")
         return None
     if config.tls_cert is None or config.tls_key is None:
         raise ValueError("TLS needs both a certificate and a key")
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    if config.client_ca is not None:
+        # Optional at the handshake, so kubelet's probes reach /healthz and /readyz; a certificate that is
+        # presented must verify, and the verbs refuse a caller without one (_Routes._unauthenticated).
+        context.verify_mode = ssl.CERT_OPTIONAL
+        context.load_verify_locations(cafile=str(config.client_ca))
     return context
 
 

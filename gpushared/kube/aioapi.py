@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import ssl
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import quote, urlsplit
 
 import aiohttp
 import kubernetes
@@ -49,7 +49,7 @@ class AsyncApi:
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         return await self._call(  # type: ignore[no-any-return]
-            f"get pod {namespace}/{name}", "GET", f"/api/v1/namespaces/{namespace}/pods/{name}"
+            f"get pod {namespace}/{name}", "GET", _pod_path(namespace, name)
         )
 
     async def bind_pod(self, namespace: str, name: str, *, uid: str, node: str, annotations: dict[str, str]) -> None:
@@ -64,7 +64,7 @@ class AsyncApi:
         await self._call(
             f"bind pod {namespace}/{name} to {node}",
             "POST",
-            f"/api/v1/namespaces/{namespace}/pods/{name}/binding",
+            _pod_path(namespace, name) + "/binding",
             binding,
         )
 
@@ -96,6 +96,13 @@ class AsyncApi:
         if status >= 300:
             raise KubeError(f"{what}: {status} {status_message(data, reason)}", status=status)
         return orjson.loads(data or b"null")
+
+
+def _pod_path(namespace: str, name: str) -> str:
+    """Quoted whatever the caller checked: a name with '/', '..' or '?' must never reach another path."""
+    if {namespace, name} & {"", ".", ".."}:
+        raise KubeError(f"pod {namespace!r}/{name!r}: not a name an API path can carry", status=400)
+    return f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
 
 
 def _ssl_context(configuration: kubernetes.client.Configuration) -> ssl.SSLContext:

@@ -7,6 +7,7 @@ API server.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import json
 import os
@@ -86,9 +87,16 @@ class Api:
         self.client = client
         self.core = kubernetes.client.CoreV1Api(client)
 
-    def _call(self, what: str, method: Any, *args: Any, **kwargs: Any) -> Any:
+    def without_retries(self) -> Api:
+        """The same credentials, but every call tried once: the client's default retries three times, each
+        with the full timeout, and a caller with a deadline (the kubelet admitting a pod) cannot wait that."""
+        configuration = copy.copy(self.client.configuration)
+        configuration.retries = False
+        return Api(kubernetes.client.ApiClient(configuration))
+
+    def _call(self, what: str, method: Any, *args: Any, timeout: float = REQUEST_TIMEOUT, **kwargs: Any) -> Any:
         try:
-            response = method(*args, _preload_content=False, _request_timeout=REQUEST_TIMEOUT, **kwargs)
+            response = method(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
         except ApiException as exc:
             raise KubeError(f"{what}: {exc.status} {status_message(exc.body, exc.reason)}", status=exc.status) from exc
         except Exception as exc:  # urllib3 and socket errors: the server was not reached
@@ -107,12 +115,14 @@ class Api:
 
     def list_pods(self, *, node: str | None = None) -> list[dict[str, Any]]:
         """Every pod, or the pods bound to ``node`` (a field selector: the server filters)."""
-        selector = {"field_selector": f"spec.nodeName={node}"} if node else {}
+        selector: dict[str, Any] = {"field_selector": f"spec.nodeName={node}"} if node else {}
         what = f"list pods on node {node}" if node else "list pods"
         return list(self._call(what, self.core.list_pod_for_all_namespaces, **selector).get("items") or [])
 
-    def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
-        return self._call(f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace)  # type: ignore[no-any-return]
+    def get_pod(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
+        return self._call(  # type: ignore[no-any-return]
+            f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace, timeout=timeout
+        )
 
     def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         """A strategic-merge patch; put ``metadata.resourceVersion`` in it to make it conditional."""

@@ -30,6 +30,15 @@ class GpuDevice:
 
 
 @dataclass(frozen=True)
+class GpuReadError:
+    """One GPU NVML could not read; ``uuid`` is None when not even its UUID could be."""
+
+    index: int
+    uuid: str | None
+    reason: str
+
+
+@dataclass(frozen=True)
 class GpuEvent:
     """A critical event; ``uuid`` is None when the driver could not attribute it to one GPU."""
 
@@ -41,7 +50,7 @@ class GpuEvent:
 class GpuBackend(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
-    def devices(self) -> list[GpuDevice]: ...
+    def devices(self) -> tuple[list[GpuDevice], list[GpuReadError]]: ...
     def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
     def driver_version(self) -> str: ...
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
@@ -93,24 +102,34 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"nvmlSystemGetDriverVersion: {exc}") from exc
 
-    def devices(self) -> list[GpuDevice]:
+    def devices(self) -> tuple[list[GpuDevice], list[GpuReadError]]:
+        """The GPUs NVML reads, and the ones it fails on, each on its own: one lost GPU (its memory info
+        answering GPU_IS_LOST) must not take the node's other GPUs with it. Raises only when NVML cannot
+        even count them."""
         try:
-            found = []
-            for index in range(pynvml.nvmlDeviceGetCount()):
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            raise GpuBackendError(f"reading GPUs: {exc}") from exc
+        found: list[GpuDevice] = []
+        failed: list[GpuReadError] = []
+        for index in range(count):
+            uuid: str | None = None
+            try:
                 handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = str(pynvml.nvmlDeviceGetUUID(handle))
                 found.append(
                     GpuDevice(
                         index=index,
-                        uuid=str(pynvml.nvmlDeviceGetUUID(handle)),
+                        uuid=uuid,
                         model=str(pynvml.nvmlDeviceGetName(handle)),
                         memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // 2**20,
                         mig_enabled=_mig_enabled(handle),
                         compute_capability=_capability(handle),
                     )
                 )
-            return found
-        except pynvml.NVMLError as exc:
-            raise GpuBackendError(f"reading GPUs: {exc}") from exc
+            except pynvml.NVMLError as exc:
+                failed.append(GpuReadError(index=index, uuid=uuid, reason=str(exc)))
+        return found, failed
 
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None:
         """Compute mode EXCLUSIVE_PROCESS (only the MPS server may open a context) or DEFAULT again."""

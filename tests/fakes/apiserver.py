@@ -600,6 +600,8 @@ class FakeApiServer:
                     # every pod event since the last node changed on each wake.
                     seen = self._current_rv
                     cut, expired = watch.cut, watch.expire
+                    if self._stalled and not cut:
+                        continue  # stalled while it waited: what came meanwhile is held back too
                 if cut:
                     raise ConnectionAbortedError("watch cut by the test")
                 if expired:

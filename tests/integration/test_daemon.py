@@ -94,6 +94,36 @@ def test_nvml_failing_marks_every_gpu_unhealthy_instead_of_crashing(daemon: Daem
     daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS, timeout=10)
 
 
+def test_nvml_failing_on_one_gpu_withdraws_that_gpu_alone(daemon: Daemon) -> None:
+    """Defect: GPU_IS_LOST on GPU 2's memory info took the node's capacity from 60 to 0."""
+    started(daemon)
+    daemon.nvml.gpus[2].errors = {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}
+    daemon.nvml.write()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS - 24)
+    wait_until(lambda: [g.healthy for g in daemon.inventory().gpus] == [True, True, False, True], message="GPU 2")
+    time.sleep(1.0)
+    assert daemon.kubelet.capacity(GPU_MEM) == TOTAL_UNITS - 24  # never 0 on the way
+    assert "NVML failed on this GPU" in json.dumps(daemon.status())
+    daemon.nvml.gpus[2].errors = {}
+    daemon.nvml.write()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS, timeout=10)  # recoverAfterSeconds: 2
+
+
+def test_allocate_answers_unavailable_within_its_budget_when_the_api_server_hangs(daemon: Daemon) -> None:
+    """Defect: with a hanging API server, GetPreferredAllocation and Allocate each took 40 s (10 s x urllib3's
+    retries) while the kubelet, admitting one pod at a time, admitted nothing else."""
+    started(daemon)
+    daemon.api.stall_watches()  # the daemon's pod watch never shows the pod: it must read it
+    daemon.api.inject(Fault(method="GET", path=r"/pods/slow$", delay=30.0, times=None))
+    body = daemon.place("slow", 4, gpu=1)
+    began = time.monotonic()
+    with pytest.raises(AdmissionError, match=r"UNAVAILABLE: cannot read pod default/slow to find its GPU"):
+        daemon.admit(body)
+    assert time.monotonic() - began < 6.0  # 2 s for GetPreferredAllocation, 2 s for Allocate, and slack
+    reads = [r for r in daemon.api.requests if r.method == "GET" and r.path.endswith("/pods/slow")]
+    assert len(reads) <= 2  # once each: no retries
+
+
 def test_allocate_a_single_container_pod(daemon: Daemon) -> None:
     started(daemon)
     body = daemon.place("one", 4, gpu=1)

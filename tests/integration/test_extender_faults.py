@@ -3,15 +3,23 @@ that are not kube-scheduler: no GPU ever ends over its memory, and nothing bad g
 
 from __future__ import annotations
 
+import http.client
+import json
+import ssl
+import threading
+import time
+import urllib.request
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.builders import pod
+from tests.builders import GPU_MEM, pod
 from tests.extender_harness import Extender, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
+from tests.pki import Authority, Pair
 
 
 @pytest.fixture
@@ -90,3 +98,175 @@ def test_an_unanswered_binding_that_never_lands_is_released_after_its_window(
     assert used(extender) == [16, 0]  # it may land yet
     wait_until(lambda: used(extender) == [0, 0], timeout=15, message="released after the landing window")
     assert extender.bind(api.get("pods", "first", "default"), "n1")[1] == {"Error": ""}  # type: ignore[arg-type]
+
+
+# --- hostile callers --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
+    ext = spawn(api)
+    ext.wait_ready()
+    yield ext
+    ext.stop()
+
+
+def healthz_while(extender: Extender, action: Callable[[], Any]) -> tuple[Any, float]:
+    """Run ``action`` while /healthz is asked every 10 ms; what it returned, and the slowest answer (s)."""
+    slowest = 0.0
+    done = threading.Event()
+
+    def probe() -> None:
+        nonlocal slowest
+        while not done.is_set():
+            started = time.perf_counter()
+            assert extender.get("/healthz")[0] == 200
+            slowest = max(slowest, time.perf_counter() - started)
+            time.sleep(0.01)
+
+    thread = threading.Thread(target=probe)
+    thread.start()
+    try:
+        result = action()
+    finally:
+        done.set()
+        thread.join()
+    return result, slowest
+
+
+@pytest.mark.parametrize("amount", ["1e999999", "9" * 60, "1e31", "99999999999Ei", 2**70])
+def test_a_huge_quantity_is_refused_at_once(extender: Extender, amount: object) -> None:
+    """Defect: gpu-mem 1e999999 held the event loop (and /healthz) for 41 s."""
+    body = pod("huge", 1)
+    body["spec"]["containers"][0]["resources"] = {"limits": {GPU_MEM: amount}, "requests": {GPU_MEM: amount}}
+    (status, result), slowest = healthz_while(extender, lambda: extender.filter(body, "n1"))
+    assert status == 200 and GPU_MEM in result["Error"] and result["NodeNames"] == [], result
+    assert slowest < 1.0
+
+
+def test_too_many_candidates_are_refused_without_holding_the_loop(extender: Extender) -> None:
+    """Defect: 2,000,000 NodeNames (22 MiB) held the loop 14 s and took 401 MB."""
+    names = [f"node-{i}" for i in range(2_000_000)]
+    (status, result), slowest = healthz_while(extender, lambda: extender.filter(pod("p", 1), *names))
+    assert status == 413, result
+    (status, result), _ = healthz_while(extender, lambda: extender.filter(pod("p", 1), *names[:20_000]))
+    assert status == 400 and "20000 candidate nodes, more than the 15000" in result["Error"]
+    assert slowest < 1.0
+
+
+@pytest.mark.parametrize(
+    ("where", "value", "message"),
+    [
+        (("spec", "containers"), "main", "'Pod.spec.containers' must be a list"),
+        (("spec", "containers"), ["main"], "'Pod.spec.containers[0]' must be an object"),
+        (("spec", "containers", 0, "resources"), [], "'Pod.spec.containers[0].resources' must be an object"),
+        (("spec", "containers", 0, "resources", "limits"), ["x"], "resources.limits' must be an object"),
+        (("spec", "initContainers"), {"a": 1}, "'Pod.spec.initContainers' must be a list"),
+        (("metadata", "annotations"), ["a"], "'Pod.metadata.annotations' must be an object of strings"),
+        (("metadata", "annotations"), {"gpushared.io/mps": 1}, "must be an object of strings"),
+        (("metadata", "name"), 7, "'Pod.metadata.name' must be a string"),
+        (("spec",), [], "'Pod.spec' must be an object"),
+        (("status",), "Running", "'Pod.status' must be an object"),
+        (("status", "containerStatuses"), [1], "'Pod.status.containerStatuses' must be a list"),
+    ],
+)
+def test_structurally_wrong_pods_get_400_with_the_reason(
+    extender: Extender, where: tuple[Any, ...], value: Any, message: str
+) -> None:
+    body: Any = pod("p", 1)
+    body.setdefault("status", {})
+    target = body
+    for step in where[:-1]:
+        target = target[step]
+    target[where[-1]] = value
+    for verb in ("filter", "prioritize", "prioritize-no-gpu"):
+        status, result = extender.post(verb, {"Pod": body, "NodeNames": ["n1"]})
+        assert status == 400, (verb, result)
+        assert message in result["Error"], result
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("PodName", "../../../nodes/n1"),
+        ("PodName", "p?watch=true"),
+        ("PodName", "p/binding"),
+        ("PodNamespace", ".."),
+        ("PodNamespace", "Default"),
+        ("Node", "n1/../x"),
+        ("PodUID", "a" * 200),
+    ],
+)
+def test_bind_refuses_names_kubernetes_would_not_allow(
+    api: FakeApiServer, extender: Extender, field: str, value: str
+) -> None:
+    body = {"PodName": "p", "PodNamespace": "default", "PodUID": "u", "Node": "n1", field: value}
+    before = len(api.requests)
+    status, result = extender.post("bind", body)
+    assert status == 400 and f"'{field}'" in result["Error"], result
+    assert len(api.requests) == before  # nothing reached the API server
+
+
+def test_a_refused_bind_never_shows_the_pods_uid(api: FakeApiServer, extender: Extender) -> None:
+    """A UID is what a Binding needs: an error must not hand it to a caller who guessed only the name."""
+    real = api.create(pod("victim", 4))
+    uid = real["metadata"]["uid"]
+    _, result = extender.post("bind", {"PodName": "victim", "PodNamespace": "default", "PodUID": "guess", "Node": "n1"})
+    assert "does not have UID guess" in result["Error"] and uid not in result["Error"], result
+
+
+def test_with_a_client_ca_only_the_scheduler_may_use_the_verbs(
+    api: FakeApiServer, spawn: Callable[..., Extender], tmp_path: Path
+) -> None:
+    """Defect: anyone who reached the port could bind any pod to any node."""
+    authority = Authority(tmp_path / "pki")
+    server = authority.issue("extender", common_name="gpushared-extender", server=True)
+    scheduler = authority.issue("scheduler", common_name="system:kube-scheduler")
+    other = authority.issue("other", common_name="someone-else")
+    stranger = Authority(tmp_path / "other-pki", name="stranger-ca").issue("x", common_name="system:kube-scheduler")
+    ext = spawn(
+        api,
+        args=[
+            "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--client-ca", str(authority.cert),
+            "--client-name", "system:kube-scheduler",
+        ],
+    )  # fmt: skip
+
+    def call(method: str, path: str, client: Pair | None, body: Any = None) -> tuple[int, Any]:
+        context = ssl.create_default_context(cafile=str(authority.cert))
+        if client is not None:
+            context.load_cert_chain(str(client.cert), str(client.key))
+        connection = http.client.HTTPSConnection("127.0.0.1", ext.port, context=context, timeout=10)
+        try:
+            connection.request(method, path, body=None if body is None else json.dumps(body))
+            response = connection.getresponse()
+            data = response.read()
+        except OSError:
+            return 0, None
+        finally:
+            connection.close()
+        try:
+            return response.status, json.loads(data)
+        except json.JSONDecodeError:
+            return response.status, data
+
+    wait_until(lambda: call("GET", "/readyz", None)[0] == 200, timeout=30, message="probes need no certificate")
+    victim = api.create(pod("victim", 4))
+    args = {"PodName": "victim", "PodNamespace": "default", "PodUID": victim["metadata"]["uid"], "Node": "n1"}
+    bind = "/gpushare-scheduler/bind"
+    assert call("POST", bind, None, args)[0] == 401
+    assert call("POST", bind, stranger, args)[0] == 0  # its CA is not trusted: the handshake fails
+    status, result = call("POST", bind, other, args)
+    assert status == 403 and "someone-else" in result["Error"]
+    assert api.get("pods", "victim", "default")["spec"].get("nodeName") is None  # type: ignore[index]
+    assert call("POST", bind, scheduler, args) == (200, {"Error": ""})
+    # /inspect: amounts for everyone, pod names for the scheduler only
+    hidden = call("GET", "/gpushare-scheduler/inspect/n1", None)[1]
+    shown = call("GET", "/gpushare-scheduler/inspect/n1", scheduler)[1]
+    assert hidden["nodes"][0]["devs"][1]["pods"] == [{"name": "(hidden)", "namespace": "(hidden)", "usedGPU": 4}]
+    assert shown["nodes"][0]["devs"][1]["pods"] == [{"name": "victim", "namespace": "default", "usedGPU": 4}]
+    metrics = urllib.request.urlopen(
+        f"https://127.0.0.1:{ext.port}/metrics", context=ssl.create_default_context(cafile=str(authority.cert))
+    ).read()
+    assert b"victim" not in metrics
+    ext.stop()
