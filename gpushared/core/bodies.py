@@ -84,17 +84,26 @@ class NodeBody(TypedDict, total=False):
     status: NodeStatus
 
 
-#: Aliyun's annotations that say what a pod holds; the others (_DEV, _ASSUME_TIME) only the node reads.
+#: Aliyun's annotations that say what a pod holds (and _DEV, which a bind may have to overwrite); the
+#: other one (_ASSUME_TIME) only the node reads.
 _ALIYUN_KEYS = frozenset(
     {
         contract.ALIYUN_GPU_MEM_IDX,
         contract.ALIYUN_GPU_MEM_POD,
+        contract.ALIYUN_GPU_MEM_DEV,
         contract.ALIYUN_GPU_MEM_ASSIGNED,
         contract.ALIYUN_FRAMEWORK_ALLOCATION,
     }
 )
-#: Of those, the ones with a few values in all (a GPU index, an amount, true/false).
-_SMALL_VALUES = frozenset({contract.ALIYUN_GPU_MEM_IDX, contract.ALIYUN_GPU_MEM_POD, contract.ALIYUN_GPU_MEM_ASSIGNED})
+#: Of those, the ones with a few values in all (a GPU index, an amount, a GPU size, true/false).
+_SMALL_VALUES = frozenset(
+    {
+        contract.ALIYUN_GPU_MEM_IDX,
+        contract.ALIYUN_GPU_MEM_POD,
+        contract.ALIYUN_GPU_MEM_DEV,
+        contract.ALIYUN_GPU_MEM_ASSIGNED,
+    }
+)
 #: The extended resources a pod's GPU request is made of, whatever their domain.
 _GPU_RESOURCES = ("/gpu-mem", "/gpu-count")
 #: And the one other resource it weighs (fgd): the CPU request.

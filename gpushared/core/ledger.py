@@ -66,9 +66,12 @@ def holding_from_pod(
 ) -> Holding | None:
     """What ``pod`` holds, in ``unit``, or None if it holds no GPU memory (any more).
 
-    Sources, most exact first: our allocation annotation; Alibaba's framework allocation; Aliyun's
-    ``ALIYUN_COM_GPU_MEM_IDX`` with ``_POD`` (the amount it wrote). A pod whose annotations cannot be read is
-    held as pending with the reason, so that memory is never silently given away twice.
+    The GPU choice comes from the annotations, most exact first: our allocation annotation; Alibaba's
+    framework allocation; Aliyun's ``ALIYUN_COM_GPU_MEM_IDX``. The amount never falls below what the pod's
+    spec asks on each GPU: the spec cannot change once the pod exists, while its owner can edit its
+    annotations (an allocation or ``_POD`` patched to 0 once freed a running pod's memory in every book).
+    A pod on fewer GPUs than its spec asks holds the rest as pending, and one whose annotations cannot be
+    read is held as pending with the reason, so that memory is never silently given away twice.
     """
     if not holds_gpu_memory(pod):
         return None
@@ -87,13 +90,20 @@ def holding_from_pod(
         problems.append(str(exc))
     if gpus is None and request.total == 0 and not problems:
         return None
+    pending = request.total if gpus is None else 0
+    if gpus and request.total:
+        gpus = {index: max(amount, request.per_gpu) for index, amount in gpus.items()}
+        missing = request.gpus - len(gpus)
+        if missing > 0:
+            pending = missing * request.per_gpu
+            problems.append(f"its annotations name {len(gpus)} GPUs, its spec asks for {request.gpus}")
     return Holding(
         uid=meta.get("uid", ""),
         namespace=meta.get("namespace", ""),
         name=meta.get("name", ""),
         gpus=gpus or {},
         mps=request.mps,
-        pending=request.total if gpus is None else 0,
+        pending=pending,
         assigned=annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true",
         problem="; ".join(problems) or None,
     )

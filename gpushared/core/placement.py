@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -378,14 +378,22 @@ def allocation_for(request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contra
 
 
 def bind_annotations(
-    request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contract.MemoryUnit, now_ns: int
+    request: PodRequest,
+    gpus: Sequence[GpuInfo],
+    *,
+    unit: contract.MemoryUnit,
+    now_ns: int,
+    carried: Collection[str] = (),
 ) -> dict[str, str]:
     """The pod annotations the extender writes at bind: Aliyun's, for tools and nodes that still read
     them, and our per-container allocation, which the node daemon trusts.
 
     ``_DEV`` is the chosen GPU's own size (Aliyun writes capacity/count, wrong on mixed nodes) and ``_POD``
     the pod's peak hold on it (Aliyun sums app containers only). Aliyun's GPU annotations name one GPU, so a
-    pod on several gets ours only: a reader of ``_IDX`` would count all of it on one GPU.
+    pod on several gets ours only: a reader of ``_IDX`` would count all of it on one GPU. If such a pod
+    arrived with them (``carried``: its annotation keys before bind; copied from a running pod, or forged),
+    a Binding can only overwrite them, not remove them: ``_IDX`` becomes -1, which Aliyun's tools show as
+    not on one GPU.
     """
     annotations = {
         contract.ALIYUN_GPU_MEM_ASSIGNED: contract.format_bool(False),
@@ -396,6 +404,10 @@ def bind_annotations(
         annotations[contract.ALIYUN_GPU_MEM_IDX] = str(gpus[0].index)
         annotations[contract.ALIYUN_GPU_MEM_DEV] = str(gpus[0].memory)
         annotations[contract.ALIYUN_GPU_MEM_POD] = str(request.total)
+    else:
+        single = {contract.ALIYUN_GPU_MEM_IDX: "-1", contract.ALIYUN_GPU_MEM_DEV: "0"}
+        single[contract.ALIYUN_GPU_MEM_POD] = str(request.total)
+        annotations.update({key: value for key, value in single.items() if key in carried})
     return annotations
 
 

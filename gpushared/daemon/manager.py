@@ -8,6 +8,7 @@ waits for the API server.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 COMPONENT = "gpushared"
 EVENT_FAILED = "GPUAllocationFailed"
 EVENT_ALLOCATED = "GPUAllocated"
+EVENT_EDITED = "GPUAllocationEdited"
 #: What one GetPreferredAllocation or Allocate may spend on the API server, all reads together. The kubelet
 #: admits pods one at a time: a hung API server once held every admission on the node for 40 s (10 s x
 #: urllib3's retries). Past it the kubelet gets UNAVAILABLE, and tries the pod again.
@@ -112,6 +114,7 @@ class Manager:
         self.served: dict[str, Served] = {}  # pod UID -> what we gave it
         self._holdings: dict[str, tuple[str, Holding | None]] = {}  # pod UID -> (resourceVersion, holding)
         self._gpu_free: set[str] = set()  # UIDs of pods that ask for no GPU memory
+        self._edited: set[str] = set()  # UIDs of pods whose GPU annotations were edited after Allocate
         self._outbox: queue.Queue[Callable[[], None]] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="api-writes", daemon=True)
         self._writer.start()
@@ -169,8 +172,35 @@ class Manager:
         if cached is not None and cached[0] == key[1]:
             return cached[1]
         holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)  # type: ignore[arg-type]
+        holding = self._as_served(pod, holding)
         self._holdings[key[0]] = (key[1], holding)
         return holding
+
+    def _as_served(self, pod: dict[str, Any], holding: Holding | None) -> Holding | None:
+        """The holding on the GPUs this daemon gave the pod's containers, when its annotations were edited
+        since to name others: the containers run where the kubelet put them, whatever the annotations say
+        now. Reported once per pod, as an Event and a metric."""
+        uid = (pod.get("metadata") or {}).get("uid", "")
+        served = self.served.get(uid)
+        if holding is None or served is None or not served.containers:
+            return holding
+        given: dict[int, int] = {}
+        for slot in served.containers.values():
+            for index in slot.indices:
+                given[index] = max(given.get(index, 0), slot.share)
+        if set(given) == set(holding.gpus):
+            return holding
+        if uid not in self._edited:
+            self._edited.add(uid)
+            self.metrics.allocation_edits.inc()
+            message = (
+                f"the GPU annotations of pod {served.namespace}/{served.name} were edited after its containers got "
+                f"GPUs {sorted(given)}; they now name {sorted(holding.gpus) or 'none'}. gpushared keeps counting "
+                "the GPUs the kubelet gave; delete the pod to move it"
+            )
+            log.warning("%s", message)
+            self._later(lambda: self._event(pod, EVENT_EDITED, message, warning=True))
+        return dataclasses.replace(holding, gpus=given, pending=0)
 
     # --- the handshake ----------------------------------------------------------------------------------------
 
@@ -430,6 +460,7 @@ class Manager:
             for uid in [uid for uid in self.served if uid not in present]:
                 del self.served[uid]
             self._gpu_free &= present
+            self._edited &= present
             for uid in [uid for uid in self._holdings if uid not in present]:
                 del self._holdings[uid]
 

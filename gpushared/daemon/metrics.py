@@ -29,6 +29,11 @@ class Metrics:
         self.allocate_failures = Counter(
             "gpushared_allocate_failures", "Allocate calls refused", registry=self.registry
         )
+        self.allocation_edits = Counter(
+            "gpushared_allocation_edits",
+            "Pods whose GPU annotations were edited after Allocate; the daemon counts the GPUs it gave",
+            registry=self.registry,
+        )
         self.registrations = Counter(
             "gpushared_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
         )

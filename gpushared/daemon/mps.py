@@ -359,3 +359,26 @@ def prepare_mounts(settings: MpsSettings, *, backend: GpuBackend) -> list[str]:
 def resume_daemon(settings: MpsSettings, uuid: str) -> str:
     GpuDirs.of(settings.root, uuid).stopped.unlink(missing_ok=True)
     return f"GPU {uuid}: a running gpushared starts its MPS control daemon within {settings.probe_seconds:.0f} s"
+
+
+#: CAP_SYS_ADMIN's bit in /proc's capability masks (linux/capability.h).
+_CAP_SYS_ADMIN = 21
+#: Where the package puts the unit's MPS drop-in.
+MPS_DROP_IN = "/usr/share/gpushared/mps.conf"
+
+
+def missing_mps_privilege(status: Path = Path("/proc/self/status")) -> str | None:
+    """Why this process cannot run MPS daemons (it needs CAP_SYS_ADMIN for their mount namespace and
+    tmpfs), with what to do; None when it can. The unit grants it only with its MPS drop-in."""
+    try:
+        fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        effective = int(fields["CapEff"].strip(), 16)
+    except (OSError, KeyError, ValueError):
+        return None  # cannot tell: let the mounts themselves say
+    if effective >> _CAP_SYS_ADMIN & 1:
+        return None
+    return (
+        "mps.enabled is set, but gpushared runs without CAP_SYS_ADMIN, which MPS needs: install the unit's MPS "
+        f"drop-in (install -D -m 0644 {MPS_DROP_IN} /etc/systemd/system/gpushared.service.d/mps.conf; "
+        "systemctl daemon-reload; systemctl restart gpushared), or turn MPS off"
+    )

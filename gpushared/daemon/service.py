@@ -30,7 +30,7 @@ from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.metrics import Metrics
-from gpushared.daemon.mps import MpsSupervisor, settings_of
+from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
@@ -145,6 +145,10 @@ class Service:
             log.info("stopped")
 
     def _start(self) -> None:
+        if self.config.mps_enabled:
+            missing = missing_mps_privilege()
+            if missing:
+                raise FatalError(missing)
         self._read_gpus()
         if self._gpus:
             try:

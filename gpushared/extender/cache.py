@@ -118,6 +118,8 @@ class ClusterCache:
         self._assumed: dict[str, Assumed] = {}
         #: pod uid -> the keys of its unanswered Bindings (rare: only after an API server fault)
         self._unanswered: dict[str, set[str]] = {}
+        #: bound pods whose annotations were edited to name other GPUs, kept on theirs (``_choice_kept``)
+        self.allocation_edits = 0
         #: when the pod watch was last caught lagging behind a read-back (None: never)
         self._lag_seen: float | None = None
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
@@ -335,8 +337,9 @@ class ClusterCache:
             inventory = self._nodes[name].inventory
             assert inventory is not None  # judged usable above
             gpus = [verdict.gpu for verdict in choice]
-            annotations = bind_annotations(request, gpus, unit=inventory.unit, now_ns=now_ns)
             meta = pod.get("metadata") or {}
+            carried = (meta.get("annotations") or {}).keys()
+            annotations = bind_annotations(request, gpus, unit=inventory.unit, now_ns=now_ns, carried=carried)
             annotated = {**pod, "metadata": {**meta, "annotations": {**(meta.get("annotations") or {}), **annotations}}}
             self.assume(annotated, name)
             return Reservation(gpus=gpus, annotations=annotations, unit=inventory.unit)
@@ -499,6 +502,8 @@ class ClusterCache:
         uid = uid_of(pod)
         state = self._nodes.setdefault(node, NodeState(name=node))
         counted_on = self._node_of.get(uid)
+        if counted_on == node:
+            pod = self._choice_kept(state, uid, pod)
         if counted_on == node and self._counts_the_same(state, uid, pod):
             # Most often the watch confirming a bind this extender counted already: the ledger keeps its
             # version, so the node's room, reasons and prices stay valid.
@@ -510,6 +515,27 @@ class ClusterCache:
         state.pods[uid] = pod
         self._node_of[uid] = node
         self._count(state, pod)
+
+    def _choice_kept(self, state: NodeState, uid: str, pod: dict[str, Any]) -> dict[str, Any]:
+        """The pod as counted, with the GPU choice it was counted with: a bound pod's annotations naming
+        other GPUs (or none) are an edit by its owner, not a move. Its containers still run on the GPUs the
+        kubelet gave them, so the books keep those (``allocation_edits`` counts such edits)."""
+        known = state.pods.get(uid)
+        if known is None or state.ledger is None:
+            return pod
+        before, after = state.ledger.holding(uid), self._holding(pod, state)
+        if before is None or not before.gpus or after is None or set(after.gpus) == set(before.gpus):
+            return pod
+        self.allocation_edits += 1
+        log.warning(
+            "pod %s/%s: its annotations were edited after bind to name GPUs %s; it stays counted on GPUs %s",
+            before.namespace,
+            before.name,
+            sorted(after.gpus) or "none",
+            sorted(before.gpus),
+        )
+        meta = pod.get("metadata") or {}
+        return {**pod, "metadata": {**meta, "annotations": (known.get("metadata") or {}).get("annotations") or {}}}
 
     def _counts_the_same(self, state: NodeState, uid: str, pod: dict[str, Any]) -> bool:
         """Whether ``pod`` would be counted on its node exactly as the body ``state.pods`` holds for it is."""

@@ -80,6 +80,11 @@ class Metrics:
             ("informer", "reason"),
             registry=self.registry,
         )
+        self.allocation_edits = Gauge(
+            "gpushared_extender_allocation_edits",
+            "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
+            registry=self.registry,
+        )
         self.unconfirmed = Gauge(
             "gpushared_extender_unconfirmed_binds",
             "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
@@ -114,6 +119,7 @@ def build_app(
 
     metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
     metrics.unconfirmed.set_function(cache.unconfirmed)
+    metrics.allocation_edits.set_function(functools.partial(getattr, cache, "allocation_edits"))
     for informer in (cache.nodes, cache.pods):
         restarts = metrics.watch_restarts
         silent, lagging = (restarts.labels(informer=informer.name, reason=r) for r in ("silent", "lagging"))
@@ -180,6 +186,10 @@ class _Routes:
         """A follower passes the verb to the leader, so every replica can be Ready behind the Service."""
         if self._session is None:
             context = ssl.create_default_context(cafile=str(self.config.tls_cert)) if self.config.tls_cert else None
+            if context is not None:
+                # Replicas reach each other by pod IP, which their certificate does not name; the chain is
+                # still verified against the certificate (self-signed) or the CA.
+                context.check_hostname = False
             if context is not None and self.config.client_ca is not None:
                 # The leader asks for a client certificate too: this replica presents its own.
                 context.load_verify_locations(cafile=str(self.config.client_ca))

@@ -22,6 +22,7 @@ import os
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tarfile
@@ -255,6 +256,17 @@ class LocalCluster:
             "x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
             "-out", "apiserver.crt", "-days", "30", "-extfile", "san.ext",
         )  # fmt: skip
+        # The extender's mutual TLS, as scripts/extender-certs sets it up: its serving certificate (also its
+        # client certificate when a follower forwards to the leader) and kube-scheduler's client certificate.
+        for name, usage in (("extender", "serverAuth,clientAuth"), ("scheduler", "clientAuth")):
+            common = "gpushared-extender" if name == "extender" else "system:kube-scheduler"
+            openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+                    "-subj", f"/CN={common}")  # fmt: skip
+            (pki / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n")
+            openssl(
+                "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                "-out", f"{name}.crt", "-days", "30", "-extfile", f"{name}.ext",
+            )  # fmt: skip
         openssl("genrsa", "-out", "sa.key", "2048")
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
         lines = [f'{self.tokens[key]},{name},{key},"{group}"' for key, (name, group) in USERS.items()]
@@ -492,6 +504,7 @@ state = "{base}/state"
         return json.loads(result.stdout) if result.returncode == 0 else None
 
     def _start_extender(self, *extra: str) -> None:
+        pki = self.state / "pki"
         self._spawn(
             "gpushared-extender",
             [
@@ -501,15 +514,32 @@ state = "{base}/state"
                 "--kubeconfig", self.kubeconfig_for("gpushared-extender"),
                 "--leader-elect",
                 "--lease-seconds", "4",
+                "--tls-cert", pki / "extender.crt",
+                "--tls-key", pki / "extender.key",
+                "--client-ca", pki / "ca.crt",
+                "--client-name", "system:kube-scheduler",
+                "--client-name", "gpushared-extender",
                 *extra,
             ],
         )  # fmt: skip
         wait_for(self.extender_ready, timeout=30, what="gpushared-extender /readyz")
 
+    @property
+    def extender_url(self) -> str:
+        return f"https://127.0.0.1:{self.ports.extender}"
+
+    def extender_tls(self, *, client: bool = False) -> ssl.SSLContext:
+        """Trusting the extender's certificate; with ``client``, presenting one it takes (its own)."""
+        pki = self.state / "pki"
+        context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
+        if client:
+            context.load_cert_chain(str(pki / "extender.crt"), str(pki / "extender.key"))
+        return context
+
     def extender_ready(self) -> bool:
         try:
-            url = f"http://127.0.0.1:{self.ports.extender}/readyz"
-            with urllib.request.urlopen(url, timeout=2) as response:
+            url = f"{self.extender_url}/readyz"
+            with urllib.request.urlopen(url, timeout=2, context=self.extender_tls()) as response:
                 return bool(response.status == 200)
         except OSError:
             return False
@@ -544,8 +574,14 @@ state = "{base}/state"
 
     def _extenders(self) -> list[dict[str, Any]]:
         shipped = yaml.safe_load((ROOT / "deploy" / "scheduler-config-v1beta1.yaml").read_text())["extenders"]
+        pki = self.state / "pki"
         for extender in shipped:
-            extender["urlPrefix"] = f"http://127.0.0.1:{self.ports.extender}/gpushare-scheduler"
+            extender["urlPrefix"] = f"{self.extender_url}/gpushare-scheduler"
+            extender["tlsConfig"] = {
+                "certFile": str(pki / "scheduler.crt"),
+                "keyFile": str(pki / "scheduler.key"),
+                "caFile": str(pki / "ca.crt"),
+            }
         return list(shipped)
 
     # --- the gpushared daemon on simulated GPUs -----------------------------------------------------------
@@ -603,8 +639,8 @@ state = "{base}/state"
 
     def extender_inspect(self, node: str = NODE) -> dict[str, Any]:
         """The extender's own view of a node (its cache), not the API's."""
-        url = f"http://127.0.0.1:{self.ports.extender}/gpushare-scheduler/inspect/{node}"
-        with urllib.request.urlopen(url, timeout=5) as response:
+        url = f"{self.extender_url}/gpushare-scheduler/inspect/{node}"
+        with urllib.request.urlopen(url, timeout=5, context=self.extender_tls(client=True)) as response:
             [report] = json.load(response)["nodes"]
             return report  # type: ignore[no-any-return]
 

@@ -13,6 +13,8 @@ import time
 import pytest
 
 from gpushared import contract
+from gpushared.core.placement import bind_annotations
+from gpushared.core.requests import pod_request
 from tests.fakes.apiserver import Fault
 from tests.fakes.kubelet import AdmissionError
 from tests.harness import GPU_MEM, NODE, Daemon, uuids, wait_until
@@ -122,6 +124,33 @@ def test_allocate_answers_unavailable_within_its_budget_when_the_api_server_hang
     assert time.monotonic() - began < 6.0  # 2 s for GetPreferredAllocation, 2 s for Allocate, and slack
     reads = [r for r in daemon.api.requests if r.method == "GET" and r.path.endswith("/pods/slow")]
     assert len(reads) <= 2  # once each: no retries
+
+
+def test_a_gpu_choice_edited_after_allocate_keeps_the_gpu_the_kubelet_gave(daemon: Daemon) -> None:
+    """Defect: a pod owner patching its annotations to another GPU (or to 0) moved the daemon's books, and
+    Allocate then let other pods onto the GPU it still used."""
+    from kubernetes import client
+
+    started(daemon)
+    body = daemon.place("tenant", 10, gpu=1)  # GPU 1: 12 GiB
+    daemon.admit(body)
+    forged = bind_annotations(pod_request(body), [daemon.inventory().gpus[0]], unit=contract.MemoryUnit.GIB, now_ns=1)
+    forged[contract.ALIYUN_GPU_MEM_POD] = "0"
+    core = client.CoreV1Api(daemon.api.client())
+    core.patch_namespaced_pod("tenant", "default", {"metadata": {"annotations": forged}})
+
+    def tenant() -> dict[str, object]:
+        return next(p for p in daemon.status()["pods"] if p["name"] == "tenant")
+
+    wait_until(
+        lambda: daemon.events("tenant") and ("GPUAllocationEdited" in dict(daemon.events("tenant"))), message="event"
+    )
+    assert tenant()["gpus"] == {"1": 10}
+    # 2 GiB are left on GPU 1: a 4 GiB pod placed there is refused, as it would have been before the edit.
+    other = daemon.place("neighbour", 4, gpu=1)
+    with pytest.raises(AdmissionError, match="would bring GPU 1 to 14 GiB of 12 GiB"):
+        daemon.admit(other)
+    assert "gpushared_allocation_edits_total 1.0" in daemon.metrics_text()
 
 
 def test_allocate_a_single_container_pod(daemon: Daemon) -> None:

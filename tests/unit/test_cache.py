@@ -354,3 +354,31 @@ def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once
         assert snapshot is not None
         holders[name] = [h.uid for h in snapshot[1]]
     assert holders == {"n1": [], "n2": ["u2"]}
+
+
+@pytest.mark.parametrize("edit", ["other-gpu", "no-choice", "zero"])
+def test_a_bound_pods_gpu_choice_edited_by_its_owner_does_not_move_the_books(edit: str) -> None:
+    """Defect: patching a running pod's allocation (or Aliyun's keys) freed its memory in the extender's books,
+    and other pods were bound onto the GPU it still used."""
+    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
+    bound = pod("p", 12, uid="u1", node="n1", phase="Running")
+    bound["metadata"]["annotations"] = bind_annotations(
+        pod_request(bound), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
+    )
+    cache.pods.handler(None, bound)  # type: ignore[misc]
+    edited = copy.deepcopy(bound)
+    annotations = edited["metadata"]["annotations"]
+    if edit == "other-gpu":
+        annotations.update(bind_annotations(pod_request(bound), INVENTORY.gpus[1:], unit=INVENTORY.unit, now_ns=1))
+    elif edit == "no-choice":
+        annotations.clear()
+    else:
+        annotations[contract.POD_ALLOCATION] = annotations[contract.POD_ALLOCATION].replace('"amount":12', '"amount":0')
+    cache.pods.handler(bound, edited)  # type: ignore[misc]
+    snapshot = cache.snapshot("n1")
+    assert snapshot is not None
+    assert [(h.uid, h.gpus) for h in snapshot[1]] == [("u1", {0: 12})]
+    assert cache.filter(["n1"], pod_request(pod("q", 5)))[0] == ["n1"]  # 4 left on GPU 0, 16 on GPU 1
+    assert cache.filter(["n1"], pod_request(pod("q", 17)))[0] == []
+    assert cache.allocation_edits == (edit != "zero")

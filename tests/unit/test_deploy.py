@@ -57,16 +57,36 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     rules = kinds["ClusterRole"]["rules"]
     granted = {(res, verb) for rule in rules for res in rule["resources"] for verb in rule["verbs"]}
-    for needed in [
+    # Exactly what the extender calls: the cache's lists and watches, a pod read back, its Binding. The
+    # GPU choice reaches the pod on its Binding (no patch), and refusals reach the pod through
+    # kube-scheduler's own events.
+    assert granted == {
+        ("nodes", "get"),
         ("nodes", "list"),
         ("nodes", "watch"),
+        ("pods", "get"),
+        ("pods", "list"),
         ("pods", "watch"),
         ("pods/binding", "create"),
-        ("events", "create"),
-    ]:
-        assert needed in granted
-    # The GPU choice reaches the pod on its Binding: the extender changes no pod itself.
-    assert not {("pods", "patch"), ("pods", "update"), ("pods", "delete")} & granted
+        ("bindings", "create"),
+    }
+
+
+def test_the_extender_answers_only_the_scheduler() -> None:
+    """Mutual TLS in the Deployment and in both shipped scheduler configs, and a NetworkPolicy."""
+    kinds = {d["kind"]: d for d in documents("extender.yaml")}
+    (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
+    flags = dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
+    assert {"--tls-cert", "--tls-key", "--client-ca", "--client-name"} <= flags.keys()
+    assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
+    policy = kinds["NetworkPolicy"]["spec"]
+    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
+    assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 39999}]
+    for name in ("scheduler-config.yaml", "scheduler-config-v1beta1.yaml"):
+        (config,) = documents(name)
+        for extender in config["extenders"]:
+            assert extender["urlPrefix"].startswith("https://") and extender["enableHTTPS"] is True
+            assert set(extender["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
 
 
 def test_sample_asks_for_gpu_memory() -> None:

@@ -293,9 +293,38 @@ def test_a_pod_on_several_gpus_gets_our_allocation_only() -> None:
     assert contract.ALIYUN_GPU_MEM_IDX not in annotations and contract.ALIYUN_GPU_MEM_POD not in annotations
     allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
     assert [(s.index, s.amount) for s in allocation.containers[0].gpus] == [(2, 16), (0, 16)]
-    body = pod("train", 32, node="n1", annotations=annotations)
+    body = on_gpus(pod("train", 32, node="n1", annotations=annotations), 2)
     holding = holding_from_pod(body, unit=inv.unit)
     assert holding is not None and holding.gpus == {0: 16, 2: 16}
+
+
+def test_aliyun_keys_a_pod_on_several_gpus_arrived_with_are_overwritten() -> None:
+    """A pod created with ALIYUN_COM_GPU_MEM_IDX already set (copied from a running pod, or forged) must not
+    keep it: Aliyun's tools would show it on that GPU. The Binding says "not on one GPU" instead."""
+    inv = inventory(16, 16, 16)
+    req = pod_request(on_gpus(pod("train", 32), 2))
+    carried = {contract.ALIYUN_GPU_MEM_IDX, contract.ALIYUN_GPU_MEM_POD, contract.ALIYUN_GPU_MEM_DEV}
+    annotations = bind_annotations(req, [inv.gpus[2], inv.gpus[0]], unit=inv.unit, now_ns=1, carried=carried)
+    assert annotations[contract.ALIYUN_GPU_MEM_IDX] == "-1"
+    assert annotations[contract.ALIYUN_GPU_MEM_POD] == "32" and annotations[contract.ALIYUN_GPU_MEM_DEV] == "0"
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        {contract.ALIYUN_GPU_MEM_POD: "0"},
+        {contract.POD_ALLOCATION: '{"version": 1, "unit": "GiB", "containers": [{"name": "c0", "gpus": '
+         '[{"index": 1, "uuid": "GPU-1", "amount": 0}]}]}'},
+    ],
+)  # fmt: skip
+def test_what_a_pod_holds_never_falls_below_its_spec(edit: dict[str, str]) -> None:
+    """Defect: patching the allocation or ALIYUN_COM_GPU_MEM_POD to 0 on a running pod freed its memory."""
+    inv = inventory(16, 16)
+    body = pod("p", 6, node="n1")
+    body["metadata"]["annotations"] = bind_annotations(pod_request(body), [inv.gpus[1]], unit=inv.unit, now_ns=1)
+    body["metadata"]["annotations"].update(edit)
+    holding = holding_from_pod(body, unit=inv.unit)
+    assert holding is not None and holding.gpus == {1: 6} and holding.pending == 0
 
 
 def test_the_filters_reason_for_full_gpus_is_the_same_on_every_node() -> None:
