@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from gpushared import __version__
+from gpushared import __version__, contract
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -93,3 +94,30 @@ def test_sample_asks_for_gpu_memory() -> None:
     (sample,) = documents("binpack-1.yaml")
     assert sample["metadata"]["name"] == "binpack-1"
     assert sample["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"] == 2
+
+
+def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identities() -> None:
+    """Kubernetes >= 1.30 (not served by the 1.20 test cluster): checked here for what they name."""
+    docs = documents("admission-policy.yaml")
+    policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
+    bindings = {d["spec"]["policyName"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
+    assert set(policies) == set(bindings) == {"gpushared-frozen-allocation", "gpushared-node-scope"}
+    assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings.values())
+    frozen = policies["gpushared-frozen-allocation"]["spec"]
+    keys = next(v["expression"] for v in frozen["variables"] if v["name"] == "keys")
+    named = set(re.findall(r"'([^']+)'", keys))
+    assert named == {
+        contract.POD_ALLOCATION,
+        contract.ALIYUN_GPU_MEM_IDX,
+        contract.ALIYUN_GPU_MEM_POD,
+        contract.ALIYUN_GPU_MEM_DEV,
+    }
+    # the daemon's own writes after bind stay allowed
+    assert contract.ALIYUN_GPU_MEM_ASSIGNED not in named and contract.ALIYUN_GPU_MEM_ASSUME_TIME not in named
+    scope = policies["gpushared-node-scope"]["spec"]
+    assert "gpushared-node-" in scope["matchConditions"][0]["expression"]
+    assert {r for rule in scope["matchConstraints"]["resourceRules"] for r in rule["resources"]} == {
+        "pods",
+        "nodes",
+        "nodes/status",
+    }
