@@ -9,7 +9,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,15 +164,16 @@ class Daemon:
         body["spec"]["nodeName"] = NODE
         return self.api.create(body)
 
-    def admit(self, body: dict[str, Any]) -> list[ContainerAllocation]:
+    def admit(self, body: dict[str, Any], *, between: Callable[[str], None] | None = None) -> list[ContainerAllocation]:
         meta = body["metadata"]
         containers = [
-            ContainerSpec(c["name"], _amount(c), init=True) for c in body["spec"].get("initContainers") or []
+            ContainerSpec(c["name"], _amount(c), init=True, sidecar=c.get("restartPolicy") == "Always")
+            for c in body["spec"].get("initContainers") or []
         ] + [ContainerSpec(c["name"], _amount(c)) for c in body["spec"]["containers"]]
         current = self.api.get("pods", meta["name"], meta["namespace"])
         assert current is not None
         return self.kubelet.admit(
-            PodRef(current["metadata"]["uid"], meta["name"], meta["namespace"]), GPU_MEM, containers
+            PodRef(current["metadata"]["uid"], meta["name"], meta["namespace"]), GPU_MEM, containers, between=between
         )
 
     def events(self, name: str) -> list[tuple[str, str]]:

@@ -116,8 +116,10 @@ def candidate(
 ) -> Candidate | None:
     """``pod`` as a candidate for the call, or None when it cannot be the pod being admitted.
 
-    ``listed`` is the pod's app containers with the devices kubelet gave them (PodResources); ``served`` the
-    containers this daemon answered Allocate for (init containers are not in PodResources).
+    ``listed`` is the pod's containers with the devices kubelet gave them (PodResources: its app containers,
+    and on kubelet >= 1.29 its restartable init containers, sidecars, too); ``served`` the containers this
+    daemon answered Allocate for. Plain init containers are never listed: only ``served`` knows them, and
+    once an app container has devices they are all done.
     """
     if not holds_gpu_memory(pod):  # type: ignore[arg-type]
         return None
@@ -144,6 +146,8 @@ def candidate(
     def done(slot: Slot) -> bool:
         if slot.container in served:
             return True
+        if listed is not None and listed.get(slot.container):
+            return True  # the kubelet lists its devices: an app container, or a sidecar on kubelet >= 1.29
         if slot.init:
             return apps_started
         return bool(listed.get(slot.container)) if listed is not None else False

@@ -76,6 +76,8 @@ class ContainerSpec:
     name: str
     count: int
     init: bool = False
+    #: a restartable init container (KEP-753): it keeps its devices, and kubelets >= 1.29 list it
+    sidecar: bool = False
 
 
 @dataclass
@@ -88,8 +90,10 @@ class ContainerAllocation:
 class FakeKubelet:
     """``root`` plays /var/lib/kubelet: plugins in ``root/device-plugins``, PodResources beside it."""
 
-    def __init__(self, root: Path, *, seed: int | None = None) -> None:
+    def __init__(self, root: Path, *, seed: int | None = None, lists_sidecars: bool = False) -> None:
         self.root = root
+        #: PodResources List shows restartable init containers with their devices, as kubelet >= 1.29 does
+        self.lists_sidecars = lists_sidecars
         self.plugin_dir = root / "device-plugins"
         self.pods: dict[str, ManagedPod] = {}  # the pod manager, by pod UID
         self.endpoints: dict[str, Endpoint] = {}
@@ -221,26 +225,35 @@ class FakeKubelet:
 
     # --- admission ---------------------------------------------------------------------------------------
 
-    def admit(self, pod: PodRef, resource: str, containers: Sequence[ContainerSpec]) -> list[ContainerAllocation]:
-        """Admit one pod: into the pod manager first, then init containers, then app containers.
+    def admit(
+        self,
+        pod: PodRef,
+        resource: str,
+        containers: Sequence[ContainerSpec],
+        *,
+        between: Callable[[str], None] | None = None,
+    ) -> list[ContainerAllocation]:
+        """Admit one pod: into the pod manager first, then init containers, then app containers; ``between``
+        is called with each container's name once it has its devices (a test restarts the plugin there).
 
         A failure leaves the pod in the pod manager as rejected, with whatever it was given so far."""
-        managed = ManagedPod(ref=pod, app_containers=[c.name for c in containers if not c.init])
+        listed = [c.name for c in containers if c.sidecar and self.lists_sidecars]
+        managed = ManagedPod(ref=pod, app_containers=listed + [c.name for c in containers if not c.init])
         with self._lock:
             self.pods[pod.uid] = managed
         try:
-            return self._admit(managed, resource, containers)
+            return self._admit(managed, resource, containers, between)
         except AdmissionError:
             managed.rejected = True
             raise
 
     def _admit(
-        self, managed: ManagedPod, resource: str, containers: Sequence[ContainerSpec]
+        self,
+        managed: ManagedPod,
+        resource: str,
+        containers: Sequence[ContainerSpec],
+        between: Callable[[str], None] | None,
     ) -> list[ContainerAllocation]:
-        with self._lock:
-            endpoint = self.endpoints.get(resource)
-        if endpoint is None or not endpoint.connected:
-            raise AdmissionError(f"no endpoint for resource {resource}")
         pod_uid = managed.ref.uid
         ordered = [c for c in containers if c.init] + [c for c in containers if not c.init]
         reusable: set[str] = set()
@@ -248,6 +261,10 @@ class FakeKubelet:
         for container in ordered:
             if container.count == 0:
                 continue
+            with self._lock:  # per container: the plugin may have registered again in between
+                endpoint = self.endpoints.get(resource)  # type: ignore[assignment]
+            if endpoint is None or not endpoint.connected:
+                raise AdmissionError(f"no endpoint for resource {resource}")
             chosen = self._devices_for(endpoint, pod_uid, container.count, reusable)
             request = api_pb2.AllocateRequest(container_requests=[api_pb2.ContainerAllocateRequest(devices_ids=chosen)])
             self.calls.append(("Allocate", request))
@@ -266,11 +283,13 @@ class FakeKubelet:
                 pre_start = api_pb2.PreStartContainerRequest(devices_ids=chosen)
                 self.calls.append(("PreStartContainer", pre_start))
                 endpoint.stub.PreStartContainer(pre_start, timeout=10)
-            if container.init:
+            if container.init and not container.sidecar:  # a sidecar keeps running, and its devices
                 reusable |= set(chosen)
             else:
                 reusable -= set(chosen)
             results.append(ContainerAllocation(container.name, chosen, response.container_responses[0]))
+            if between is not None:
+                between(container.name)
         return results
 
     def list_pod_resources(self) -> podresources_pb2.ListPodResourcesResponse:

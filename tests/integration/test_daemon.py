@@ -217,6 +217,28 @@ def test_allocate_a_multi_container_pod_with_an_init_container(daemon: Daemon) -
     )
 
 
+def test_a_daemon_restart_between_a_sidecar_and_its_app_container(daemon: Daemon) -> None:
+    """Kubelet >= 1.29 lists sidecars with their devices. A daemon restarted after the sidecar's Allocate
+    has forgotten that it served it: what the kubelet lists must say the sidecar is done, or the app
+    container's call is taken for the sidecar's (3 GiB asked where 2 were placed: refused)."""
+    daemon.kubelet.lists_sidecars = True
+    started(daemon)
+    init = [{"name": "proxy", "image": "busybox", "restartPolicy": "Always", "resources": {"limits": {GPU_MEM: "3"}}}]
+    body = daemon.place("sidecar", 2, gpu=1, init=init)
+
+    def restart(container: str) -> None:
+        if container == "proxy":
+            registrations = len(daemon.kubelet.registrations)
+            assert daemon.stop() == 0
+            started(daemon)
+            wait_until(lambda: len(daemon.kubelet.registrations) > registrations, message="registered again")
+
+    allocations = daemon.admit(body, between=restart)
+    assert [a.name for a in allocations] == ["proxy", "c0"]
+    assert set(uuids(allocations)) == {daemon.nvml.gpus[1].uuid}
+    assert [a.response.envs["ALIYUN_COM_GPU_MEM_CONTAINER"] for a in allocations] == ["3", "2"]
+
+
 def test_equal_pods_admitted_in_any_order_each_get_the_gpu_their_annotation_names(daemon: Daemon) -> None:
     """Aliyun's failure: equal requests bound at once and admitted out of order swap GPUs."""
     started(daemon)

@@ -12,7 +12,8 @@ from gpushared.deviceplugin.podresources.v1 import api_pb2, api_pb2_grpc
 
 @dataclass(frozen=True)
 class PodDevices:
-    """One pod in the kubelet's pod manager: app container name -> device IDs of one resource."""
+    """One pod in the kubelet's pod manager: container name -> device IDs of one resource. The kubelet lists
+    app containers, and since 1.29 (SidecarContainers) restartable init containers too."""
 
     namespace: str
     name: str
