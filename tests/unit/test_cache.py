@@ -50,6 +50,7 @@ class CacheHistory(RuleBasedStateMachine):
         self.assumed: dict[str, str] = {}
         #: Bindings whose answer was lost: (pod uid, node) -> when they were sent
         self.unanswered: dict[tuple[str, str], float] = {}
+        self.sent: dict[str, float] = {}
 
     def _body(self, uid: str, node: str | None, phase: str = "Pending") -> dict[str, Any]:
         cpu = f"{cpu_milli(uid)}m"
@@ -125,6 +126,7 @@ class CacheHistory(RuleBasedStateMachine):
         if uid in self.watched and not self.watched[uid]["spec"].get("nodeName") and uid not in self.assumed:
             self.cache.assume(self._body(uid, None), node)
             self.assumed[uid] = node
+            self.sent[uid] = self.now  # when the Binding was sent: its landing window starts there
 
     @rule(uid=st.sampled_from(UIDS))
     def bind_failed(self, uid: str) -> None:
@@ -137,7 +139,7 @@ class CacheHistory(RuleBasedStateMachine):
         if uid in self.assumed:
             node = self.assumed.pop(uid)
             self.cache.unanswered(self._body(uid, None), node)
-            self.unanswered[(uid, node)] = self.now
+            self.unanswered[(uid, node)] = self.sent[uid]
 
     @rule(data=st.data())
     def read_back(self, data: st.DataObject) -> None:
