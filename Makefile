@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -71,3 +71,8 @@ deb-test: venv
 # Placement quality on the Alibaba trace (needs the trace: GPUSHARED_TRACE_DIR, default ../shared/data/...).
 bench: venv
 	$(BIN)/python scripts/bench_openb.py
+
+# The fault suite (docs/reliability.md): the extender under load while the API server stalls, loses
+# answers and lands Bindings late, replicas are killed and callers are hostile. CHAOS_ARGS sizes it.
+chaos: venv
+	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)

@@ -6,6 +6,7 @@ import http.client
 import json
 import os
 import signal
+import ssl
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -81,6 +82,9 @@ class Extender:
     cpus: set[int] | None = None
     #: where it runs: a source tree whose gpushared package it runs instead of this one (scripts/ab_extender.py)
     cwd: Path | None = None
+    #: HTTPS: the CA its certificate is checked against, and the client certificate (cert, key) to present
+    ca: Path | None = None
+    client: tuple[Path, Path] | None = None
 
     def start(self, *extra: str) -> Extender:
         kubeconfig = self.kubeconfig or self.workdir / "kubeconfig"
@@ -129,7 +133,14 @@ class Extender:
         return path.read_text() if path.exists() else ""
 
     def _request(self, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        connection: http.client.HTTPConnection
+        if self.ca is not None:
+            context = ssl.create_default_context(cafile=str(self.ca))
+            if self.client is not None:
+                context.load_cert_chain(str(self.client[0]), str(self.client[1]))
+            connection = http.client.HTTPSConnection("127.0.0.1", self.port, timeout=30, context=context)
+        else:
+            connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
         try:
             connection.request(method, path, body=body, headers={"Content-Type": "application/json"})
             response = connection.getresponse()

@@ -336,7 +336,9 @@ def test_a_pod_without_gpu_goes_where_no_gpu_memory_is_free(kube: Kube, cluster:
             lambda: kube.pod(namespace, "cpu-only")["spec"].get("nodeName"), timeout=30, what="cpu-only bound"
         )
         assert bound == gpuless, kube.describe(namespace, "cpu-only")
-        with urllib.request.urlopen(f"http://127.0.0.1:{cluster.ports.extender}/metrics", timeout=5) as response:
+        with urllib.request.urlopen(
+            f"{cluster.extender_url}/metrics", timeout=5, context=cluster.extender_tls()
+        ) as response:
             metrics = response.read().decode()
         assert 'gpushared_extender_request_seconds_count{verb="prioritize-no-gpu"}' in metrics
     finally:

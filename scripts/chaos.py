@@ -1,0 +1,503 @@
+"""The fault suite: the extender under concurrent load while the world around it breaks (``make chaos``).
+
+Each scenario starts a fake API server with GPU nodes and two extender replicas (leader election, mutual
+TLS, as deploy/ ships them), schedules pods from several threads as kube-scheduler does (filter, pick a
+passing node, bind; filter again after a refusal), breaks something while it does, mends it, waits for
+the extenders to settle, and then counts from the API server's own objects:
+
+- GPUs over capacity (the bound pods' allocations against each GPU's memory; for pods whose annotations a
+  scenario forged, the allocation their Binding wrote, which is where their containers run);
+- pods bound without a GPU allocation, and pods with one but unbound;
+- binds lost (the extender answered success, the pod is not bound there) and unauthenticated binds
+  (a caller without the scheduler's certificate got a bind through);
+- the slowest /healthz answer while it ran (a probe every 20 ms).
+
+    .venv/bin/python scripts/chaos.py [--pods 200] [--nodes 30] [--threads 8] [--only NAME ...] [--json FILE]
+
+docs/reliability.md has the table and what each scenario does. The exit status is 1 if any count is not 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import random
+import signal
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpushared import contract
+from gpushared.contract import MemoryUnit
+from gpushared.core.ledger import Ledger, holding_from_pod
+from tests.builders import GPU_MEM, pod
+from tests.extender_harness import Extender, gpu_node
+from tests.fakes.apiserver import FakeApiServer, Fault
+from tests.pki import Authority, Pair
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    pods: int = 0
+    bound: int = 0
+    over_capacity: list[str] = field(default_factory=list)
+    bound_without_allocation: list[str] = field(default_factory=list)
+    annotated_but_unbound: list[str] = field(default_factory=list)
+    lost_binds: list[str] = field(default_factory=list)
+    unauthenticated_binds: list[str] = field(default_factory=list)
+    healthz_max_ms: float = 0.0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not (
+            self.over_capacity
+            or self.bound_without_allocation
+            or self.annotated_but_unbound
+            or self.lost_binds
+            or self.unauthenticated_binds
+        )
+
+
+class World:
+    """One scenario's cluster: the fake API server, two extender replicas, the certificates."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, pki: Authority, pairs: dict[str, Pair]) -> None:
+        self.args = args
+        self.work = work
+        self.pki = pki
+        self.pairs = pairs
+        self.api = FakeApiServer(history=200_000).start()
+        rng = random.Random(args.seed)
+        self.nodes = [f"node-{i:03d}" for i in range(args.nodes)]
+        for name in self.nodes:
+            self.api.create(gpu_node(name, *[rng.choice((8, 16, 24)) for _ in range(rng.randint(1, 4))]))
+        self.replicas = [self._extender(name) for name in ("a", "b")]
+        for replica in self.replicas:
+            wait(lambda r=replica: r.get("/readyz")[0] == 200, 60, f"extender {replica.name} ready")
+        #: what each pod's Binding wrote, as read right after a successful bind (the truth where it runs)
+        self.written: dict[str, dict[str, str]] = {}
+        #: pods the load was told were bound, and where
+        self.told: dict[str, str] = {}
+        self.stray_binds: list[str] = []
+        self.lock = threading.Lock()
+
+    def _extender(self, name: str) -> Extender:
+        server, scheduler = self.pairs["extender"], self.pairs["scheduler"]
+        extender = Extender(
+            api=self.api,
+            workdir=self.work,
+            name=name,
+            ca=self.pki.cert,
+            client=(scheduler.cert, scheduler.key),
+            args=[
+                "--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3",
+                "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--client-ca", str(self.pki.cert),
+                "--client-name", "system:kube-scheduler", "--client-name", "gpushared-extender",
+                "--watch-seconds", "5", "--binding-landing-seconds", "12", "--log-level", "info",
+            ],
+        )  # fmt: skip
+        return extender.start()
+
+    def restart(self, replica: Extender) -> None:
+        assert replica.process is not None
+        replica.process.wait(10)
+        replica.process = None
+        replica.start()
+
+    def leader(self) -> Extender | None:
+        lease = self.api.get("leases", "gpushared-extender", "default")
+        holder = ((lease or {}).get("spec") or {}).get("holderIdentity", "")
+        return next((r for r in self.replicas if f":{r.port}" in holder), None)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            if replica.process is not None and replica.process.poll() is None:
+                replica.process.kill()
+                replica.process.wait()
+        self.api.stop()
+
+
+def wait(condition: Callable[[], Any], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting: {what}")
+        time.sleep(0.1)
+
+
+def schedule(world: World, bodies: list[dict[str, Any]], *, threads: int, progress: Callable[[int], None]) -> None:
+    """What kube-scheduler does: filter on a sample of nodes, bind to a passing one, filter again after an
+    error; a replica that answers 503 (not ready, no leader, stale cache) is tried again a moment later."""
+    queue = list(reversed(bodies))
+    lock = threading.Lock()
+    done = [0]
+
+    def call(rng: random.Random, method: str, *args: Any) -> tuple[int, Any]:
+        for _ in range(300):
+            replica = rng.choice(world.replicas)
+            status, result = getattr(replica, method)(*args)
+            if status in (0, 503):  # restarting, not the leader yet, or stale: kube-scheduler retries
+                time.sleep(0.1)
+                continue
+            return status, result
+        return 0, None
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        while True:
+            with lock:
+                if not queue:
+                    return
+                body = queue.pop()
+            name = body["metadata"]["name"]
+            for _attempt in range(8):
+                status, result = call(rng, "filter", body, *rng.sample(world.nodes, min(20, len(world.nodes))))
+                if status != 200 or not result["NodeNames"]:
+                    break
+                node = rng.choice(result["NodeNames"])
+                status, result = call(rng, "bind", body, node)
+                if status == 200 and result["Error"] == "":
+                    bound = world.api.get("pods", name, "default") or {}
+                    with world.lock:
+                        world.told[name] = node
+                        world.written[name] = dict((bound.get("metadata") or {}).get("annotations") or {})
+                    break
+                time.sleep(0.05)
+            with lock:
+                done[0] += 1
+                progress(done[0])
+
+    workers = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(threads)]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join(900)
+
+
+@contextmanager
+def healthz_probe(world: World) -> Iterator[list[float]]:
+    slowest = [0.0]
+    stop = threading.Event()
+
+    def probe() -> None:
+        while not stop.is_set():
+            for replica in world.replicas:
+                if replica.process is None or replica.process.poll() is not None:
+                    continue
+                started = time.perf_counter()
+                status, _ = replica.get("/healthz")
+                if status == 200:
+                    slowest[0] = max(slowest[0], time.perf_counter() - started)
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    try:
+        yield slowest
+    finally:
+        stop.set()
+        thread.join()
+
+
+# --- what each scenario breaks, called with the load's progress (pods done) -----------------------------------
+
+
+class Breaker:
+    """Breaks the world when the load reaches ``at`` pods, mends it at ``until``; ``notes`` say what it did."""
+
+    def __init__(self, world: World, total: int) -> None:
+        self.world, self.total = world, total
+        self.notes: list[str] = []
+        self.broken = self.mended = False
+
+    def progress(self, done: int) -> None:
+        if not self.broken and done >= self.total * 0.2:
+            self.broken = True
+            self.break_()
+        elif self.broken and not self.mended and done >= self.total * 0.6:
+            self.mended = True
+            self.mend()
+
+    def break_(self) -> None: ...
+
+    def mend(self) -> None: ...
+
+    def finish(self) -> None:
+        if not self.mended:
+            self.mended = True
+            self.mend()
+
+
+class WatchStalled(Breaker):
+    def break_(self) -> None:
+        self.world.api.stall_watches()
+        time.sleep(8)  # past --watch-seconds + its grace (5 + 10 s from the start of the last watch)
+
+    def mend(self) -> None:
+        self.world.api.stall_watches(False)
+
+
+class WatchCut(Breaker):
+    def break_(self) -> None:
+        for _ in range(10):
+            self.world.api.cut_watches()
+            time.sleep(0.3)
+
+
+class Watch410(Breaker):
+    def break_(self) -> None:
+        for _ in range(5):
+            self.world.api.compact()
+            self.world.api.expire_watches()
+            time.sleep(0.5)
+
+
+class Bindings(Breaker):
+    """A fault on the Bindings of pods whose names end in one of ``digits``, while broken."""
+
+    def __init__(self, world: World, total: int, **fault: Any) -> None:
+        super().__init__(world, total)
+        self.fault = Fault(method="POST", path=r"/pods/p-\d*[37]/binding$", times=None, **fault)
+
+    def break_(self) -> None:
+        self.world.api.inject(self.fault)
+
+    def mend(self) -> None:
+        self.world.api.faults.remove(self.fault)
+        self.notes.append(f"{self.fault.hits} Bindings hit")
+
+
+class ExtenderKill(Breaker):
+    def __init__(self, world: World, total: int, *, leader: bool) -> None:
+        super().__init__(world, total)
+        self.leader = leader
+
+    def break_(self) -> None:
+        victim = self.world.leader() if self.leader else self.world.replicas[0]
+        victim = victim or self.world.replicas[0]
+        assert victim.process is not None
+        victim.process.send_signal(signal.SIGKILL)
+        self.notes.append(f"killed replica {victim.name} with SIGKILL")
+        self.victim = victim
+        if not self.leader:
+            self.world.restart(victim)
+
+    def mend(self) -> None:
+        if self.leader:
+            self.world.restart(self.victim)
+
+
+class Hostile(Breaker):
+    """Callers that are not kube-scheduler, all through the load: bodies that once stalled or crashed the
+    extender, generated junk, and binds without a client certificate."""
+
+    def break_(self) -> None:
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._attack, daemon=True)
+        self.thread.start()
+
+    def mend(self) -> None:
+        self.stop.set()
+        self.thread.join()
+
+    def _attack(self) -> None:
+        rng = random.Random(5)
+        stranger = [
+            Extender(api=None, workdir=self.world.work, port=r.port, ca=self.world.pki.cert)
+            for r in self.world.replicas
+        ]
+        trusted = self.world.replicas
+        sent = 0
+        while not self.stop.is_set():
+            huge = pod("huge", 1)
+            huge["spec"]["containers"][0]["resources"] = {"limits": {GPU_MEM: rng.choice(["1e999999", "9" * 70])}}
+            junk: dict[str, Any] = pod("junk", 1)
+            junk["spec"]["containers"] = rng.choice(["main", ["main"], [{"resources": []}], 7])
+            target = rng.choice(self.world.api.objects("pods"))
+            forged_bind = {
+                "PodName": target["metadata"]["name"],
+                "PodNamespace": "default",
+                "PodUID": target["metadata"]["uid"],
+                "Node": rng.choice(self.world.nodes),
+            }
+            for replica, body, verb in (
+                (rng.choice(trusted), {"Pod": huge, "NodeNames": self.world.nodes}, "filter"),
+                (rng.choice(trusted), {"Pod": pod("many", 1), "NodeNames": ["n"] * 20_000}, "filter"),
+                (rng.choice(trusted), {"Pod": junk, "NodeNames": self.world.nodes}, "prioritize"),
+                (rng.choice(trusted), {**forged_bind, "PodName": "../../nodes/x"}, "bind"),
+                (rng.choice(stranger), forged_bind, "bind"),
+            ):
+                status, result = replica.post(verb, body)
+                sent += 1
+                if verb == "bind" and status == 200 and isinstance(result, dict) and result.get("Error") == "":
+                    with self.world.lock:
+                        self.world.stray_binds.append(f"{forged_bind['PodName']} -> {forged_bind['Node']}")
+                elif status >= 500 or status == 0:
+                    self.notes.append(f"{verb} answered {status}")
+            time.sleep(0.05)
+        self.notes.append(f"{sent} hostile requests")
+
+
+class Forged(Breaker):
+    """Owners of bound pods edit their allocation: to 0, and to another GPU."""
+
+    def break_(self) -> None:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.world.api.client())
+        with self.world.lock:
+            victims = list(self.world.written.items())[:20]
+        for i, (name, written) in enumerate(victims):
+            allocation = written.get(contract.POD_ALLOCATION, "")
+            if i % 2:
+                forged = allocation.replace('"amount":', '"amount":0,"was":')
+            else:
+                forged = allocation.replace('"index":', '"index":1,"was":')
+            patch = {"metadata": {"annotations": {contract.POD_ALLOCATION: forged, contract.ALIYUN_GPU_MEM_POD: "0"}}}
+            core.patch_namespaced_pod(name, "default", patch)
+        self.notes.append(f"forged the allocation of {len(victims)} bound pods")
+
+
+SCENARIOS: dict[str, Callable[[World, int], Breaker]] = {
+    "baseline": Breaker,
+    "watch stalled (open, silent)": WatchStalled,
+    "watch cut": WatchCut,
+    "watch 410 Gone": Watch410,
+    "Bindings answered 500": lambda w, n: Bindings(w, n, status=500),
+    "Bindings cut, not applied": lambda w, n: Bindings(w, n, cut=True),
+    "Bindings applied, answer cut": lambda w, n: Bindings(w, n, cut=True, applied=True),
+    "Bindings applied, answered after the client gave up": lambda w, n: Bindings(
+        w, n, applied=True, delay=10.5, status=504
+    ),
+    "Bindings slow (3 s)": lambda w, n: Bindings(w, n, delay=3.0),
+    "extender kill -9 and restart": lambda w, n: ExtenderKill(w, n, leader=False),
+    "leader kill -9": lambda w, n: ExtenderKill(w, n, leader=True),
+    "hostile callers": Hostile,
+    "forged annotations": Forged,
+}
+
+
+def run(name: str, args: argparse.Namespace, work: Path, pki: Authority, pairs: dict[str, Pair]) -> Outcome:
+    started = time.monotonic()
+    world = World(args, work / name.replace(" ", "-"), pki, pairs)
+    outcome = Outcome(scenario=name, pods=args.pods)
+    try:
+        rng = random.Random(args.seed)
+        bodies = [world.api.create(pod(f"p-{i:04d}", rng.randint(1, 12))) for i in range(args.pods)]
+        breaker = SCENARIOS[name](world, args.pods)
+        with healthz_probe(world) as slowest:
+            schedule(world, bodies, threads=args.threads, progress=breaker.progress)
+            breaker.finish()
+            settle(world)
+        outcome.healthz_max_ms = round(slowest[0] * 1000, 1)
+        outcome.notes = breaker.notes
+        count(world, outcome)
+    finally:
+        world.close()
+    outcome.seconds = round(time.monotonic() - started, 1)
+    return outcome
+
+
+def settle(world: World) -> None:
+    """Faults mended: both replicas ready and fresh, and every reservation settled by the watch or a read."""
+    for replica in world.replicas:
+        wait(lambda r=replica: r.get("/readyz")[0] == 200, 60, f"{replica.name} ready again")
+
+    def unconfirmed() -> float:
+        total = 0.0
+        for replica in world.replicas:
+            status, text = replica.get("/metrics")
+            for line in text.decode().splitlines() if status == 200 else ():
+                if line.startswith("gpushared_extender_unconfirmed_binds "):
+                    total += float(line.split()[1])
+        return total
+
+    wait(lambda: unconfirmed() == 0, 60, "every bind confirmed")
+
+
+def count(world: World, outcome: Outcome) -> None:
+    pods = {p["metadata"]["name"]: p for p in world.api.objects("pods")}
+    outcome.bound = sum(1 for p in pods.values() if p["spec"].get("nodeName"))
+    by_node: dict[str, list[dict[str, Any]]] = {}
+    for name, body in pods.items():
+        node = body["spec"].get("nodeName")
+        annotations = (body.get("metadata") or {}).get("annotations") or {}
+        if node and contract.POD_ALLOCATION not in annotations:
+            outcome.bound_without_allocation.append(name)
+        if not node and contract.POD_ALLOCATION in annotations:
+            outcome.annotated_but_unbound.append(name)
+        if name in world.told and world.told[name] != node:
+            outcome.lost_binds.append(f"{name}: told {world.told[name]}, is on {node}")
+        if node:
+            truth = copy.deepcopy(body)
+            if name in world.written:  # where its containers run: what its Binding wrote
+                truth["metadata"]["annotations"] = world.written[name]
+            by_node.setdefault(node, []).append(truth)
+    for node in world.api.objects("nodes"):
+        name = node["metadata"]["name"]
+        inventory = contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY])
+        ledger = Ledger.build(inventory)
+        for body in by_node.get(name, []):
+            holding = holding_from_pod(body, unit=MemoryUnit.GIB)  # type: ignore[arg-type]
+            if holding is not None:
+                ledger.add(holding)
+        outcome.over_capacity += [
+            f"{name} GPU {g.index}: {ledger.used(g.index)}/{g.memory}"
+            for g in inventory.gpus
+            if ledger.used(g.index) > g.memory
+        ]
+    outcome.unauthenticated_binds = list(world.stray_binds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pods", type=int, default=200)
+    parser.add_argument("--nodes", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--only", nargs="*", help="scenarios whose name contains one of these words")
+    parser.add_argument("--json", type=Path, help="write the outcomes here too")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpushared-chaos-"))
+    pki = Authority(work / "pki")
+    pairs = {
+        "extender": pki.issue("extender", common_name="gpushared-extender", server=True),
+        "scheduler": pki.issue("scheduler", common_name="system:kube-scheduler"),
+    }
+    names = [n for n in SCENARIOS if not args.only or any(word in n for word in args.only)]
+    outcomes = []
+    print(f"{'scenario':<54} {'bound':>7} {'over':>5} {'no-alloc':>8} {'unbound':>7} {'lost':>5} {'unauth':>6} "
+          f"{'healthz':>9} {'secs':>6}")  # fmt: skip
+    for name in names:
+        outcome = run(name, args, work, pki, pairs)
+        outcomes.append(outcome)
+        print(
+            f"{name:<54} {outcome.bound:>3}/{outcome.pods:<3} {len(outcome.over_capacity):>5} "
+            f"{len(outcome.bound_without_allocation):>8} {len(outcome.annotated_but_unbound):>7} "
+            f"{len(outcome.lost_binds):>5} {len(outcome.unauthenticated_binds):>6} "
+            f"{outcome.healthz_max_ms:>7.1f}ms {outcome.seconds:>6.1f}",
+            flush=True,
+        )
+        for problem in (outcome.over_capacity + outcome.lost_binds + outcome.unauthenticated_binds + outcome.notes)[:8]:
+            print(f"    {problem}")
+    if args.json:
+        args.json.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1) + "\n")
+    clean = all(o.clean for o in outcomes)
+    print("all counts 0" if clean else "SOME COUNTS ARE NOT 0", f"(work files in {work})")
+    return 0 if clean else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
