@@ -85,6 +85,11 @@ class Metrics:
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
             registry=self.registry,
         )
+        self.loop_lag = Gauge(
+            "gpushared_extender_event_loop_lag_max_seconds",
+            "The longest the event loop was late to a 20 ms timer since start: how long one request held it",
+            registry=self.registry,
+        )
         self.unconfirmed = Gauge(
             "gpushared_extender_unconfirmed_binds",
             "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
@@ -140,7 +145,38 @@ def build_app(
     app.router.add_get("/version", routes.version)
     app.on_cleanup.append(routes.close)
     app.cleanup_ctx.append(_settling(scheduler))
+    app.cleanup_ctx.append(_watching_the_loop(metrics, ready))
     return app
+
+
+#: How often the loop-lag probe asks to run; how late it runs is how long something held the loop.
+LAG_PROBE_SECONDS = 0.02
+
+
+def _watching_the_loop(metrics: Metrics, ready: Ready) -> Callable[[web.Application], Any]:
+    """Counted from the first time the extender is ready: the first sync holds the interpreter on purpose."""
+
+    async def probe_in_background(app: web.Application) -> Any:
+        async def loop() -> None:
+            worst = 0.0
+            clock = asyncio.get_running_loop().time
+            while not ready()[0]:
+                await asyncio.sleep(LAG_PROBE_SECONDS)
+            while True:
+                asked = clock()
+                await asyncio.sleep(LAG_PROBE_SECONDS)
+                lag = clock() - asked - LAG_PROBE_SECONDS
+                if lag > worst:
+                    worst = lag
+                    metrics.loop_lag.set(worst)
+
+        task = asyncio.get_running_loop().create_task(loop(), name="loop-lag")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return probe_in_background
 
 
 #: How often the extender reads back binds the watch has not confirmed (``Scheduler.settle_binds``).
