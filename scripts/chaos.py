@@ -23,6 +23,7 @@ import argparse
 import copy
 import json
 import random
+import re
 import signal
 import sys
 import tempfile
@@ -488,6 +489,151 @@ def count(world: World, outcome: Outcome) -> None:
     outcome.unauthenticated_binds = list(world.stray_binds)
 
 
+# --- the node daemon: the kubelet admitting pods while the API server hangs and a GPU is lost -----------------
+
+
+@dataclass
+class NodeOutcome:
+    scenario: str
+    containers: int = 0
+    admitted: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    wrong_gpu: list[str] = field(default_factory=list)
+    over_capacity: list[str] = field(default_factory=list)
+    allocate_max_ms: float = 0.0
+    seconds: float = 0.0
+
+    @property
+    def clean(self) -> bool:
+        return not (self.wrong_gpu or self.over_capacity)
+
+
+def run_node(args: argparse.Namespace, work: Path) -> NodeOutcome:
+    """One node (4 fake GPUs of 16, 12, 24 and 8 GiB) and pods placed on it as the extender places them,
+    each admitted right after its bind, one at a time as the kubelet does. A quarter of the way in, the API
+    server hangs for pod reads and the daemon's pod watch stalls (each call must answer within its 2 s
+    budget); half-way, that ends and GPU 3 fails in NVML (GPU_IS_LOST) until three quarters. Then every
+    refused pod is admitted again. Counts: containers given another GPU than their allocation names, GPUs
+    over capacity in the daemon's books, and the slowest Allocate or GetPreferredAllocation."""
+    started = time.monotonic()
+    outcome = NodeOutcome(scenario="node daemon: API server hang during Allocate, NVML error on GPU 3")
+    with node_world(work) as daemon:
+        plan = plan_for_node(args)
+        node = NodeAdmissions(daemon, outcome)
+        quarter = max(1, len(plan) // 4)
+        hang = Fault(method="GET", path=r"/pods/n-\d+$", delay=30.0, times=None)
+        gpu_mem = contract.DEFAULT_RESOURCES.gpu_mem
+        for i, (amount, gpu) in enumerate(plan):
+            if i == quarter:
+                daemon.api.stall_watches()
+                daemon.api.inject(hang)
+            elif i == 2 * quarter:
+                daemon.api.faults.remove(hang)
+                daemon.api.stall_watches(False)
+                daemon.nvml.gpus[3].errors = {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}
+                daemon.nvml.write()
+                daemon.kubelet.wait_for(gpu_mem, capacity=52)
+            elif i == 3 * quarter:
+                daemon.nvml.gpus[3].errors = {}
+                daemon.nvml.write()
+                daemon.kubelet.wait_for(gpu_mem, capacity=60, timeout=30)
+            # bound just now, as the extender binds: while the watch is stalled the daemon must read it
+            node.admit(daemon.place(f"n-{i:03d}", amount, gpu=gpu), gpu)
+        node.admit_refused_again()
+        outcome.containers = len(plan)
+        outcome.allocate_max_ms = round(max((t for _, t in daemon.kubelet.timings), default=0.0) * 1000, 1)
+        outcome.over_capacity = [
+            f"GPU {gpu['index']}: {gpu['used']}/{gpu['memory']}"
+            for gpu in daemon.status()["gpus"]
+            if gpu["used"] > gpu["memory"]
+        ]
+    outcome.seconds = round(time.monotonic() - started, 1)
+    return outcome
+
+
+@contextmanager
+def node_world(work: Path) -> Iterator[Any]:
+    """The daemon serving, registered with the fake kubelet, its inventory on the Node."""
+    from tests.fakes.kubelet import FakeKubelet
+    from tests.fakes.nvml import FakeNvml, build_library
+    from tests.fakes.systemd import NotifySocket
+    from tests.harness import Daemon, node_body
+
+    work.mkdir(parents=True, exist_ok=True)
+    root = Path(tempfile.mkdtemp(prefix="gps-", dir="/tmp"))  # short: unix socket paths
+    (root / "device-plugins").mkdir()
+    library = build_library(work / "fake-nvml")
+    with FakeApiServer() as api, FakeKubelet(root, seed=1) as kubelet:
+        api.create(node_body())
+        notify = NotifySocket(root / "notify.sock")
+        nvml = FakeNvml.with_sizes(work / "nvml.json", library, 16384, 12288, 24576, 8192)
+        daemon = Daemon(api=api, kubelet=kubelet, nvml=nvml, notify=notify, workdir=work)
+        daemon.start()
+        try:
+            notify.wait_for("READY=1")
+            kubelet.wait_for(contract.DEFAULT_RESOURCES.gpu_mem, capacity=60)
+            wait(lambda: contract.NODE_INVENTORY in daemon.inventory_annotations(), 30, "inventory")
+            yield daemon
+        finally:
+            if daemon.process is not None and daemon.process.poll() is None:
+                daemon.stop()
+            notify.close()
+
+
+def plan_for_node(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """(amount, GPU) of pods of 1-3 GiB on random GPUs with room, as the extender would place them."""
+    rng = random.Random(args.seed)
+    room = {0: 16, 1: 12, 2: 24, 3: 8}
+    plan = []
+    for _ in range(args.node_pods):
+        amount = rng.randint(1, 3)
+        fits = [g for g, free in room.items() if free >= amount]
+        if not fits:
+            break
+        gpu = rng.choice(fits)
+        room[gpu] -= amount
+        plan.append((amount, gpu))
+    return plan
+
+
+class NodeAdmissions:
+    """The kubelet's admissions, checked: every container on the GPU its allocation names."""
+
+    def __init__(self, daemon: Any, outcome: NodeOutcome) -> None:
+        self.daemon, self.outcome = daemon, outcome
+        self.uuids = [g.uuid for g in daemon.nvml.gpus]
+        self.refused: list[tuple[dict[str, Any], int]] = []
+
+    def admit(self, body: dict[str, Any], gpu: int) -> None:
+        from tests.fakes.kubelet import AdmissionError
+
+        name = body["metadata"]["name"]
+        try:
+            allocations = self.daemon.admit(body)
+        except AdmissionError as exc:
+            found = re.search(r"\b([A-Z][A-Z_]{4,}):", str(exc))  # the gRPC status the daemon answered
+            code = found[1] if found else "kubelet: " + str(exc)[:40]
+            self.outcome.refused[code] = self.outcome.refused.get(code, 0) + 1
+            self.refused.append((body, gpu))
+            # The kubelet marks a pod it rejected Failed and drops it from its pod manager (the daemon refuses
+            # to guess while a rejected pod still waits there beside another; design.md §7).
+            self.daemon.kubelet.pods.pop(self._uid(body), None)
+            return
+        self.outcome.admitted += 1
+        for allocation in allocations:
+            if allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] != self.uuids[gpu]:
+                self.outcome.wrong_gpu.append(f"{name}/{allocation.name}")
+
+    def admit_refused_again(self) -> None:
+        """The pod's controller replaces a refused pod; here the same pod is admitted again."""
+        again, self.refused = self.refused, []
+        for body, gpu in again:
+            self.admit(body, gpu)
+
+    def _uid(self, body: dict[str, Any]) -> str:
+        return str((self.daemon.api.get("pods", body["metadata"]["name"], "default") or {})["metadata"]["uid"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=200)
@@ -495,6 +641,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=8)
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--only", nargs="*", help="scenarios whose name contains one of these words")
+    parser.add_argument("--node-pods", type=int, default=40, help="pods admitted in the node daemon's scenario")
     parser.add_argument("--json", type=Path, help="write the outcomes here too")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpushared-chaos-"))
@@ -519,9 +666,19 @@ def main() -> int:
         )
         for problem in (outcome.over_capacity + outcome.lost_binds + outcome.unauthenticated_binds + outcome.notes)[:8]:
             print(f"    {problem}")
+    node: NodeOutcome | None = None
+    if not args.only or any(word in "node daemon" for word in args.only):
+        node = run_node(args, work / "node")
+        print(f"\n{node.scenario}: {node.admitted}/{node.containers} pods admitted, refused meanwhile "
+              f"{node.refused}; containers on another GPU than their allocation: {len(node.wrong_gpu)}; GPUs "
+              f"over capacity: {len(node.over_capacity)}; slowest Allocate {node.allocate_max_ms} ms; "
+              f"{node.seconds} s")  # fmt: skip
+        for problem in (node.wrong_gpu + node.over_capacity)[:8]:
+            print(f"    {problem}")
     if args.json:
-        args.json.write_text(json.dumps([o.__dict__ for o in outcomes], indent=1) + "\n")
-    clean = all(o.clean for o in outcomes)
+        records = [o.__dict__ for o in outcomes] + ([node.__dict__] if node else [])
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    clean = all(o.clean for o in outcomes) and (node is None or node.clean)
     print("all counts 0" if clean else "SOME COUNTS ARE NOT 0", f"(work files in {work})")
     return 0 if clean else 1
 

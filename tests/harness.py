@@ -137,6 +137,10 @@ class Daemon:
 
     # --- the cluster side ---------------------------------------------------------------------------------
 
+    def inventory_annotations(self) -> dict[str, str]:
+        node = self.api.get("nodes", NODE) or {}
+        return dict((node.get("metadata") or {}).get("annotations") or {})
+
     def inventory(self) -> GpuInventory:
         node = self.api.get("nodes", NODE)
         assert node is not None

@@ -523,6 +523,9 @@ class ClusterCache:
         known = state.pods.get(uid)
         if known is None or state.ledger is None:
             return pod
+        annotations = (known.get("metadata") or {}).get("annotations")
+        if annotations == (pod.get("metadata") or {}).get("annotations"):
+            return pod  # the usual event (a status change, the watch confirming a bind): nothing to judge
         before, after = state.ledger.holding(uid), self._holding(pod, state)
         if before is None or not before.gpus or after is None or set(after.gpus) == set(before.gpus):
             return pod
@@ -535,7 +538,7 @@ class ClusterCache:
             sorted(before.gpus),
         )
         meta = pod.get("metadata") or {}
-        return {**pod, "metadata": {**meta, "annotations": (known.get("metadata") or {}).get("annotations") or {}}}
+        return {**pod, "metadata": {**meta, "annotations": annotations or {}}}
 
     def _counts_the_same(self, state: NodeState, uid: str, pod: dict[str, Any]) -> bool:
         """Whether ``pod`` would be counted on its node exactly as the body ``state.pods`` holds for it is."""

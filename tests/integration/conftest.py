@@ -46,3 +46,12 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Extender]]:
         if extender.process is not None and extender.process.poll() is None:
             extender.process.kill()
             extender.process.wait()
+
+
+@pytest.fixture
+def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
+    """An extender process on the module's ``api`` fixture, ready."""
+    ext = spawn(api)
+    ext.wait_ready()
+    yield ext
+    ext.stop()

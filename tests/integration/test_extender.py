@@ -25,14 +25,6 @@ def api() -> Iterator[FakeApiServer]:
         yield server
 
 
-@pytest.fixture
-def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
-    ext = spawn(api)
-    ext.wait_ready()
-    yield ext
-    ext.stop()
-
-
 def created(api: FakeApiServer, name: str, *amounts: int, **kw: Any) -> dict[str, Any]:
     return api.create(pod(name, *amounts, **kw))
 

@@ -103,14 +103,6 @@ def test_an_unanswered_binding_that_never_lands_is_released_after_its_window(
 # --- hostile callers --------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
-    ext = spawn(api)
-    ext.wait_ready()
-    yield ext
-    ext.stop()
-
-
 def healthz_while(extender: Extender, action: Callable[[], Any]) -> tuple[Any, float]:
     """Run ``action`` while /healthz is asked every 10 ms; what it returned, and the slowest answer (s)."""
     slowest = 0.0
