@@ -95,7 +95,7 @@ class Scheduler:
         the pod in the same update that sets its node. So no one ever sees the pod bound without its GPUs or
         annotated but unbound, and a Binding that fails leaves nothing on the pod to take back. The choice is
         counted in the cache before the write, under the cache's lock, so two binds to one node see each
-        other; a failed write releases it at once.
+        other; a write the API server refused releases it at once, one whose answer was lost keeps it.
         """
         try:
             await self._bind(args)
