@@ -32,8 +32,9 @@ _SUFFIXES: Final = {
     "n": Decimal(1) / 10**9,
 }
 #: Bounds checked on the text, before any arithmetic: Kubernetes keeps quantities in 64 bits, and
-#: ``1e999999`` would otherwise be a million-digit integer (41 s of one CPU, measured).
-MAX_DIGITS: Final = 40
+#: ``1e999999`` would otherwise become a million-digit integer (docs/benchmarks.md, issue #19).
+#: The longest quantity text read (a mantissa, an exponent or suffix, a sign): Kubernetes' own are far shorter.
+MAX_LENGTH: Final = 80
 MAX_EXPONENT: Final = 30
 #: Kubernetes' largest quantity: int64.
 MAX_VALUE: Final = Decimal(2) ** 63 - 1
@@ -59,8 +60,8 @@ def _decimal(key: str, value: object) -> Decimal:
     if isinstance(value, int):
         number = Decimal(value)
     elif isinstance(value, str):
-        if len(value) > 2 * MAX_DIGITS:
-            raise ContractError(key=key, value=value[:MAX_DIGITS] + "...", reason="too long for a quantity")
+        if len(value) > MAX_LENGTH:
+            raise ContractError(key=key, value=value[:40] + "...", reason="too long for a quantity")
         match = _QUANTITY.match(value.strip())
         if match is None or (match.group(3) or "") not in _SUFFIXES:
             raise ContractError(key=key, value=value, reason="not a Kubernetes quantity")

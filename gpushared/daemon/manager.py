@@ -98,7 +98,6 @@ class Manager:
         self.api = api
         #: the reads on the kubelet's path: tried once, within what is left of ALLOCATE_BUDGET_SECONDS
         self._lookup = api.without_retries() if api is not None else None
-        self._deadline = 0.0
         self.pods = pods
         self.pod_resources_socket = pod_resources_socket
         self.health = health
@@ -206,9 +205,8 @@ class Manager:
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]:
         """Devices on the GPU the admitted pod's annotations name; empty when the pod cannot be named."""
-        self._deadline = time.monotonic() + ALLOCATE_BUDGET_SECONDS
         try:
-            slot = self._identify(size).chosen.next
+            slot = self._identify(size, deadline=time.monotonic() + ALLOCATE_BUDGET_SECONDS).chosen.next
         except (handshake.Unidentified, AllocationRefused) as exc:
             log.info("GetPreferredAllocation for %d: no preference (%s)", size, exc)
             return []
@@ -225,10 +223,10 @@ class Manager:
 
     def allocate(self, devices: Sequence[str]) -> ContainerAllocation:
         started = time.perf_counter()
+        deadline = time.monotonic() + ALLOCATE_BUDGET_SECONDS  # from the call, waiting for the lock included
         try:
             with self._allocate_lock:
-                self._deadline = time.monotonic() + ALLOCATE_BUDGET_SECONDS
-                result = self._allocate(devices)
+                result = self._allocate(devices, deadline=deadline)
         except AllocationRefused as exc:
             self.metrics.allocate_failures.inc()
             log.warning("Allocate %d devices refused: %s", len(devices), exc.message)
@@ -237,10 +235,10 @@ class Manager:
             self.metrics.allocate_seconds.observe(time.perf_counter() - started)
         return result
 
-    def _allocate(self, devices: Sequence[str]) -> ContainerAllocation:
+    def _allocate(self, devices: Sequence[str], *, deadline: float) -> ContainerAllocation:
         inventory = self.inventory
         unit = self.unit.value
-        decision = self._identify(len(devices))
+        decision = self._identify(len(devices), deadline=deadline)
         chosen = decision.chosen
         slot = chosen.next
         assert slot is not None
@@ -360,11 +358,12 @@ class Manager:
         with self._lock:
             return next(g for g in self._gpus if g.uuid == uuid)
 
-    def _identify(self, size: int) -> handshake.Decision:
+    def _identify(self, size: int, *, deadline: float) -> handshake.Decision:
+        """The container asking for ``size`` units; API reads end by ``deadline`` (time.monotonic)."""
         attempts = 3
         for attempt in range(attempts):
             try:
-                return handshake.identify(size, self._candidates(), unit=self.unit, node=self.node)
+                return handshake.identify(size, self._candidates(deadline), unit=self.unit, node=self.node)
             except handshake.Unidentified as exc:
                 if exc.retry and attempt < attempts - 1:
                     time.sleep(0.1)  # a rejected pod's status, a just-bound pod's watch event: let them land
@@ -372,7 +371,7 @@ class Manager:
                 self._refuse(exc.pod, exc.message)
         raise AssertionError("unreachable")
 
-    def _candidates(self) -> list[handshake.Candidate]:
+    def _candidates(self, deadline: float) -> list[handshake.Candidate]:
         try:
             listing: list[PodDevices] | None = list_pod_devices(self.pod_resources_socket, resource=self.resource_name)
         except grpc.RpcError as exc:
@@ -383,7 +382,7 @@ class Manager:
             for entry in listing:
                 if entry.containers and all(entry.containers.values()):
                     continue  # every app container has its devices: admitted long ago
-                pod = self._pod(entry.namespace, entry.name, listed=entry.containers)
+                pod = self._pod(entry.namespace, entry.name, listed=entry.containers, deadline=deadline)
                 if pod is None:
                     continue
                 uid = (pod.get("metadata") or {}).get("uid", "")
@@ -406,14 +405,16 @@ class Manager:
                 found.append(option)
         return found
 
-    def _pod(self, namespace: str, name: str, *, listed: dict[str, list[str]]) -> dict[str, Any] | None:
+    def _pod(
+        self, namespace: str, name: str, *, listed: dict[str, list[str]], deadline: float
+    ) -> dict[str, Any] | None:
         """The pod's body from the watch; fetched (one pod, by name) only when it may be the one admitted."""
         pod = self.pods.find(namespace, name) if self.pods is not None else None
         if pod is not None or self._lookup is None:
             return pod
         if listed and all(listed.values()):
             return None  # every app container has devices: not being admitted
-        left = self._deadline - time.monotonic()
+        left = deadline - time.monotonic()
         if left <= 0.05:
             raise AllocationRefused(
                 f"cannot read pod {namespace}/{name} to find its GPU: the API server took the "

@@ -109,6 +109,7 @@ class Service:
         self._published_count: int | None = None
         self._http: ThreadingHTTPServer | None = None
         self._mig_refused: set[str] = set()
+        self._unnamed: set[int] = set()  # indices of GPUs NVML has failed on since before it ever read them
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -272,6 +273,7 @@ class Service:
             log.info("NVML answers again")
         self._backend_ok, self._backend_error = True, None
         self.health.backend_ok()
+        self._unnamed &= {error.index for error in failed}
         gpus = sorted([*gpus, *self._failed_gpus(failed)], key=lambda g: g.index)
         usable = []
         for gpu in gpus:
@@ -297,7 +299,9 @@ class Service:
         for error in failed:
             previous = known.get(error.index)
             if previous is None or error.uuid not in (None, previous.uuid):
-                log.error("GPU %d cannot be read (%s); it is not advertised until it can", error.index, error.reason)
+                if error.index not in self._unnamed:  # once, not twice a second
+                    self._unnamed.add(error.index)
+                    log.error("GPU %d cannot be read (%s); not advertised until it can", error.index, error.reason)
                 continue
             if self.health.gpu_failed(previous.uuid, error.reason):
                 log.error(

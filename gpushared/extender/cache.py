@@ -412,7 +412,10 @@ class ClusterCache:
                 return outcome
             del self._assumed[assumed.key]
             if assumed.unanswered:
-                self._unanswered.get(assumed.uid, set()).discard(assumed.key)
+                keys = self._unanswered.get(assumed.uid, set())
+                keys.discard(assumed.key)
+                if not keys:
+                    self._unanswered.pop(assumed.uid, None)
                 self._remove(assumed.key)
             elif self._node_of.get(assumed.uid) == assumed.node:
                 self._remove(assumed.uid)

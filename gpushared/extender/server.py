@@ -16,7 +16,7 @@ import functools
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,8 +39,8 @@ class ServerConfig:
     address: str = "0.0.0.0"
     port: int = 39999
     prefix: str = "/gpushare-scheduler"
-    #: 8 MiB: 15,000 node names are 0.3 MiB (nodeCacheCapable), and orjson parses 8 MiB in about 60 ms of
-    #: the event loop; a larger body would hold /healthz past 100 ms
+    #: the body is parsed on the event loop: 8 MiB keeps one request under 100 ms of it, and 15,000 node
+    #: names (nodeCacheCapable) are far below (docs/benchmarks.md, scripts/bench_limits.py)
     max_body_bytes: int = 8 * 2**20
     max_nodes: int = wire.MAX_NODES
     read_timeout: float = 10.0
@@ -151,55 +151,53 @@ def build_app(
 
 #: How often the loop-lag probe asks to run; how late it runs is how long something held the loop.
 LAG_PROBE_SECONDS = 0.02
-
-
-def _watching_the_loop(metrics: Metrics, ready: Ready) -> Callable[[web.Application], Any]:
-    """Counted from the first time the extender is ready: the first sync holds the interpreter on purpose."""
-
-    async def probe_in_background(app: web.Application) -> Any:
-        async def loop() -> None:
-            worst = 0.0
-            clock = asyncio.get_running_loop().time
-            while not ready()[0]:
-                await asyncio.sleep(LAG_PROBE_SECONDS)
-            while True:
-                asked = clock()
-                await asyncio.sleep(LAG_PROBE_SECONDS)
-                lag = clock() - asked - LAG_PROBE_SECONDS
-                if lag > worst:
-                    worst = lag
-                    metrics.loop_lag.set(worst)
-
-        task = asyncio.get_running_loop().create_task(loop(), name="loop-lag")
-        yield
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-
-    return probe_in_background
-
-
 #: How often the extender reads back binds the watch has not confirmed (``Scheduler.settle_binds``).
 SETTLE_SECONDS = 1.0
 
 
-def _settling(scheduler: Scheduler) -> Callable[[web.Application], Any]:
-    async def settle_in_background(app: web.Application) -> Any:
-        async def loop() -> None:
-            while True:
-                try:
-                    await scheduler.settle_binds()
-                except Exception:  # one bad round must not end the reads that release memory
-                    log.exception("reading binds back failed")
-                await asyncio.sleep(SETTLE_SECONDS)
+def _in_background(name: str, work: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[web.Application], Any]:
+    """``work`` as a task for as long as the app runs (an aiohttp cleanup context)."""
 
-        task = asyncio.get_running_loop().create_task(loop(), name="settle-binds")
+    async def context(app: web.Application) -> Any:
+        task = asyncio.get_running_loop().create_task(work(), name=name)
         yield
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
 
-    return settle_in_background
+    return context
+
+
+def _settling(scheduler: Scheduler) -> Callable[[web.Application], Any]:
+    async def settle_forever() -> None:
+        while True:
+            try:
+                await scheduler.settle_binds()
+            except Exception:  # one bad round must not end the reads that release memory
+                log.exception("reading binds back failed")
+            await asyncio.sleep(SETTLE_SECONDS)
+
+    return _in_background("settle-binds", settle_forever)
+
+
+def _watching_the_loop(metrics: Metrics, ready: Ready) -> Callable[[web.Application], Any]:
+    """The longest the loop was late to a timer, counted from the first time the extender is ready: the
+    first sync holds the interpreter on purpose."""
+
+    async def probe_forever() -> None:
+        worst = 0.0
+        clock = asyncio.get_running_loop().time
+        while not ready()[0]:
+            await asyncio.sleep(LAG_PROBE_SECONDS)
+        while True:
+            asked = clock()
+            await asyncio.sleep(LAG_PROBE_SECONDS)
+            lag = clock() - asked - LAG_PROBE_SECONDS
+            if lag > worst:
+                worst = lag
+                metrics.loop_lag.set(worst)
+
+    return _in_background("loop-lag", probe_forever)
 
 
 class _Routes:

@@ -116,3 +116,15 @@ def test_ab_extender_compares_two_trees_in_alternating_rounds(tmp_path: Path) ->
         assert len(rows) == 2 and all(row["extenderCpuMs"] > 0 and row["extenderPerCallerCpu"] > 0 for row in rows)
     order = [line.split(":")[0] for line in out.stderr.splitlines() if line.startswith("round ")]
     assert order == [f"round 0 {ROOT}", f"round 0 {other}", f"round 1 {other}", f"round 1 {ROOT}"]
+
+
+def test_bench_limits_runs_and_reports() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_limits.py"), "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    rows = out.stdout.strip().splitlines()[1:]
+    assert len(rows) == 6 and rows[0].split()[1] == "15,000"
