@@ -219,6 +219,12 @@ def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path |
         raise click.UsageError("--tls-cert and --tls-key go together")
     if client_ca is not None and tls_cert is None:
         raise click.UsageError("--client-ca needs --tls-cert and --tls-key: client certificates come with TLS")
+    from gpushared.extender.server import ServerConfig, tls_context
+
+    try:  # a certificate, key or CA that does not load: say which, before anything starts
+        tls_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))
+    except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+        raise click.ClickException(f"TLS: {exc}") from None
     if client_ca is None:
         log.warning(
             "no --client-ca: anyone who reaches %s may filter and bind pods; see docs/install.md (mutual TLS)",

@@ -262,3 +262,29 @@ def test_with_a_client_ca_only_the_scheduler_may_use_the_verbs(
     ).read()
     assert b"victim" not in metrics
     ext.stop()
+
+
+@pytest.mark.parametrize(
+    ("pick", "message"),
+    [
+        (lambda s, ca, bad: ["--tls-cert", s.cert, "--client-ca", ca], "--tls-cert and --tls-key go together"),
+        (lambda s, ca, bad: ["--client-ca", ca], "--client-ca needs --tls-cert and --tls-key"),
+        (lambda s, ca, bad: ["--tls-cert", s.cert, "--tls-key", s.key, "--client-ca", bad], "TLS: "),
+    ],
+)
+def test_a_tls_setup_that_cannot_work_is_refused_at_start(
+    tmp_path: Path, pick: Callable[[Pair, Path, Path], list[Any]], message: str
+) -> None:
+    """Before the API server is even tried: the operator sees which flag is wrong, not a traceback."""
+    from click.testing import CliRunner
+
+    from gpushared.cli.extender import main
+
+    authority = Authority(tmp_path / "pki")
+    server = authority.issue("extender", common_name="gpushared-extender", server=True)
+    bad = tmp_path / "not-a-ca.crt"
+    bad.write_text("garbage\n")
+    args = ["--kubeconfig", str(tmp_path / "absent"), *map(str, pick(server, authority.cert, bad))]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "Traceback" not in result.output
