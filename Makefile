@@ -22,6 +22,8 @@ lint: venv check-protos
 	$(BIN)/ruff check gpushared tests scripts
 	$(BIN)/ruff format --check gpushared tests scripts
 	$(BIN)/mypy
+	# What the .deb runs must work on the oldest interpreter it supports (Ubuntu 22.04's 3.10).
+	$(BIN)/mypy --python-version 3.10 -m gpushared.cli.daemon -m gpushared.cli.inspect
 	$(BIN)/lint-imports
 
 protos: venv
@@ -64,7 +66,7 @@ demo-down: venv
 deb:
 	scripts/build-deb
 
-# Build, lint, install and purge the .deb in a debootstrapped Debian 12 chroot (root).
+# Build and lint the .deb; install, run and purge it in debootstrapped Debian 12 and 13 chroots (root).
 deb-test: venv
 	WORLD_PYTHON=$(BIN)/python scripts/deb-test
 

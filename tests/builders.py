@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
@@ -73,3 +77,12 @@ def on_gpus(body: dict[str, Any], count: int) -> dict[str, Any]:
     """``body`` with its first container asking for ``count`` GPUs (gpu-count) to spread its gpu-mem over."""
     body["spec"]["containers"][0].setdefault("resources", {}).setdefault("limits", {})[GPU_COUNT] = str(count)
     return body
+
+
+def scheduler_config(path: Path, *, no_gpu_scoring: bool = False) -> dict[str, Any]:
+    """A shipped kube-scheduler configuration, with its commented prioritize-no-gpu entry uncommented as its
+    comment tells an operator to (the '#' after the first two spaces of each line) when ``no_gpu_scoring``."""
+    text = path.read_text()
+    if no_gpu_scoring:
+        text = re.sub(r"^  #(-|  )", r"  \1", text, flags=re.MULTILINE)
+    return yaml.safe_load(text)  # type: ignore[no-any-return]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -13,9 +12,12 @@ from typing import Any
 import click
 
 from gpushared import __version__
+from gpushared.cli import logs
 from gpushared.daemon import config as config_module
 
 CONFIG_HELP = f"YAML configuration (default {config_module.DEFAULT_PATH}); GPUSHARED_* variables override it."
+#: EX_TEMPFAIL: systemd (Restart=on-failure) starts the unit again; status 2 (a bad configuration) it does not.
+EXIT_RESTART = 75
 
 
 def _load(config_path: Path | None, flags: dict[str, Any]) -> config_module.Config:
@@ -50,18 +52,21 @@ def version() -> None:
 @click.option("--metrics-port", type=int, help="Metrics and status port; 0 turns them off.")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the daemon until SIGTERM; SIGHUP re-reads the configuration."""
-    from gpushared.daemon.service import FatalError, Service
+    from gpushared.daemon.service import FatalError, RestartNeeded, Service
     from gpushared.nvml.backend import NvmlBackend
 
     config = _load(config_path, flags)
-    logging.basicConfig(stream=sys.stderr, level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    service = Service(config, backend=NvmlBackend(), config_path=config_path)
+    logs.configure(config.log_level)
+    service = Service(config, backend=NvmlBackend(driver_root=str(config.driver_root)), config_path=config_path)
     service.install_signals()
     try:
         service.run()
     except FatalError as exc:
         logging.getLogger("gpushared").critical("%s", exc)
         raise SystemExit(2) from None
+    except RestartNeeded as exc:
+        logging.getLogger("gpushared").error("%s", exc)
+        raise SystemExit(EXIT_RESTART) from None
 
 
 @main.command()
@@ -71,7 +76,7 @@ def status(config_path: Path | None, as_json: bool) -> None:
     """Show the running daemon's GPUs, their health and who holds them."""
     config = _load(config_path, {})
     host = "127.0.0.1" if config.metrics_address in ("0.0.0.0", "::") else config.metrics_address
-    url = f"http://{host}:{config.metrics_port}/status"
+    url = f"http://{f'[{host}]' if ':' in host else host}:{config.metrics_port}/status"
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
             body = json.load(response)
@@ -118,7 +123,7 @@ def mps_prepare(config_path: Path | None) -> None:
     if not config.mps_enabled:
         click.echo("MPS is off (mps.enabled): nothing to prepare")
         return
-    backend = NvmlBackend()
+    backend = NvmlBackend(driver_root=str(config.driver_root))
     try:
         for line in mps_module.prepare_mounts(mps_module.settings_of(config), backend=backend):
             click.echo(line)
@@ -137,7 +142,7 @@ def _mps_each(config_path: Path | None, gpu: str | None, *, stop: bool) -> None:
 
     config = _load(config_path, {})
     settings = mps_module.settings_of(config)
-    backend = NvmlBackend()
+    backend = NvmlBackend(driver_root=str(config.driver_root))
     try:
         for uuid in mps_module.daemon_uuids(settings, gpu=gpu, backend=backend):
             if stop:

@@ -8,7 +8,6 @@ import logging
 import os
 import signal
 import socket
-import sys
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +16,7 @@ import click
 import uvloop
 
 from gpushared import __version__
+from gpushared.cli import logs
 
 if TYPE_CHECKING:
     from gpushared.extender.cache import ClusterCache
@@ -126,7 +126,7 @@ def main(
     from gpushared.kube.api import Api, KubeError, connect
     from gpushared.kube.lease import LeaderElector
 
-    logging.basicConfig(stream=sys.stderr, level=log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logs.configure(log_level)
     try:
         chosen = policy_named(policy)
     except ContractError as exc:

@@ -17,10 +17,13 @@ from typing import Any
 import yaml
 
 from gpushared.contract import ContractError, MemoryUnit
+from gpushared.core.exposure import ExposurePolicy, Strategy, parse_strategies
 
 DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Beside dcgm-exporter's 9400, which GPU nodes often run too, not on it (metrics.port where 9402 is taken).
+DEFAULT_METRICS_PORT = 9402
 
 
 class ConfigError(Exception):
@@ -37,6 +40,10 @@ class Config:
     memory_unit: MemoryUnit
     kubelet_dir: Path
     log_level: str
+    device_list_strategy: frozenset[Strategy]
+    device_nodes: bool
+    dev_root: Path
+    driver_root: Path
     metrics_address: str
     metrics_port: int
     health_enabled: bool
@@ -56,6 +63,12 @@ class Config:
     @property
     def pod_resources_socket(self) -> Path:
         return self.kubelet_dir / "pod-resources" / "kubelet.sock"
+
+    @property
+    def exposure(self) -> ExposurePolicy:
+        return ExposurePolicy(
+            strategies=self.device_list_strategy, device_nodes=self.device_nodes, dev_root=str(self.dev_root)
+        )
 
 
 def _text(value: Any) -> str:
@@ -112,6 +125,22 @@ def _positive_seconds(value: Any) -> float:
     return number
 
 
+def _absolute(value: Any) -> Path:
+    path = Path(_text(value))
+    if not path.is_absolute():
+        raise ValueError("must be an absolute path")
+    return path
+
+
+def _address(value: Any) -> str:
+    text = _text(value).strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]  # [::] as URLs write it
+    if not re.fullmatch(r"[0-9A-Za-z.:_-]+", text):
+        raise ValueError("must be an IP address or a host name (0.0.0.0 or :: for every interface)")
+    return text
+
+
 def _unit(value: Any) -> MemoryUnit:
     try:
         return MemoryUnit.parse(value)
@@ -152,8 +181,12 @@ OPTIONS = (
     Option("memory_unit", "memoryUnit", _unit, lambda: MemoryUnit.GIB),
     Option("kubelet_dir", "kubeletDir", lambda v: Path(_text(v)), lambda: Path("/var/lib/kubelet")),
     Option("log_level", "logLevel", _level, lambda: "info"),
-    Option("metrics_address", "metrics.address", _text, lambda: "127.0.0.1"),
-    Option("metrics_port", "metrics.port", _port, lambda: 9400),
+    Option("device_list_strategy", "deviceListStrategy", parse_strategies, lambda: frozenset({Strategy.ENVVAR})),
+    Option("device_nodes", "deviceNodes", _boolean, lambda: False),
+    Option("dev_root", "devRoot", _absolute, lambda: Path("/")),
+    Option("driver_root", "driverRoot", _absolute, lambda: Path("/")),
+    Option("metrics_address", "metrics.address", _address, lambda: "0.0.0.0"),
+    Option("metrics_port", "metrics.port", _port, lambda: DEFAULT_METRICS_PORT),
     Option("health_enabled", "health.enabled", _boolean, lambda: True),
     Option("ignored_xids", "health.ignoredXids", _xids, lambda: DEFAULT_IGNORED_XIDS),
     Option("recover_after", "health.recoverAfterSeconds", _seconds, lambda: 300.0),

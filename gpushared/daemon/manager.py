@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,16 +23,17 @@ import grpc
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
+from gpushared.core.exposure import CONTROL_DEVICES, CannotExpose, ExposedGpu, Exposure, ExposurePolicy, exposure
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
 from gpushared.core.placement import MAX_MPS_CLIENTS
 from gpushared.core.requests import pod_request
 from gpushared.daemon import devices as device_ids
 from gpushared.daemon import handshake
 from gpushared.daemon.health import Health
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import MIB, Metrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor, thread_percentage
 from gpushared.deviceplugin.podresources.client import PodDevices, list_pod_devices
-from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, Mount
+from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, DeviceSpec, Mount
 from gpushared.kube.api import Api, KubeError
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml.backend import GpuDevice
@@ -46,6 +48,7 @@ EVENT_EDITED = "GPUAllocationEdited"
 #: admits pods one at a time: a hung API server once held every admission on the node for 40 s (10 s x
 #: urllib3's retries). Past it the kubelet gets UNAVAILABLE, and tries the pod again.
 ALLOCATE_BUDGET_SECONDS = 2.0
+ENVVAR_ONLY = ExposurePolicy()
 
 
 def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health, mps: bool = False) -> GpuInventory:
@@ -89,6 +92,7 @@ class Manager:
         health: Health,
         metrics: Metrics,
         mps: MpsSupervisor | None = None,
+        exposure: ExposurePolicy = ENVVAR_ONLY,
         clock: Callable[[], int] = time.time_ns,
     ) -> None:
         self.node = node
@@ -103,6 +107,7 @@ class Manager:
         self.health = health
         self.metrics = metrics
         self.mps = mps
+        self.exposure = exposure
         self.clock = clock
         self._lock = threading.Condition()
         self._gpus: list[GpuDevice] = []
@@ -137,7 +142,7 @@ class Manager:
             self._version += 1
             self._lock.notify_all()
         for gpu in inventory.gpus:
-            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(gpu.memory)
+            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(gpu.memory_mib * MIB)
             self.metrics.gpu_healthy.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(1 if gpu.healthy else 0)
         return True
 
@@ -162,6 +167,18 @@ class Manager:
             if holding is not None:
                 ledger.add(holding)
         return ledger
+
+    def pod_shares(self) -> list[PodShare]:
+        """The per-pod series: what each pod holds on each GPU, in bytes."""
+        inventory = self.inventory
+        shares = []
+        for holding in self.ledger().holdings():
+            for index, amount in sorted(holding.gpus.items()):
+                gpu = inventory.by_index(index)
+                if gpu is not None:
+                    mib = self.unit.to_mib(amount)
+                    shares.append(PodShare(holding.namespace, holding.name, index, gpu.uuid, mib * MIB))
+        return shares
 
     def _holding(self, pod: dict[str, Any]) -> Holding | None:
         """holding_from_pod, remembered per pod version: Allocate reads every pod of the node."""
@@ -273,20 +290,22 @@ class Manager:
         annotations = (pod.get("metadata") or {}).get("annotations") or {}
         app_sum = sum(s.amount for s in chosen.slots or [] if not s.init)
         pod_total = annotations.get(contract.ALIYUN_GPU_MEM_POD, str(app_sum))
+        given = self._exposure(pod, chosen.key, gpus)
         envs = {
-            contract.ENV_NVIDIA_VISIBLE_DEVICES: ",".join(gpu.uuid for gpu in gpus),
+            **given.envs,
             contract.ENV_GPU_MEM_IDX: ",".join(str(gpu.index) for gpu in gpus),
             contract.ENV_GPU_MEM_POD: pod_total,
             contract.ENV_GPU_MEM_CONTAINER: str(slot.amount),
             contract.ENV_GPU_MEM_DEV: str(gpus[0].memory),
         }
-        mounts: list[Mount] = []
+        mounts = [Mount(container_path=inside, host_path=outside, read_only=True) for inside, outside in given.mounts]
         request = pod_request(pod, resources=self.resources)  # type: ignore[arg-type]
         if request.mps:
-            mps_envs, mounts = self._mps_setup(
+            mps_envs, mps_mounts = self._mps_setup(
                 pod, chosen=chosen, slot=slot, gpu=gpus[0], ledger=ledger, override=request.thread_percentage
             )
             envs.update(mps_envs)
+            mounts += mps_mounts
         self._record(pod, slot, chosen.slots or [])
         log.info(
             "Allocate: pod %s container %r gets %d %s on %s (%s)",
@@ -297,7 +316,28 @@ class Manager:
             slot.where,
             ", ".join(gpu.uuid for gpu in gpus),
         )
-        return ContainerAllocation(envs=envs, mounts=mounts)
+        return ContainerAllocation(
+            envs=envs,
+            mounts=mounts,
+            devices=[DeviceSpec(d.container_path, d.host_path, d.permissions) for d in given.devices],
+            cdi_devices=given.cdi_devices,
+        )
+
+    def _exposure(self, pod: Any, key: str, gpus: Sequence[GpuInfo]) -> Exposure:
+        """What the runtime needs to give the container these GPUs (core.exposure), per the node's policy."""
+        with self._lock:
+            minors = {g.uuid: g.minor for g in self._gpus}
+        present: list[str] = []
+        if self.exposure.device_nodes:
+            root = self.exposure.dev_root
+            present = [p for p in CONTROL_DEVICES if os.path.exists(os.path.join(root, p.lstrip("/")))]
+        try:
+            return exposure(
+                self.exposure, [ExposedGpu(gpu.uuid, minors.get(gpu.uuid)) for gpu in gpus], control_present=present
+            )
+        except CannotExpose as exc:
+            self._refuse(pod, f"pod {key}: {exc}")
+            raise
 
     def _placed_gpu(self, inventory: GpuInventory, pod: Any, key: str, index: int, uuid: str | None) -> GpuInfo:
         """The GPU a pod was placed on, refused when the node no longer has it as it was."""

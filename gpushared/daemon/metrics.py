@@ -1,22 +1,74 @@
-"""The daemon's Prometheus metrics, in a registry of its own (one per daemon, also in tests)."""
+"""The daemon's Prometheus metrics, in a registry of its own (one per daemon, also in tests).
+
+Names follow Prometheus's conventions (tests/unit/test_metric_names.py checks them): base units (``_bytes``,
+``_seconds``), ``_total`` on counters, ``gpushared_build_info`` for the version. GPU memory is published in
+bytes whatever the node's memoryUnit, so that dashboards need not know it.
+"""
 
 from __future__ import annotations
 
+import platform
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from gpushared import __version__
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class PodShare:
+    """One pod's GPU memory on one GPU, for the per-pod series."""
+
+    namespace: str
+    pod: str
+    gpu: int
+    uuid: str
+    bytes: int
+
+
+def build_info(registry: CollectorRegistry, component: str) -> None:
+    info = Gauge(
+        "gpushared_build_info",
+        "Always 1; the labels say which gpushared this is",
+        ("component", "version", "python"),
+        registry=registry,
+    )
+    info.labels(component=component, version=__version__, python=platform.python_version()).set(1)
+
+
+class PodSeries(Collector):
+    """``gpushared_pod_gpu_memory_bytes`` per pod and GPU, read from the node's ledger at each scrape: a pod
+    that is gone has no series, with no cleanup to forget."""
+
+    def __init__(self, shares: Callable[[], Iterable[PodShare]]) -> None:
+        self.shares = shares
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "gpushared_pod_gpu_memory_bytes",
+            "GPU memory a pod holds on a GPU of this node (its peak over init and app containers)",
+            labels=("namespace", "pod", "gpu", "uuid"),
+        )
+        for share in self.shares():
+            family.add_metric((share.namespace, share.pod, str(share.gpu), share.uuid), share.bytes)
+        yield family
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        build_info(self.registry, "node")
         labels = ("gpu", "uuid")
         self.gpu_total = Gauge(
-            "gpushared_gpu_memory_units", "GPU memory advertised, in the node's unit", labels, registry=self.registry
+            "gpushared_gpu_memory_bytes", "GPU memory advertised to the kubelet", labels, registry=self.registry
         )
         self.gpu_used = Gauge(
-            "gpushared_gpu_memory_allocated_units",
-            "GPU memory held by pods, in the node's unit",
-            labels,
-            registry=self.registry,
+            "gpushared_gpu_memory_allocated_bytes", "GPU memory held by pods", labels, registry=self.registry
         )
         self.gpu_healthy = Gauge("gpushared_gpu_healthy", "1 if the GPU is healthy", labels, registry=self.registry)
         self.allocate_seconds = Histogram(
@@ -52,3 +104,10 @@ class Metrics:
             labels,
             registry=self.registry,
         )
+
+        self._pods = PodSeries(lambda: ())
+        self.registry.register(self._pods)
+
+    def watch_pods(self, shares: Callable[[], Iterable[PodShare]]) -> None:
+        """Where the per-pod series come from (the manager, once the daemon has one)."""
+        self._pods.shares = shares

@@ -26,6 +26,7 @@ from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
 from gpushared.deviceplugin.server import Mount
 from gpushared.mps.control import CONTAINER_PIPE_DIRECTORY, GpuDirs, MpsControl, MpsError, host_mount_namespace
+from gpushared.nvml import driver
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,17 @@ class MpsSettings:
     exclusive_process: bool
     shm_size: str
     probe_seconds: float
+    #: the driver root's library directory, when the driver is not the host's (config driverRoot)
+    library_path: str | None = None
+
+    def control(self, uuid: str, *, timeout: float = 5.0) -> MpsControl:
+        return MpsControl(
+            binary=self.binary,
+            uuid=uuid,
+            dirs=GpuDirs.of(self.root, uuid),
+            timeout=timeout,
+            library_path=self.library_path,
+        )
 
 
 @dataclass
@@ -62,10 +74,11 @@ class GpuDaemon:
 def settings_of(config: Config) -> MpsSettings:
     return MpsSettings(
         root=config.mps_root,
-        binary=config.mps_control,
+        binary=driver.binary(str(config.driver_root), config.mps_control),
         exclusive_process=config.mps_exclusive_process,
         shm_size=config.mps_shm_size,
         probe_seconds=config.mps_probe_seconds,
+        library_path=driver.library_dir(str(config.driver_root)),
     )
 
 
@@ -103,12 +116,7 @@ class MpsSupervisor:
         with self._lock:
             for gpu in gpus:
                 if gpu.uuid not in self._daemons:
-                    control = MpsControl(
-                        binary=self.settings.binary,
-                        uuid=gpu.uuid,
-                        dirs=GpuDirs.of(self.settings.root, gpu.uuid),
-                        timeout=max(2.0, self.settings.probe_seconds),
-                    )
+                    control = self.settings.control(gpu.uuid, timeout=max(2.0, self.settings.probe_seconds))
                     self._daemons[gpu.uuid] = GpuDaemon(gpu=gpu, control=control)
                     # Unusable until its daemon answers: no MPS pod may be admitted onto it before.
                     self.health.condition(gpu.uuid, "MPS control daemon starting")
@@ -316,7 +324,7 @@ def daemon_uuids(settings: MpsSettings, *, gpu: str | None, backend: GpuBackend)
 
 def stop_daemon(settings: MpsSettings, uuid: str, *, backend: GpuBackend) -> str:
     """Quit one GPU's daemon on purpose; a running gpushared leaves it stopped until `gpushared mps start`."""
-    control = MpsControl(binary=settings.binary, uuid=uuid, dirs=GpuDirs.of(settings.root, uuid))
+    control = settings.control(uuid)
     control.dirs.stopped.touch()  # first, so that the supervisor does not start it again meanwhile
     pid = shut_down(control, settings=settings, backend=backend)
     return f"GPU {uuid}: " + (f"MPS control daemon {pid} stopped" if pid else "no MPS control daemon was running")
@@ -348,7 +356,7 @@ def prepare_mounts(settings: MpsSettings, *, backend: GpuBackend) -> list[str]:
     for gpu in backend.devices()[0]:
         if gpu.mig_enabled:
             continue  # never advertised, so never given an MPS daemon
-        control = MpsControl(binary=settings.binary, uuid=gpu.uuid, dirs=GpuDirs.of(settings.root, gpu.uuid))
+        control = settings.control(gpu.uuid)
         mounted = control.prepare(shm_size=settings.shm_size, host=host)
         lines.append(
             f"GPU {gpu.index} ({gpu.uuid}): {control.dirs.shm} " + ("mounted" if mounted else "already mounted")

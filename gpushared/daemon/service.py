@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -29,11 +30,12 @@ from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import MIB, Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
+from gpushared.nvml import driver
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice, GpuReadError
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,10 @@ ENDPOINT = "gpushared.sock"
 
 class FatalError(Exception):
     """Stop with this message: retrying cannot help (bad node name, device list too large)."""
+
+
+class RestartNeeded(Exception):
+    """Exit for systemd to start the unit again: only a new start fixes this (exit status 75, EX_TEMPFAIL)."""
 
 
 class Notifier:
@@ -95,6 +101,9 @@ class Service:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self._backend_ok = False
+        #: systemd starts services with INVOCATION_ID; only there does a restart come, and a device allow-list
+        self._under_systemd = "INVOCATION_ID" in os.environ
+        self._driver_at_start = driver.loaded_device_groups()
         self._backend_error: str | None = None
         self._gpus: list[GpuDevice] = []
         self.api: Api | None = None
@@ -216,8 +225,10 @@ class Service:
             health=self.health,
             metrics=self.metrics,
             mps=self.mps,
+            exposure=self.config.exposure,
         )
         self.manager.refresh(self._gpus)
+        self.metrics.watch_pods(self.manager.pod_shares)
         if self.mps is not None:
             threading.Thread(target=self.mps.run, args=(self._stop,), name="mps", daemon=True).start()
         self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
@@ -264,6 +275,11 @@ class Service:
                 self.backend.start()
             gpus, failed = self.backend.devices()
         except GpuBackendError as exc:
+            if self._under_systemd and driver.loaded_after_start(self._driver_at_start, driver.loaded_device_groups()):
+                raise RestartNeeded(
+                    f"NVML: {exc}; the NVIDIA driver registered its devices after gpushared started, so the unit's "
+                    "device allow-list (DeviceAllow=char-nvidia*, resolved at start) does not have them: restarting"
+                ) from None
             if str(exc) != self._backend_error:  # once per failure, not twice a second on a node without a driver
                 log.error("GPUs unreadable: %s; every GPU is unhealthy until NVML answers", exc)
             self._backend_ok, self._backend_error = False, str(exc)
@@ -398,7 +414,8 @@ class Service:
         self.notifier.status(text)
         ledger = self.manager.ledger()
         for gpu in inventory.gpus:
-            self.metrics.gpu_used.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(ledger.used(gpu.index))
+            used = self.config.memory_unit.to_mib(ledger.used(gpu.index)) * MIB
+            self.metrics.gpu_used.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(used)
 
     def _apply_reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""
@@ -495,6 +512,13 @@ class Service:
                 self.end_headers()
                 self.wfile.write(body)
 
-        self._http = ThreadingHTTPServer((self.config.metrics_address, self.config.metrics_port), Handler)
+        server = ThreadingHTTPServer6 if ":" in self.config.metrics_address else ThreadingHTTPServer
+        self._http = server((self.config.metrics_address, self.config.metrics_port), Handler)
         self._http.daemon_threads = True
         threading.Thread(target=self._http.serve_forever, name="http", daemon=True).start()
+
+
+class ThreadingHTTPServer6(ThreadingHTTPServer):
+    """An IPv6 listen address (``::`` also takes IPv4 where the kernel's bindv6only is off, its default)."""
+
+    address_family = socket.AF_INET6

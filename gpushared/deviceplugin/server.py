@@ -38,10 +38,20 @@ class Mount:
 
 
 @dataclass(frozen=True)
+class DeviceSpec:
+    container_path: str
+    host_path: str
+    permissions: str = "rw"
+
+
+@dataclass(frozen=True)
 class ContainerAllocation:
     envs: dict[str, str]
     mounts: Sequence[Mount] = field(default_factory=tuple)
     annotations: dict[str, str] = field(default_factory=dict)
+    devices: Sequence[DeviceSpec] = field(default_factory=tuple)
+    #: fully qualified CDI device names; kubelets before 1.28 do not know the field and drop it.
+    cdi_devices: Sequence[str] = field(default_factory=tuple)
 
 
 class AllocationRefused(Exception):
@@ -138,6 +148,13 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):
                         for m in given.mounts
                     ],
                     annotations=given.annotations,
+                    devices=[
+                        api_pb2.DeviceSpec(
+                            container_path=d.container_path, host_path=d.host_path, permissions=d.permissions
+                        )
+                        for d in given.devices
+                    ],
+                    cdi_devices=[api_pb2.CDIDevice(name=name) for name in given.cdi_devices],
                 )
             )
         return api_pb2.AllocateResponse(container_responses=responses)

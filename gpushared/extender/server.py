@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import platform
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from gpushared import __version__
 from gpushared.core.report import node_report
@@ -55,9 +58,40 @@ class ServerConfig:
     public_pod_names: bool = False
 
 
+class WatchRestarts(Collector):
+    """Watches listed again, per informer and reason: counts the informers keep, exposed as a counter."""
+
+    def __init__(self) -> None:
+        self.informers: list[Any] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "gpushared_extender_watch_restarts",
+            "Watches of the cache listed again because they went silent, or lagged behind a read-back",
+            labels=("informer", "reason"),
+        )
+        for informer in self.informers:
+            family.add_metric((informer.name, "silent"), informer.silent_watches)
+            family.add_metric((informer.name, "lagging"), informer.lag_relists)
+        yield family
+
+
 class Metrics:
+    """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        Gauge(
+            "gpushared_build_info",
+            "Always 1; the labels say which gpushared this is",
+            ("component", "version", "python"),
+            registry=self.registry,
+        ).labels(component="extender", version=__version__, python=platform.python_version()).set(1)
+        self.leader = Gauge(
+            "gpushared_extender_leader",
+            "1 while this replica answers kube-scheduler itself (it holds the Lease, or runs without election)",
+            registry=self.registry,
+        )
         self.seconds = Histogram(
             "gpushared_extender_request_seconds",
             "Time to answer kube-scheduler, per verb",
@@ -74,12 +108,8 @@ class Metrics:
             "1 while a watch of the cache is silent past its bound or being listed again after it lagged",
             registry=self.registry,
         )
-        self.watch_restarts = Gauge(
-            "gpushared_extender_watch_restarts",
-            "Watches of the cache listed again because they went silent, or lagged behind a read-back",
-            ("informer", "reason"),
-            registry=self.registry,
-        )
+        self.watch_restarts = WatchRestarts()
+        self.registry.register(self.watch_restarts)
         self.allocation_edits = Gauge(
             "gpushared_extender_allocation_edits",
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
@@ -125,11 +155,8 @@ def build_app(
     metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
     metrics.unconfirmed.set_function(cache.unconfirmed)
     metrics.allocation_edits.set_function(functools.partial(getattr, cache, "allocation_edits"))
-    for informer in (cache.nodes, cache.pods):
-        restarts = metrics.watch_restarts
-        silent, lagging = (restarts.labels(informer=informer.name, reason=r) for r in ("silent", "lagging"))
-        silent.set_function(functools.partial(getattr, informer, "silent_watches"))
-        lagging.set_function(functools.partial(getattr, informer, "lag_relists"))
+    metrics.watch_restarts.informers = [cache.nodes, cache.pods]
+    metrics.leader.set_function(lambda: 1.0 if leader() is None else 0.0)
     routes = _Routes(scheduler, config, ready=ready_and_fresh, leader=leader, metrics=metrics)
     app = web.Application(client_max_size=config.max_body_bytes)
     prefix = config.prefix.rstrip("/")

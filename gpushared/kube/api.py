@@ -130,7 +130,7 @@ class Api:
 
     def pod_event(self, pod: dict[str, Any], *, reason: str, message: str, warning: bool, component: str) -> None:
         meta = pod.get("metadata") or {}
-        now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
             "kind": "Event",

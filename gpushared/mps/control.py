@@ -71,11 +71,15 @@ class GpuDirs:
 
 
 class MpsControl:
-    def __init__(self, *, binary: str, uuid: str, dirs: GpuDirs, timeout: float = 5.0) -> None:
+    def __init__(
+        self, *, binary: str, uuid: str, dirs: GpuDirs, timeout: float = 5.0, library_path: str | None = None
+    ) -> None:
         self.binary = binary
         self.uuid = uuid
         self.dirs = dirs
         self.timeout = timeout
+        #: the driver root's library directory (config driverRoot): where the MPS server finds libcuda
+        self.library_path = library_path
 
     def env(self) -> dict[str, str]:
         return {
@@ -83,6 +87,7 @@ class MpsControl:
             "CUDA_VISIBLE_DEVICES": self.uuid,
             "CUDA_MPS_PIPE_DIRECTORY": str(self.dirs.pipe),
             "CUDA_MPS_LOG_DIRECTORY": str(self.dirs.log),
+            **({"LD_LIBRARY_PATH": self.library_path} if self.library_path else {}),
         }
 
     # --- start and stop -----------------------------------------------------------------------------------

@@ -8,11 +8,15 @@ machine without NVIDIA's library the same code runs against the fake ``libnvidia
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import threading
 from dataclasses import dataclass
 from typing import Protocol
 
 import pynvml
+
+from gpushared.nvml import driver
 
 
 class GpuBackendError(Exception):
@@ -27,6 +31,8 @@ class GpuDevice:
     memory_mib: int
     mig_enabled: bool
     compute_capability: tuple[int, int]
+    #: the N of /dev/nvidiaN (deviceNodes); None where the driver does not say.
+    minor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -66,16 +72,18 @@ _EVENT_KINDS = {
 class NvmlBackend:
     """pynvml, with every NVML error turned into :class:`GpuBackendError` carrying NVML's own words."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, driver_root: str = "/") -> None:
         self._lock = threading.Lock()
         self._events: object | None = None
         self._started = False
+        self.driver_root = driver_root
 
     def start(self) -> None:
         with self._lock:
             if self._started:
                 return
             try:
+                self._load_from_driver_root()
                 pynvml.nvmlInit()
             except pynvml.NVMLError as exc:
                 raise GpuBackendError(
@@ -83,6 +91,18 @@ class NvmlBackend:
                 ) from exc
             self._started = True
             self._events = None
+
+    def _load_from_driver_root(self) -> None:
+        """pynvml loads ``libnvidia-ml.so.1`` by name; under a driver root it must be that root's library."""
+        if driver.on_host(self.driver_root) or pynvml.nvmlLib is not None:
+            return
+        directory = driver.library_dir(self.driver_root)
+        if directory is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        try:
+            pynvml.nvmlLib = ctypes.CDLL(os.path.join(directory, driver.NVML_LIBRARY))
+        except OSError:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND) from None
 
     def stop(self) -> None:
         with self._lock:
@@ -125,6 +145,7 @@ class NvmlBackend:
                         memory_mib=int(pynvml.nvmlDeviceGetMemoryInfo(handle).total) // 2**20,
                         mig_enabled=_mig_enabled(handle),
                         compute_capability=_capability(handle),
+                        minor=_minor(handle),
                     )
                 )
             except pynvml.NVMLError as exc:
@@ -174,3 +195,10 @@ def _mig_enabled(handle: object) -> bool:
 def _capability(handle: object) -> tuple[int, int]:
     major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
     return int(major), int(minor)
+
+
+def _minor(handle: object) -> int | None:
+    try:
+        return int(pynvml.nvmlDeviceGetMinorNumber(handle))
+    except pynvml.NVMLError:
+        return None

@@ -5,7 +5,9 @@ its API server; the fake kubelet's sockets are created in the container's /var/l
 works across the mount namespace); the fake libnvidia-ml.so.1 and its GPUs go to /opt/fake-nvml, the real
 nvidia-cuda-mps-control to /opt/mps. Writes the node's kubeconfig to /root/gpushared.kubeconfig (the test
 moves it into place when the node is meant to have one), prints the API server's URL, then one line per
-second: whether the Node has the inventory, and how many registrations the kubelet has seen.
+second: whether the Node has the inventory, how many registrations the kubelet has seen, and, once the
+GPUs are published, what Allocate through the installed package gave a pod placed on GPU 1
+(``allocated=<UUID>`` next to ``expected=<UUID>``, or why it failed).
 
     python -m tests.deb.world CHROOT NODE
 """
@@ -20,9 +22,12 @@ from pathlib import Path
 import yaml
 
 from gpushared import contract
+from gpushared.core.placement import bind_annotations
+from gpushared.core.requests import pod_request
+from tests.builders import GPU_MEM, pod
 from tests.e2e.cluster import CACHE
 from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.kubelet import FakeKubelet
+from tests.fakes.kubelet import AdmissionError, ContainerSpec, FakeKubelet, PodRef
 from tests.fakes.nvml import FakeNvml, build_library
 from tests.harness import node_body
 from tests.mps_binary import fetch_mps_control
@@ -41,11 +46,38 @@ def main(root: Path, node: str) -> None:
     kubeconfig.write_text(yaml.safe_dump(api.kubeconfig()))
     kubeconfig.chmod(0o600)
     print(api.url, flush=True)
+    allocated = ""
     while True:
         time.sleep(1)
         annotations = (api.get("nodes", node) or {}).get("metadata", {}).get("annotations") or {}
         published = contract.NODE_INVENTORY in annotations
-        print(f"inventory={published} registrations={len(kubelet.registrations)}", flush=True)
+        if published and not allocated.startswith("allocated="):
+            allocated = allocate_on_gpu1(api, kubelet, node, annotations[contract.NODE_INVENTORY])
+        print(f"inventory={published} registrations={len(kubelet.registrations)} {allocated}", flush=True)
+
+
+def allocate_on_gpu1(api: FakeApiServer, kubelet: FakeKubelet, node: str, inventory_text: str) -> str:
+    """A 3-unit pod bound to GPU 1 as the extender binds it, admitted by the kubelet: the env it got."""
+    inventory = contract.parse_inventory(inventory_text)
+    if len(inventory.gpus) < 2:
+        return "allocate=waiting for 2 GPUs"
+    body = api.get("pods", "deb-test") or api.create(_placed(node, inventory))
+    containers = [ContainerSpec("c0", 3)]
+    try:
+        [allocation] = kubelet.admit(PodRef(body["metadata"]["uid"], "deb-test"), GPU_MEM, containers)
+    except AdmissionError as exc:
+        kubelet.remove_pod(body["metadata"]["uid"])
+        return f"allocate=failed: {str(exc).replace(' ', '_')}"
+    given = allocation.response.envs.get(contract.ENV_NVIDIA_VISIBLE_DEVICES, "")
+    return f"allocated={given} expected={inventory.gpus[1].uuid}"
+
+
+def _placed(node: str, inventory: contract.GpuInventory) -> dict[str, object]:
+    body = pod("deb-test", 3, node=node)
+    body["metadata"]["annotations"].update(
+        bind_annotations(pod_request(body), [inventory.gpus[1]], unit=inventory.unit, now_ns=time.time_ns())
+    )
+    return body
 
 
 if __name__ == "__main__":

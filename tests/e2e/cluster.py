@@ -23,6 +23,7 @@ import secrets
 import shutil
 import signal
 import ssl
+import stat
 import subprocess
 import sys
 import tarfile
@@ -36,6 +37,7 @@ from typing import Any
 import psutil
 import yaml
 
+from tests.builders import scheduler_config
 from tests.fakes.nvml import FakeNvml, build_library
 from tests.harness import free_port
 from tests.mps_binary import fetch_mps_control
@@ -573,7 +575,8 @@ state = "{base}/state"
         )  # fmt: skip
 
     def _extenders(self) -> list[dict[str, Any]]:
-        shipped = yaml.safe_load((ROOT / "deploy" / "scheduler-config-v1beta1.yaml").read_text())["extenders"]
+        # With the opt-in entry for pods without GPU, which a test scores.
+        shipped = scheduler_config(ROOT / "deploy" / "scheduler-config-v1beta1.yaml", no_gpu_scoring=True)["extenders"]
         pki = self.state / "pki"
         for extender in shipped:
             extender["urlPrefix"] = f"{self.extender_url}/gpushare-scheduler"
@@ -593,12 +596,31 @@ state = "{base}/state"
     def mps_root(self) -> Path:
         return self.state / "mps"
 
+    @property
+    def dev_root(self) -> Path:
+        return self.state / "dev-root"
+
+    def make_device_nodes(self, count: int) -> None:
+        """The fake GPUs' device files, for deviceNodes: harmless character devices (/dev/null's numbers)
+        named as the driver names them, under the daemon's devRoot; the real /dev is left alone."""
+        dev = self.dev_root / "dev"
+        dev.mkdir(parents=True, exist_ok=True)
+        for name in [f"nvidia{minor}" for minor in range(count)] + ["nvidiactl", "nvidia-uvm"]:
+            if not (dev / name).exists():
+                os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(1, 3))
+
     def start_daemon(self, *, memory_unit: str = "GiB") -> None:
+        self.make_device_nodes(len(GPU_SIZES_MIB))
         config = {
             "nodeName": NODE,
             "kubeconfig": str(self.kubeconfig_for("gpushared-node")),
             "kubeletDir": str(KUBELET_ROOT),
             "memoryUnit": memory_unit,
+            # Both ways at once: the UUIDs for NVIDIA's hook (absent here) and the device files, which
+            # containerd's own device handling gives the container (e2e: each sees its GPUs' files only).
+            "deviceListStrategy": ["envvar"],
+            "deviceNodes": True,
+            "devRoot": str(self.dev_root),
             "metrics": {"address": "127.0.0.1", "port": self.ports.daemon_metrics},
             # The real nvidia-cuda-mps-control: its control daemons run without a GPU (servers cannot).
             "mps": {

@@ -21,7 +21,11 @@ from tests.e2e.cluster import NODE, LocalCluster, wait_for
 GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
 #: Prints the GPU env Allocate gave the container, then waits, leaving at once on SIGTERM (as PID 1 it would
 #: otherwise ignore it and every deletion would take the whole grace period).
-PRINT_ENV = "env | grep -E '^(NVIDIA|ALIYUN|CUDA)' | sort; echo READY; trap 'exit 0' TERM; sleep 3600 & wait"
+#: DEVICES= lists the NVIDIA device files the container has (deviceNodes).
+PRINT_ENV = (
+    "env | grep -E '^(NVIDIA|ALIYUN|CUDA)' | sort; echo DEVICES=$(ls /dev | grep '^nvidia' | sort | tr '\\n' ' '); "
+    "echo READY; trap 'exit 0' TERM; sleep 3600 & wait"
+)
 
 
 def gpu_pod(name: str, *amounts: int, annotations: dict[str, str] | None = None) -> dict[str, Any]:

@@ -132,6 +132,7 @@ def test_a_container_on_several_gpus_sees_each_of_them(kube: Kube, namespace: st
     assert placed("pair") == [3, 1]  # best fit for 8 GiB on each of two of 16/12/24/8 GiB: the 8, then the 12
     env = kube.env_of(namespace, "pair")
     assert env["NVIDIA_VISIBLE_DEVICES"] == f"{inventory.gpus[3].uuid},{inventory.gpus[1].uuid}"
+    assert env["DEVICES"].split() == ["nvidia-uvm", "nvidia1", "nvidia3", "nvidiactl"]  # deviceNodes
     assert (env["ALIYUN_COM_GPU_MEM_IDX"], env["ALIYUN_COM_GPU_MEM_CONTAINER"]) == ("3,1", "16")
     kube.create(namespace, bodies["too-wide"])  # 20 GiB on each of two: only GPU 2 has that much
     message = kube.wait_event(namespace, "too-wide", lambda reason, _: reason == "FailedScheduling")
@@ -344,3 +345,21 @@ def test_a_pod_without_gpu_goes_where_no_gpu_memory_is_free(kube: Kube, cluster:
     finally:
         cluster.kubectl("-n", namespace, "delete", "pod", "cpu-only", "--grace-period=0", "--force", check=False)
         kube.core.delete_node(gpuless)
+
+
+def test_device_nodes_give_a_container_its_gpus_files_and_no_other(kube: Kube, namespace: str) -> None:
+    """deviceNodes: containerd creates the device specs Allocate returned and opens the device cgroup for
+    them, with no NVIDIA hook in the runtime. The fake GPUs' files are /dev/null's numbers under the daemon's
+    devRoot; each container must see its own GPU's file, the control devices, and nothing of the other GPUs."""
+    kube.create(namespace, gpu_pod("one-gpu", 7))
+    kube.create(namespace, gpu_pod("no-gpu", 0))
+    kube.wait_running(namespace, "one-gpu", "no-gpu")
+    index, uuid = gpu_of(kube, kube.pod(namespace, "one-gpu"))
+    env = kube.env_of(namespace, "one-gpu")
+    assert env["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert env["DEVICES"].split() == sorted(["nvidia-uvm", f"nvidia{index}", "nvidiactl"])
+    assert kube.env_of(namespace, "no-gpu")["DEVICES"].split() == []
+    # The file is usable, not just listed: the device cgroup lets the container open it.
+    write = f"echo probe > /dev/nvidia{index} && echo written"
+    opened = kube.cluster.kubectl("exec", "-n", namespace, "one-gpu", "--", "sh", "-c", write, check=False)
+    assert opened.stdout.strip() == "written", opened.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import platform
 import random
 import signal
 import subprocess
@@ -389,10 +390,31 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
     assert body["registered"] and body["kubeletWatching"]  # the fake kubelet keeps ListAndWatch open
     import urllib.request
 
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
-    assert 'gpushared_gpu_memory_units{gpu="2"' in metrics
-    assert "gpushared_allocate_seconds_count 1.0" in metrics
-    assert "gpushared_allocations_total 1.0" in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    gpu2 = (("gpu", "2"), ("uuid", daemon.nvml.gpus[2].uuid))
+    # The allocated gauge follows the service loop's next tick.
+    samples = wait_until(
+        lambda: (m := scrape()).get(("gpushared_gpu_memory_allocated_bytes", gpu2)) == 3 * 2**30 and m,
+        message="the allocation in gpushared_gpu_memory_allocated_bytes",
+    )
+    assert samples[("gpushared_gpu_memory_bytes", gpu2)] == 24 * 2**30  # base units, whatever memoryUnit is
+    pod = tuple(sorted((*gpu2, ("namespace", "default"), ("pod", "shown"))))
+    assert samples[("gpushared_pod_gpu_memory_bytes", pod)] == 3 * 2**30
+    assert next(labels for name, labels in samples if name == "gpushared_build_info")[:2] == (
+        ("component", "node"),
+        ("python", platform.python_version()),
+    )
+    assert samples[("gpushared_allocate_seconds_count", ())] == 1
+    assert samples[("gpushared_allocations_total", ())] == 1
 
 
 def test_a_missing_node_stops_the_daemon_with_the_reason(daemon: Daemon) -> None:
@@ -458,3 +480,44 @@ def test_mib_devices_too_many_for_the_kubelet_are_refused_at_start(daemon: Daemo
     daemon.start()
     assert daemon.wait_exit() == 2
     assert "over the kubelet's 4 MiB limit: set memoryUnit: GiB" in daemon.log()
+
+
+def test_cdi_cri_and_device_nodes_reach_the_kubelet(daemon: Daemon) -> None:
+    """cdi-cri: the CDI names in ContainerAllocateResponse.cdi_devices (field 5, kubelet >= 1.28) and no
+    variable for a hook; deviceNodes: /dev/nvidia<minor> of the pod's GPUs and the control devices the dev root
+    has, as device specs. The protocol level: kubelet 1.20 and containerd 1.6 predate CDI (docs/install.md)."""
+    dev = daemon.workdir / "dev-root"
+    (dev / "dev").mkdir(parents=True)
+    for name in ("nvidiactl", "nvidia-uvm"):  # no nvidia-uvm-tools or nvidia-modeset on this node
+        (dev / "dev" / name).touch()
+    daemon.nvml.gpus[2].minor = 7  # minors need not follow indices (NVML says which is which)
+    daemon.nvml.write()
+    daemon.write_config(deviceListStrategy=["cdi-cri"], deviceNodes=True, devRoot=str(dev))
+    started(daemon)
+    (allocation,) = daemon.admit(daemon.place("cdi", 16, gpu=[2, 0]))
+    response = allocation.response
+    gpus = daemon.nvml.gpus
+    assert [d.name for d in response.cdi_devices] == [
+        f"nvidia.com/gpu={gpus[2].uuid}",
+        f"nvidia.com/gpu={gpus[0].uuid}",
+    ]
+    assert "NVIDIA_VISIBLE_DEVICES" not in response.envs
+    assert response.envs["ALIYUN_COM_GPU_MEM_IDX"] == "2,0"
+    assert [(d.container_path, d.host_path, d.permissions) for d in response.devices] == [
+        ("/dev/nvidia7", f"{dev}/dev/nvidia7", "rw"),
+        ("/dev/nvidia0", f"{dev}/dev/nvidia0", "rw"),
+        ("/dev/nvidiactl", f"{dev}/dev/nvidiactl", "rw"),
+        ("/dev/nvidia-uvm", f"{dev}/dev/nvidia-uvm", "rw"),
+    ]
+
+
+def test_volume_mounts_name_the_gpu_where_a_pod_cannot_forge_it(daemon: Daemon) -> None:
+    daemon.write_config(deviceListStrategy="volume-mounts")
+    started(daemon)
+    (allocation,) = daemon.admit(daemon.place("mounted", 4, gpu=1))
+    uuid = daemon.nvml.gpus[1].uuid
+    assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == "/var/run/nvidia-container-devices"
+    assert [(m.container_path, m.host_path, m.read_only) for m in allocation.response.mounts] == [
+        (f"/var/run/nvidia-container-devices/{uuid}", "/dev/null", True)
+    ]
+    assert not allocation.response.cdi_devices and not allocation.response.devices

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpushared.contract import MemoryUnit
+from gpushared.core.exposure import ExposurePolicy, Strategy
 from gpushared.daemon.config import DEFAULT_IGNORED_XIDS, ConfigError, load
 
 
@@ -16,7 +17,10 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert config.kubeconfig == Path("/etc/gpushared/kubeconfig")
     assert config.plugin_dir == Path("/var/lib/kubelet/device-plugins")
     assert config.pod_resources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
-    assert (config.metrics_address, config.metrics_port) == ("127.0.0.1", 9400)
+    # Scrapable from the cluster, and not on dcgm-exporter's 9400.
+    assert (config.metrics_address, config.metrics_port) == ("0.0.0.0", 9402)
+    assert config.exposure == ExposurePolicy(strategies=frozenset({Strategy.ENVVAR}), device_nodes=False, dev_root="/")
+    assert config.driver_root == Path("/")
     assert config.ignored_xids == DEFAULT_IGNORED_XIDS
     assert config.node_name  # the hostname
 
@@ -50,6 +54,10 @@ def test_file_then_environment_then_flags(tmp_path: Path) -> None:
         ("a: [\n", {}, "not valid YAML"),
         ("", {"GPUSHARED_METRICS_PORT": "x"}, "environment GPUSHARED_METRICS_PORT: metrics.port: must be an integer"),
         ("", {"GPUSHARED_HEALTH_ENABLED": "maybe"}, "health.enabled: must be true or false"),
+        ("deviceListStrategy: nvml\n", {}, "deviceListStrategy: unknown device list strategy 'nvml' \\(known: envvar"),
+        ("deviceListStrategy: []\n", {}, "deviceListStrategy: must name at least one"),
+        ("devRoot: run/nvidia\n", {}, "devRoot: must be an absolute path"),
+        ("metrics:\n  address: 'http://x'\n", {}, "metrics.address: must be an IP address or a host name"),
     ],
 )
 def test_bad_values_name_the_key_and_the_source(tmp_path: Path, text: str, env: dict[str, str], message: str) -> None:
@@ -110,3 +118,20 @@ def test_the_shipped_config_names_every_option() -> None:
     for option in OPTIONS:
         leaf = option.key.rsplit(".", 1)[-1]
         assert re.search(rf"^#\s*{leaf}:", text, re.MULTILINE), f"{option.key} missing from the shipped config"
+
+
+def test_device_exposure_options(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "deviceListStrategy: [cdi-cri, volume-mounts]\ndeviceNodes: true\ndevRoot: /run/nvidia/driver\n"
+        "driverRoot: /run/nvidia/driver\nmetrics:\n  address: '[::]'\n"
+    )
+    config = load(path, env={})
+    assert config.exposure == ExposurePolicy(
+        strategies=frozenset({Strategy.CDI_CRI, Strategy.VOLUME_MOUNTS}),
+        device_nodes=True,
+        dev_root="/run/nvidia/driver",
+    )
+    assert (config.driver_root, config.metrics_address) == (Path("/run/nvidia/driver"), "::")
+    from_env = load(path, env={"GPUSHARED_DEVICE_LIST_STRATEGY": "envvar,cdi-cri"})
+    assert from_env.device_list_strategy == frozenset({Strategy.ENVVAR, Strategy.CDI_CRI})

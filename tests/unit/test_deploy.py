@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from gpushared import __version__, contract
+from tests.builders import scheduler_config
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -28,7 +29,14 @@ def documents(name: str) -> list[dict[str, Any]]:
 def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
     (config,) = documents(name)
     assert config["apiVersion"] == api_version
-    extender, no_gpu = config["extenders"]
+    # Pods without GPU are scored only by opting in: that entry is called for every pod of the cluster.
+    (extender,) = config["extenders"]
+    opted_in = scheduler_config(DEPLOY / name, no_gpu_scoring=True)
+    assert {k: v for k, v in opted_in.items() if k != "extenders"} == {
+        k: v for k, v in config.items() if k != "extenders"
+    }
+    first, no_gpu = opted_in["extenders"]
+    assert first == extender
     assert extender["urlPrefix"].endswith("/gpushare-scheduler")
     assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
         "filter",

@@ -1,0 +1,148 @@
+"""What Allocate tells the runtime, per device list strategy: a table, as NVIDIA's plugin tests its own."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpushared.core.exposure import (
+    CannotExpose,
+    DeviceFile,
+    ExposedGpu,
+    Exposure,
+    ExposurePolicy,
+    Strategy,
+    exposure,
+    parse_strategies,
+)
+
+ENVVAR, VOLUMES, CDI = Strategy.ENVVAR, Strategy.VOLUME_MOUNTS, Strategy.CDI_CRI
+GPU0 = ExposedGpu("GPU-aaaa", minor=0)
+GPU3 = ExposedGpu("GPU-dddd", minor=3)
+ALL_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+def files(*pairs: tuple[str, str]) -> tuple[DeviceFile, ...]:
+    return tuple(DeviceFile(inside, outside) for inside, outside in pairs)
+
+
+CASES = [
+    pytest.param(
+        ExposurePolicy(),
+        [GPU3],
+        (),
+        Exposure(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"}, mounts=(), devices=(), cdi_devices=()),
+        id="envvar (the default): the UUID for NVIDIA's hook",
+    ),
+    pytest.param(
+        ExposurePolicy(),
+        [GPU0, GPU3],
+        (),
+        Exposure(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-dddd"}, mounts=(), devices=(), cdi_devices=()),
+        id="envvar, two GPUs in placement order",
+    ),
+    pytest.param(
+        ExposurePolicy(strategies=frozenset({VOLUMES})),
+        [GPU0, GPU3],
+        (),
+        Exposure(
+            envs={"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
+            mounts=(
+                ("/var/run/nvidia-container-devices/GPU-aaaa", "/dev/null"),
+                ("/var/run/nvidia-container-devices/GPU-dddd", "/dev/null"),
+            ),
+            devices=(),
+            cdi_devices=(),
+        ),
+        id="volume-mounts: the hook reads mounts a pod spec cannot forge",
+    ),
+    pytest.param(
+        ExposurePolicy(strategies=frozenset({ENVVAR, VOLUMES})),
+        [GPU3],
+        (),
+        Exposure(
+            envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"},
+            mounts=(("/var/run/nvidia-container-devices/GPU-dddd", "/dev/null"),),
+            devices=(),
+            cdi_devices=(),
+        ),
+        id="envvar and volume-mounts name the same GPU",
+    ),
+    pytest.param(
+        ExposurePolicy(strategies=frozenset({CDI})),
+        [GPU0, GPU3],
+        (),
+        Exposure(envs={}, mounts=(), devices=(), cdi_devices=("nvidia.com/gpu=GPU-aaaa", "nvidia.com/gpu=GPU-dddd")),
+        id="cdi-cri: CDI names only, no variable for a hook to read",
+    ),
+    pytest.param(
+        ExposurePolicy(strategies=frozenset({CDI, ENVVAR})),
+        [GPU3],
+        (),
+        Exposure(
+            envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"}, mounts=(), devices=(), cdi_devices=("nvidia.com/gpu=GPU-dddd",)
+        ),
+        id="cdi-cri with envvar, for nodes mid-migration",
+    ),
+    pytest.param(
+        ExposurePolicy(device_nodes=True),
+        [GPU3],
+        ALL_CONTROL,
+        Exposure(
+            envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"},
+            mounts=(),
+            devices=files(
+                ("/dev/nvidia3", "/dev/nvidia3"),
+                ("/dev/nvidiactl", "/dev/nvidiactl"),
+                ("/dev/nvidia-uvm", "/dev/nvidia-uvm"),
+                ("/dev/nvidia-uvm-tools", "/dev/nvidia-uvm-tools"),
+                ("/dev/nvidia-modeset", "/dev/nvidia-modeset"),
+            ),
+            cdi_devices=(),
+        ),
+        id="deviceNodes: the GPU's file and every control device present",
+    ),
+    pytest.param(
+        ExposurePolicy(device_nodes=True, dev_root="/run/nvidia/driver"),
+        [GPU0, GPU3],
+        ("/dev/nvidiactl",),
+        Exposure(
+            envs={"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-dddd"},
+            mounts=(),
+            devices=files(
+                ("/dev/nvidia0", "/run/nvidia/driver/dev/nvidia0"),
+                ("/dev/nvidia3", "/run/nvidia/driver/dev/nvidia3"),
+                ("/dev/nvidiactl", "/run/nvidia/driver/dev/nvidiactl"),
+            ),
+            cdi_devices=(),
+        ),
+        id="deviceNodes under a driver container's dev root; absent uvm files are not passed",
+    ),
+]
+
+
+@pytest.mark.parametrize(("policy", "gpus", "present", "expected"), CASES)
+def test_exposure(policy: ExposurePolicy, gpus: list[ExposedGpu], present: tuple[str, ...], expected: Exposure) -> None:
+    assert exposure(policy, gpus, control_present=present) == expected
+
+
+def test_device_nodes_need_a_minor_number() -> None:
+    with pytest.raises(CannotExpose, match="GPU-x has no device minor number"):
+        exposure(ExposurePolicy(device_nodes=True), [ExposedGpu("GPU-x", None)], control_present=())
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("envvar", {ENVVAR}),
+        ("cdi-cri, envvar", {CDI, ENVVAR}),
+        (["volume-mounts"], {VOLUMES}),
+    ],
+)
+def test_parse_strategies(value: str | list[str], expected: set[Strategy]) -> None:
+    assert parse_strategies(value) == frozenset(expected)
+
+
+@pytest.mark.parametrize(("value", "message"), [("", "at least one"), ("cdi-annotations", "unknown device list")])
+def test_parse_strategies_refuses(value: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_strategies(value)

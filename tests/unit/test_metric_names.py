@@ -1,0 +1,82 @@
+"""Every series the daemon and the extender expose, held to Prometheus's naming rules.
+
+The rules (prometheus.io, "Metric and label naming"; "Writing exporters"): a name matches
+``[a-zA-Z_:][a-zA-Z0-9_:]*`` without the colons that recording rules own; one application prefix; base units
+(seconds, bytes), never milli-, kibi- or "units" of a configurable size; ``_total`` on counters and on
+nothing else; the unit before any ``_total``; ``_info`` gauges of value 1 for metadata; labels that are not
+reserved (``__*``, ``le``, ``quantile``); help text on every metric.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpushared.daemon.metrics import Metrics as NodeMetrics
+from gpushared.daemon.metrics import PodShare
+from gpushared.extender.server import Metrics as ExtenderMetrics
+
+NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")
+NOT_BASE_UNITS = {"ms", "milliseconds", "us", "microseconds", "minutes", "hours", "days", "kb", "mb", "gb", "kib",
+                  "mib", "gib", "units", "percent"}  # fmt: skip
+RESERVED_LABELS = {"le", "quantile"}
+
+
+def node_registry() -> CollectorRegistry:
+    metrics = NodeMetrics()
+    # One child of every labelled metric, so that its samples (and their label names) are exposed.
+    for gauge in (metrics.gpu_total, metrics.gpu_used, metrics.gpu_healthy, metrics.mps_up):
+        gauge.labels(gpu="0", uuid="GPU-0").set(1)
+    metrics.mps_restarts.labels(gpu="0", uuid="GPU-0").inc()
+    metrics.gpu_events.labels(kind="xid", xid="79").inc()
+    metrics.allocate_seconds.observe(0.01)
+    metrics.watch_pods(lambda: [PodShare("default", "p", 0, "GPU-0", 2**30)])
+    return metrics.registry
+
+
+def extender_registry() -> CollectorRegistry:
+    metrics = ExtenderMetrics()
+    metrics.seconds.labels(verb="filter").observe(0.001)
+    metrics.errors.labels(verb="bind").inc()
+    return metrics.registry
+
+
+@pytest.mark.parametrize("registry", [node_registry(), extender_registry()], ids=["node", "extender"])
+def test_names_follow_prometheus_conventions(registry: CollectorRegistry) -> None:
+    families = list(text_string_to_metric_families(generate_latest(registry).decode()))
+    assert families
+    for family in families:
+        name, kind = family.name, family.type
+        words = name.split("_")
+        assert NAME.match(name), f"{name}: lower snake case, no colons"
+        assert name.startswith("gpushared_"), f"{name}: one prefix for the application"
+        assert family.documentation.strip(), f"{name}: no help text"
+        assert not NOT_BASE_UNITS & set(words), f"{name}: not a base unit (seconds, bytes)"
+        if "memory" in words:
+            assert name.endswith("_bytes"), f"{name}: memory in bytes"
+        if kind == "histogram":
+            assert words[-1] in ("seconds", "bytes"), f"{name}: a histogram observes seconds or bytes"
+        if name.endswith("_info"):
+            assert kind == "gauge" and all(s.value == 1 for s in family.samples), f"{name}: an info metric is 1"
+        for sample in family.samples:
+            if kind == "counter":
+                assert sample.name.endswith(("_total", "_created")), f"{sample.name}: a counter ends in _total"
+            else:
+                assert not sample.name.endswith("_total"), f"{sample.name}: _total on a {kind}"
+            for label in sample.labels:
+                if kind == "histogram" and label == "le":
+                    continue
+                assert LABEL.match(label) and not label.startswith("__"), f"{name}: label {label!r}"
+                assert label not in RESERVED_LABELS, f"{name}: reserved label {label!r}"
+
+
+def test_both_components_say_what_they_are() -> None:
+    for registry, component in ((node_registry(), "node"), (extender_registry(), "extender")):
+        text = generate_latest(registry).decode()
+        assert f'gpushared_build_info{{component="{component}"' in text
+    assert "gpushared_extender_leader" in generate_latest(extender_registry()).decode()
+    assert "gpushared_pod_gpu_memory_bytes" in generate_latest(node_registry()).decode()
