@@ -48,7 +48,7 @@ def version() -> None:
 @click.option("--memory-unit", type=click.Choice(["GiB", "MiB"]), help="One gpu-mem unit.")
 @click.option("--kubelet-dir", type=click.Path(path_type=Path), help="The kubelet's root (device-plugins/ inside).")
 @click.option("--log-level", type=click.Choice(config_module.LOG_LEVELS), help="Log verbosity.")
-@click.option("--metrics-address", help="Where metrics and status listen (default 127.0.0.1).")
+@click.option("--metrics-address", help="Where metrics and status listen (default 0.0.0.0; :: for IPv6).")
 @click.option("--metrics-port", type=int, help="Metrics and status port; 0 turns them off.")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the daemon until SIGTERM; SIGHUP re-reads the configuration."""

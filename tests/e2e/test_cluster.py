@@ -7,6 +7,7 @@ checks after every disturbance that no GPU holds more than it has.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.core.ledger import holding_from_pod
+from tests.e2e import demo
 from tests.e2e.cluster import GPU_SIZES_MIB, NODE, ROOT, LocalCluster, wait_for
 from tests.e2e.kube import Kube, gpu_pod
 
@@ -363,3 +365,23 @@ def test_device_nodes_give_a_container_its_gpus_files_and_no_other(kube: Kube, n
     write = f"echo probe > /dev/nvidia{index} && echo written"
     opened = kube.cluster.kubectl("exec", "-n", namespace, "one-gpu", "--", "sh", "-c", write, check=False)
     assert opened.stdout.strip() == "written", opened.stderr
+
+
+def test_the_demo_samples_run_ten_times_in_a_row_in_any_order(
+    kube: Kube, cluster: LocalCluster, namespace: str
+) -> None:
+    """`make demo`'s own sample runner, ten rounds from a clean node (no pod holding GPU memory), each applying
+    the manifests' objects in another order: every round all nine pods run, none over capacity."""
+    rounds = []
+    for round_number in range(10):
+        assert assert_no_gpu_over_capacity(kube) == {}, "the node is not clean before the round"
+        took = demo.run_samples(
+            cluster, namespace=namespace, timeout=120, shuffle=random.Random(round_number), report=lambda _: None
+        )
+        pods = kube.pods(namespace)
+        assert len(pods) == demo.SAMPLE_PODS and all(p["status"]["phase"] == "Running" for p in pods)
+        used = assert_no_gpu_over_capacity(kube)
+        assert sum(used.values()) == 23, used  # the samples' GiB, all placed
+        rounds.append(round(took, 1))
+        demo.delete_samples(cluster, namespace=namespace)
+    print(f"demo samples running after (s): {rounds}")
