@@ -135,6 +135,7 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     assert over_capacity(cluster) == []
     assert "bound pod default/p-" not in follower.log()  # every bind was made by the leader
     assert "bound pod default/p-" in leader.log()
+    assert leader_gauge(leader) == 1.0 and leader_gauge(follower) == 0.0
     # The leader dies without giving up its lease: the follower takes over once the lease runs out.
     assert leader.process is not None
     leader.process.kill()
@@ -145,7 +146,15 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     assert passing, "some node still has 1 GiB free"
     status, result = follower.bind(late, passing[0])
     assert (status, result) == (200, {"Error": ""})
+    assert leader_gauge(follower) == 1.0  # it answers the scheduler itself now
     follower.stop()
     lease = cluster.get("leases", "gpushared-extender", "default")
     assert lease is not None
     assert lease["spec"]["leaseTransitions"] >= 1
+
+
+def leader_gauge(extender: Extender) -> float:
+    status, body = extender.get("/metrics")
+    assert status == 200
+    [value] = [line.split()[-1] for line in body.decode().splitlines() if line.startswith("gpushared_extender_leader ")]
+    return float(value)
