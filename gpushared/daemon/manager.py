@@ -33,7 +33,7 @@ from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import MIB, Metrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor, thread_percentage
 from gpushared.deviceplugin.podresources.client import PodDevices, list_pod_devices
-from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, DeviceSpec, Mount
+from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, Mount
 from gpushared.kube.api import Api, KubeError
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml.backend import GpuDevice
@@ -319,7 +319,7 @@ class Manager:
         return ContainerAllocation(
             envs=envs,
             mounts=mounts,
-            devices=[DeviceSpec(d.container_path, d.host_path, d.permissions) for d in given.devices],
+            devices=given.devices,
             cdi_devices=given.cdi_devices,
         )
 

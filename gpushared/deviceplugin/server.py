@@ -18,6 +18,7 @@ from typing import Protocol
 
 import grpc
 
+from gpushared.core.exposure import DeviceFile
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -38,18 +39,12 @@ class Mount:
 
 
 @dataclass(frozen=True)
-class DeviceSpec:
-    container_path: str
-    host_path: str
-    permissions: str = "rw"
-
-
-@dataclass(frozen=True)
 class ContainerAllocation:
     envs: dict[str, str]
     mounts: Sequence[Mount] = field(default_factory=tuple)
     annotations: dict[str, str] = field(default_factory=dict)
-    devices: Sequence[DeviceSpec] = field(default_factory=tuple)
+    #: device files the runtime creates in the container (core.exposure decides which)
+    devices: Sequence[DeviceFile] = field(default_factory=tuple)
     #: fully qualified CDI device names; kubelets before 1.28 do not know the field and drop it.
     cdi_devices: Sequence[str] = field(default_factory=tuple)
 
