@@ -65,6 +65,10 @@ class MemoryUnit(enum.Enum):
     def to_mib(self, amount: int) -> int:
         return amount * self.mib
 
+    def to_bytes(self, amount: int) -> int:
+        """For metrics, which are in base units whatever the node's unit is."""
+        return self.to_mib(amount) * 2**20
+
     def convert(self, amount: int, *, to: MemoryUnit) -> int:
         """``amount`` of this unit expressed in ``to``, rounded up: a holding is never under-counted."""
         return math.ceil(amount * self.mib / to.mib)

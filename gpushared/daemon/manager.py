@@ -30,7 +30,7 @@ from gpushared.core.requests import pod_request
 from gpushared.daemon import devices as device_ids
 from gpushared.daemon import handshake
 from gpushared.daemon.health import Health
-from gpushared.daemon.metrics import MIB, Metrics, PodShare
+from gpushared.daemon.metrics import Metrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor, thread_percentage
 from gpushared.deviceplugin.podresources.client import PodDevices, list_pod_devices
 from gpushared.deviceplugin.server import AllocationRefused, ContainerAllocation, Mount
@@ -142,7 +142,9 @@ class Manager:
             self._version += 1
             self._lock.notify_all()
         for gpu in inventory.gpus:
-            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(gpu.memory_mib * MIB)
+            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(
+                MemoryUnit.MIB.to_bytes(gpu.memory_mib)
+            )
             self.metrics.gpu_healthy.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(1 if gpu.healthy else 0)
         return True
 
@@ -176,8 +178,9 @@ class Manager:
             for index, amount in sorted(holding.gpus.items()):
                 gpu = inventory.by_index(index)
                 if gpu is not None:
-                    mib = self.unit.to_mib(amount)
-                    shares.append(PodShare(holding.namespace, holding.name, index, gpu.uuid, mib * MIB))
+                    shares.append(
+                        PodShare(holding.namespace, holding.name, index, gpu.uuid, self.unit.to_bytes(amount))
+                    )
         return shares
 
     def _holding(self, pod: dict[str, Any]) -> Holding | None:

@@ -17,8 +17,6 @@ from prometheus_client.registry import Collector
 
 from gpushared import __version__
 
-MIB = 2**20
-
 
 @dataclass(frozen=True)
 class PodShare:

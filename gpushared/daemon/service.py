@@ -30,7 +30,7 @@ from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
-from gpushared.daemon.metrics import MIB, Metrics
+from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
@@ -414,7 +414,7 @@ class Service:
         self.notifier.status(text)
         ledger = self.manager.ledger()
         for gpu in inventory.gpus:
-            used = self.config.memory_unit.to_mib(ledger.used(gpu.index)) * MIB
+            used = self.config.memory_unit.to_bytes(ledger.used(gpu.index))
             self.metrics.gpu_used.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(used)
 
     def _apply_reload(self) -> None:
