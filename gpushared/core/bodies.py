@@ -84,6 +84,51 @@ class NodeBody(TypedDict, total=False):
     status: NodeStatus
 
 
+#: A Kubernetes object as the core reads it.
+Body = PodBody | NodeBody
+#: (namespace, name): namespace "" for cluster-scoped objects
+Key = tuple[str, str]
+
+_NO_META: ObjectMeta = {}
+_NO_ANNOTATIONS: dict[str, str] = {}
+
+
+def meta_of(obj: Body) -> ObjectMeta:
+    """The object's metadata; empty (shared, never to be changed) when it has none."""
+    return obj.get("metadata") or _NO_META
+
+
+def uid_of(obj: Body) -> str:
+    return meta_of(obj).get("uid") or ""
+
+
+def key_of(obj: Body) -> Key:
+    meta = meta_of(obj)
+    return meta.get("namespace") or "", meta.get("name") or ""
+
+
+def qualified_name(obj: Body) -> str:
+    """``namespace/name``, as messages and Events name a pod."""
+    meta = meta_of(obj)
+    return f"{meta.get('namespace')}/{meta.get('name')}"
+
+
+def version_of(obj: Body) -> int:
+    """The resourceVersion as a number; 0 when it has none (or one that is not a number)."""
+    text = meta_of(obj).get("resourceVersion") or "0"
+    return int(text) if text.isdigit() else 0
+
+
+def annotations_of(obj: Body) -> dict[str, str]:
+    """The object's annotations; empty (shared, never to be changed) when it has none."""
+    return meta_of(obj).get("annotations") or _NO_ANNOTATIONS
+
+
+def node_of(pod: PodBody) -> str:
+    """The node a pod is bound to; "" while it is not."""
+    return (pod.get("spec") or {}).get("nodeName") or ""
+
+
 #: Aliyun's annotations that say what a pod holds (and _DEV, which a bind may have to overwrite); the
 #: other one (_ASSUME_TIME) only the node reads.
 _ALIYUN_KEYS = frozenset(

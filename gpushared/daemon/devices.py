@@ -1,33 +1,14 @@
-"""The fake devices kubelet counts: one per unit of GPU memory, named so that each names its GPU.
-
-An ID is ``<GPU index>-<unit number>`` ("2-15"): short enough that a node's list stays far below the
-kubelet's 4 MiB message limit in GiB units, and telling the daemon, from the IDs kubelet passes to
-Allocate, which GPU the kubelet gave.
-"""
+"""The kubelet's message limit on the device list (the IDs themselves are core.devices)."""
 
 from __future__ import annotations
 
 from gpushared.contract import GpuInventory
+from gpushared.core.devices import device_list
 from gpushared.deviceplugin.server import MAX_MESSAGE_BYTES, list_message
 
 
 class DeviceListTooLarge(Exception):
     pass
-
-
-def device_ids(index: int, units: int) -> list[str]:
-    return [f"{index}-{j}" for j in range(units)]
-
-
-def gpu_of(device_id: str) -> int | None:
-    head, sep, tail = device_id.partition("-")
-    if not sep or not head.isdigit() or not tail.isdigit():
-        return None
-    return int(head)
-
-
-def device_list(inventory: GpuInventory, healthy: dict[int, bool]) -> list[tuple[str, bool]]:
-    return [(i, healthy.get(gpu.index, True)) for gpu in inventory.gpus for i in device_ids(gpu.index, gpu.memory)]
 
 
 def check_message_size(inventory: GpuInventory) -> None:

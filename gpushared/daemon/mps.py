@@ -1,4 +1,4 @@
-"""Supervision of one MPS control daemon per GPU, and what an MPS pod's container gets from Allocate.
+"""Supervision of one MPS control daemon per GPU (what an MPS pod's container gets is core.allocate).
 
 The daemons must outlive gpushared: ``quit`` cuts every client of the GPU off, so a gpushared restart or
 upgrade must not restart them. On start we therefore *adopt* a daemon that answers on its control socket,
@@ -13,7 +13,6 @@ is narrowed with env, because a client's env can only narrow the daemon's limits
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,11 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpushared.core.allocate import MpsDaemon
 from gpushared.daemon.config import Config
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
-from gpushared.deviceplugin.server import Mount
-from gpushared.mps.control import CONTAINER_PIPE_DIRECTORY, GpuDirs, MpsControl, MpsError, host_mount_namespace
+from gpushared.mps.control import GpuDirs, MpsControl, MpsError, host_mount_namespace
 from gpushared.nvml import driver
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 
@@ -80,15 +79,6 @@ def settings_of(config: Config) -> MpsSettings:
         probe_seconds=config.mps_probe_seconds,
         library_path=driver.library_dir(str(config.driver_root)),
     )
-
-
-def thread_percentage(*, amount: int, gpu_memory: int, override: int | None) -> int:
-    """The container's share of the GPU's threads: its share of the memory, rounded up, unless the pod says."""
-    if override is not None:
-        return override
-    if gpu_memory <= 0:
-        return 100
-    return max(1, min(100, math.ceil(100 * amount / gpu_memory)))
 
 
 class MpsSupervisor:
@@ -253,22 +243,16 @@ class MpsSupervisor:
             daemon = self._daemons.get(uuid)
             return daemon is not None and daemon.state == "running"
 
-    def container_setup(
-        self, *, gpu: GpuDevice, amount_mib: int, percentage: int
-    ) -> tuple[dict[str, str], list[Mount]]:
-        """Env and mounts of one MPS container on ``gpu``."""
-        dirs = GpuDirs.of(self.settings.root, gpu.uuid)
-        envs = {
-            "CUDA_MPS_PIPE_DIRECTORY": CONTAINER_PIPE_DIRECTORY,
-            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percentage),
-            # Ordinal 0: the container sees exactly one GPU.
-            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={min(amount_mib, gpu.memory_mib)}M",
-        }
-        mounts = [
-            Mount(container_path=CONTAINER_PIPE_DIRECTORY, host_path=str(dirs.pipe), read_only=False),
-            Mount(container_path="/dev/shm", host_path=str(dirs.shm), read_only=False),
-        ]
-        return envs, mounts
+    def answering(self) -> dict[str, MpsDaemon]:
+        """The running daemons by GPU UUID, with the directories a client container mounts
+        (``core.allocate`` makes the container their client)."""
+        with self._lock:
+            uuids = [uuid for uuid, daemon in self._daemons.items() if daemon.state == "running"]
+        answering = {}
+        for uuid in uuids:
+            dirs = GpuDirs.of(self.settings.root, uuid)
+            answering[uuid] = MpsDaemon(pipe=str(dirs.pipe), shm=str(dirs.shm))
+        return answering
 
     # --- status --------------------------------------------------------------------------------------------
 

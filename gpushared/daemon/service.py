@@ -19,7 +19,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import grpc
 import sdnotify
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -32,7 +31,7 @@ from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
-from gpushared.deviceplugin.server import PluginServer
+from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml import driver
@@ -351,8 +350,8 @@ class Service:
         self.plugin.start()
         try:
             self.plugin.register()
-        except grpc.RpcError as exc:
-            log.warning("registration with the kubelet failed: %s %s", exc.code(), exc.details())
+        except RegistrationFailed as exc:
+            log.warning("registration with the kubelet failed: %s", exc)
             self._registered = False
             return
         self._registered = True

@@ -12,13 +12,12 @@ import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import grpc
 
-from gpushared.core.exposure import DeviceFile
+from gpushared.core.allocate import ContainerAllocation
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -31,22 +30,8 @@ UNHEALTHY = "Unhealthy"
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class Mount:
-    container_path: str
-    host_path: str
-    read_only: bool = False
-
-
-@dataclass(frozen=True)
-class ContainerAllocation:
-    envs: dict[str, str]
-    mounts: Sequence[Mount] = field(default_factory=tuple)
-    annotations: dict[str, str] = field(default_factory=dict)
-    #: device files the runtime creates in the container (core.exposure decides which)
-    devices: Sequence[DeviceFile] = field(default_factory=tuple)
-    #: fully qualified CDI device names; kubelets before 1.28 do not know the field and drop it.
-    cdi_devices: Sequence[str] = field(default_factory=tuple)
+class RegistrationFailed(Exception):
+    """The kubelet did not take the registration; the message carries the gRPC status."""
 
 
 class AllocationRefused(Exception):
@@ -208,17 +193,15 @@ class PluginServer:
         self._server = server
 
     def register(self, *, timeout: float = 5.0) -> None:
-        """Register with the kubelet; raises grpc.RpcError when it is not there or refuses."""
-        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
-            api_pb2_grpc.RegistrationStub(channel).Register(
-                api_pb2.RegisterRequest(
-                    version=API_VERSION,
-                    endpoint=self.endpoint,
-                    resource_name=self.manager.resource_name,
-                    options=OPTIONS,
-                ),
-                timeout=timeout,
-            )
+        """Register with the kubelet; raises :class:`RegistrationFailed` when it is not there or refuses."""
+        request = api_pb2.RegisterRequest(
+            version=API_VERSION, endpoint=self.endpoint, resource_name=self.manager.resource_name, options=OPTIONS
+        )
+        try:
+            with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+                api_pb2_grpc.RegistrationStub(channel).Register(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise RegistrationFailed(f"{exc.code()} {exc.details() or ''}".strip()) from exc
 
     def stop(self) -> None:
         self._stopping[0] = True

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, slim_pod
+from gpushared.core.bodies import PodBody, key_of, slim_pod, uid_of
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
 from gpushared.core.fragmentation import Kind, RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
@@ -50,7 +50,7 @@ from gpushared.extender.reservations import (
     settle,
 )
 from gpushared.extender.rooms import STALE, Rooms
-from gpushared.kube.informer import Informer, key_of, uid_of
+from gpushared.kube.informer import Informer
 
 log = logging.getLogger(__name__)
 

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.bodies import uid_of
 from gpushared.core.placement import Policy, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
@@ -24,7 +25,6 @@ from gpushared.extender.reservations import Assumed
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import KubeError
-from gpushared.kube.informer import uid_of
 
 log = logging.getLogger(__name__)
 

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.bodies import PodBody, node_of
 from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.report import node_report
 from gpushared.kube.api import Api
@@ -20,15 +21,15 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
     """(reports, warnings): one report per gpushared node (or the named one)."""
     nodes = [n for n in api.list_nodes() if node is None or n["metadata"]["name"] == node]
     pods = api.list_pods(node=node)
-    by_node: dict[str, list[dict[str, Any]]] = {}
+    by_node: dict[str, list[PodBody]] = {}
     for pod in pods:
-        if (pod.get("spec") or {}).get("nodeName"):
-            by_node.setdefault(pod["spec"]["nodeName"], []).append(pod)
+        if node_of(pod):
+            by_node.setdefault(node_of(pod), []).append(pod)
     reports, warnings = [], []
     for body in sorted(nodes, key=lambda n: n["metadata"]["name"]):
         name = body["metadata"]["name"]
         try:
-            inventory = inventory_from_node(body, resources=resources)  # type: ignore[arg-type]
+            inventory = inventory_from_node(body, resources=resources)
         except ContractError as exc:
             warnings.append(f"node {name}: {exc}")
             continue
@@ -36,7 +37,7 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
             continue
         ledger = Ledger.build(inventory)
         for pod in by_node.get(name, []):
-            holding = holding_from_pod(pod, unit=inventory.unit, resources=resources)  # type: ignore[arg-type]
+            holding = holding_from_pod(pod, unit=inventory.unit, resources=resources)
             if holding is not None:
                 ledger.add(holding)
                 if holding.problem:

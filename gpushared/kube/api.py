@@ -20,6 +20,8 @@ from typing import Any, cast
 import kubernetes
 from kubernetes.client.exceptions import ApiException
 
+from gpushared.core.bodies import NodeBody, PodBody, meta_of, node_of
+
 REQUEST_TIMEOUT = 10.0
 #: How often the credentials are looked at again (a token file rotated, a kubeconfig token expired).
 REFRESH_SECONDS = 1.0
@@ -31,6 +33,20 @@ class KubeError(Exception):
     def __init__(self, message: str, *, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class NotFound(KubeError):
+    """404: the object does not exist (any more)."""
+
+
+class Conflict(KubeError):
+    """409: the object changed since it was read (a resourceVersion-guarded write lost), or already exists."""
+
+
+def error_for(message: str, status: int | None) -> KubeError:
+    """The KubeError for an HTTP status: NotFound and Conflict are the ones callers act on."""
+    kind = {404: NotFound, 409: Conflict}.get(status or 0, KubeError)
+    return kind(message, status=status)
 
 
 class NoCredentials(KubeError):
@@ -81,7 +97,7 @@ def default_kubeconfig() -> Path:
 
 
 class Api:
-    """The few calls gpushared makes, as dicts in and dicts out."""
+    """The few calls gpushared makes, as dicts in and dicts out, typed once here (``core.bodies``)."""
 
     def __init__(self, client: kubernetes.client.ApiClient) -> None:
         self.client = client
@@ -98,38 +114,38 @@ class Api:
         try:
             response = method(*args, _preload_content=False, _request_timeout=timeout, **kwargs)
         except ApiException as exc:
-            raise KubeError(f"{what}: {exc.status} {status_message(exc.body, exc.reason)}", status=exc.status) from exc
+            raise error_for(f"{what}: {exc.status} {status_message(exc.body, exc.reason)}", exc.status) from exc
         except Exception as exc:  # urllib3 and socket errors: the server was not reached
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
         return json.loads(response.data or b"null")
 
-    def get_node(self, name: str) -> dict[str, Any]:
-        return self._call(f"get node {name}", self.core.read_node, name)  # type: ignore[no-any-return]
+    def get_node(self, name: str) -> NodeBody:
+        return cast(NodeBody, self._call(f"get node {name}", self.core.read_node, name))
 
-    def patch_node_status(self, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    def patch_node_status(self, name: str, patch: dict[str, Any]) -> NodeBody:
         """Patch through /status: capacity lives there, and the main resource ignores status changes."""
-        return self._call(f"patch node {name} status", self.core.patch_node_status, name, patch)  # type: ignore[no-any-return]
+        return cast(NodeBody, self._call(f"patch node {name} status", self.core.patch_node_status, name, patch))
 
-    def list_nodes(self) -> list[dict[str, Any]]:
+    def list_nodes(self) -> list[NodeBody]:
         return list(self._call("list nodes", self.core.list_node).get("items") or [])
 
-    def list_pods(self, *, node: str | None = None) -> list[dict[str, Any]]:
+    def list_pods(self, *, node: str | None = None) -> list[PodBody]:
         """Every pod, or the pods bound to ``node`` (a field selector: the server filters)."""
         selector: dict[str, Any] = {"field_selector": f"spec.nodeName={node}"} if node else {}
         what = f"list pods on node {node}" if node else "list pods"
         return list(self._call(what, self.core.list_pod_for_all_namespaces, **selector).get("items") or [])
 
-    def get_pod(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT) -> dict[str, Any]:
-        return self._call(  # type: ignore[no-any-return]
-            f"get pod {namespace}/{name}", self.core.read_namespaced_pod, name, namespace, timeout=timeout
-        )
+    def get_pod(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT) -> PodBody:
+        what = f"get pod {namespace}/{name}"
+        return cast(PodBody, self._call(what, self.core.read_namespaced_pod, name, namespace, timeout=timeout))
 
-    def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+    def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> PodBody:
         """A strategic-merge patch; put ``metadata.resourceVersion`` in it to make it conditional."""
-        return self._call(f"patch pod {namespace}/{name}", self.core.patch_namespaced_pod, name, namespace, patch)  # type: ignore[no-any-return]
+        what = f"patch pod {namespace}/{name}"
+        return cast(PodBody, self._call(what, self.core.patch_namespaced_pod, name, namespace, patch))
 
-    def pod_event(self, pod: dict[str, Any], *, reason: str, message: str, warning: bool, component: str) -> None:
-        meta = pod.get("metadata") or {}
+    def pod_event(self, pod: PodBody, *, reason: str, message: str, warning: bool, component: str) -> None:
+        meta = meta_of(pod)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
@@ -146,7 +162,7 @@ class Api:
             "reason": reason,
             "message": message,
             "type": "Warning" if warning else "Normal",
-            "source": {"component": component, "host": (pod.get("spec") or {}).get("nodeName", "")},
+            "source": {"component": component, "host": node_of(pod)},
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,

@@ -21,31 +21,19 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import orjson
 
+from gpushared.core.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
 from gpushared.kube.api import REQUEST_TIMEOUT, KubeError
 
 log = logging.getLogger(__name__)
 
-Key = tuple[str, str]  # (namespace, name); namespace "" for cluster-scoped objects
+#: The kinds of object an informer mirrors, typed once here at the boundary (core.bodies).
+B = TypeVar("B", PodBody, NodeBody)
 #: Called with (old, new): new None is a deletion, old None an addition. Runs on the informer's thread.
-Handler = Callable[[dict[str, Any] | None, dict[str, Any] | None], None]
-
-
-def key_of(obj: dict[str, Any]) -> Key:
-    meta = obj.get("metadata") or {}
-    return meta.get("namespace", ""), meta.get("name", "")
-
-
-def uid_of(obj: dict[str, Any]) -> str:
-    return str((obj.get("metadata") or {}).get("uid", ""))
-
-
-def version_of(obj: dict[str, Any]) -> int:
-    text = str((obj.get("metadata") or {}).get("resourceVersion", "0"))
-    return int(text) if text.isdigit() else 0
+Handler = Callable[[B | None, B | None], None]
 
 
 #: Objects per list page: client-go's default.
@@ -54,7 +42,7 @@ PAGE = 500
 SILENCE_GRACE = REQUEST_TIMEOUT
 
 
-class Informer:
+class Informer(Generic[B]):
     """``list_call`` is a kubernetes client list method (e.g. ``CoreV1Api.list_node``)."""
 
     def __init__(
@@ -65,18 +53,18 @@ class Informer:
         field_selector: str | None = None,
         watch_seconds: int = 300,
         relist_seconds: float = 1800.0,
-        handler: Handler | None = None,
-        transform: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        handler: Handler[B] | None = None,
+        transform: Callable[[B], B] | None = None,
     ) -> None:
         self.list_call = list_call
         #: applied to every object before it is kept: a cache that keeps only what it reads stays small
-        self.transform = transform or (lambda obj: obj)
+        self.transform: Callable[[B], B] = transform or (lambda obj: obj)
         self.name = name
         self.field_selector = field_selector
         self.watch_seconds = watch_seconds
         self.relist_seconds = relist_seconds
-        self.handler = handler
-        self._objects: dict[Key, dict[str, Any]] = {}
+        self.handler: Handler[B] | None = handler
+        self._objects: dict[Key, B] = {}
         self._lock = threading.Condition()
         self._synced = False
         self._stop = threading.Event()
@@ -141,15 +129,15 @@ class Informer:
 
     # --- reads ---------------------------------------------------------------------------------------------
 
-    def objects(self) -> list[dict[str, Any]]:
+    def objects(self) -> list[B]:
         with self._lock:
             return list(self._objects.values())
 
-    def get(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def get(self, namespace: str, name: str) -> B | None:
         with self._lock:
             return self._objects.get((namespace, name))
 
-    def remember(self, obj: dict[str, Any]) -> None:
+    def remember(self, obj: B) -> None:
         """Take a copy someone fetched or wrote, unless the mirror already has a newer one."""
         with self._lock:
             known = self._objects.get(key_of(obj))
@@ -204,7 +192,7 @@ class Informer:
     def _list(self) -> str:
         """Everything, in pages (as client-go lists): each page is parsed and transformed before the next
         is read, so a cache of 150k pods never holds them all whole at once."""
-        items: dict[Key, dict[str, Any]] = {}
+        items: dict[Key, B] = {}
         token = ""
         reason = self._relist_reason
         while True:
@@ -220,7 +208,7 @@ class Informer:
         with self._lock:
             old = self._objects
             self._objects = dict(items)
-            changes: list[tuple[dict[str, Any] | None, dict[str, Any] | None]]
+            changes: list[tuple[B | None, B | None]]
             changes = [(old.get(k), None) for k in old.keys() - items.keys()]
             changes += [(old.get(k), obj) for k, obj in items.items() if old.get(k) != obj]
             for before, after in changes:
@@ -266,13 +254,13 @@ class Informer:
 
     def _apply(self, event: dict[str, Any], version: str) -> str:
         kind = event.get("type")
-        obj = event.get("object") or {}
+        obj: Any = event.get("object") or {}
         if kind == "ERROR":
             if obj.get("code") == 410:
                 raise _Expired
             raise KubeError(f"watch error: {obj.get('message')}", status=obj.get("code"))
         if kind == "BOOKMARK":
-            return str((obj.get("metadata") or {}).get("resourceVersion", version))
+            return str(obj.get("metadata", {}).get("resourceVersion", version))
         with self._lock:
             if kind == "DELETED":
                 known = self._objects.get(key_of(obj))
@@ -282,14 +270,14 @@ class Informer:
             else:
                 self._set(self.transform(obj))
             self._lock.notify_all()
-        return str((obj.get("metadata") or {}).get("resourceVersion", version))
+        return str(obj.get("metadata", {}).get("resourceVersion", version))
 
-    def _set(self, obj: dict[str, Any]) -> None:
+    def _set(self, obj: B) -> None:
         old = self._objects.get(key_of(obj))
         self._objects[key_of(obj)] = obj
         self._notify(old, obj)
 
-    def _notify(self, old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+    def _notify(self, old: B | None, new: B | None) -> None:
         if self.handler is None:
             return
         try:

@@ -6,13 +6,12 @@ API servers. One list and one watch per node cost the API server almost nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
+from gpushared.core.bodies import PodBody, node_of
 from gpushared.kube.api import Api
 from gpushared.kube.informer import Informer
 
 
-class PodWatch(Informer):
+class PodWatch(Informer[PodBody]):
     def __init__(self, api: Api, node: str, *, watch_seconds: int = 300) -> None:
         super().__init__(
             api.core.list_pod_for_all_namespaces,
@@ -22,12 +21,12 @@ class PodWatch(Informer):
         )
         self.node = node
 
-    def pods(self) -> list[dict[str, Any]]:
+    def pods(self) -> list[PodBody]:
         return self.objects()
 
-    def find(self, namespace: str, name: str) -> dict[str, Any] | None:
+    def find(self, namespace: str, name: str) -> PodBody | None:
         return self.get(namespace, name)
 
-    def remember(self, obj: dict[str, Any]) -> None:
-        if (obj.get("spec") or {}).get("nodeName") == self.node:
+    def remember(self, obj: PodBody) -> None:
+        if node_of(obj) == self.node:
             super().remember(obj)

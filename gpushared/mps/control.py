@@ -33,9 +33,6 @@ from pathlib import Path
 
 CONTROL_SOCKET = "control"
 STOPPED_MARKER = "stopped"
-#: Where an MPS pod finds the pipe directory: MPS's own default, so a client whose env was cleared still
-#: reaches the daemon instead of silently running without limits.
-CONTAINER_PIPE_DIRECTORY = "/tmp/nvidia-mps"
 
 
 class MpsError(Exception):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from gpushared.contract import MemoryUnit
-from gpushared.daemon.devices import DeviceListTooLarge, check_message_size, device_ids, device_list, gpu_of
+from gpushared.core.devices import device_ids, device_list, gpu_of
+from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from tests.builders import inventory
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
+from gpushared.core.handshake import Candidate, Unidentified, candidate, identify
 from gpushared.core.placement import bind_annotations
 from gpushared.core.requests import pod_request
-from gpushared.daemon.handshake import Candidate, Unidentified, candidate, identify
 from tests.builders import container, inventory, on_gpus, pod
 
 INV = inventory(16, 16, 8)

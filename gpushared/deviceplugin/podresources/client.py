@@ -20,10 +20,18 @@ class PodDevices:
     containers: dict[str, list[str]]
 
 
+class PodResourcesUnavailable(Exception):
+    """The kubelet's PodResources socket did not answer; the message carries the gRPC status."""
+
+
 def list_pod_devices(socket: Path, *, resource: str, timeout: float = 2.0) -> list[PodDevices]:
-    """Raises grpc.RpcError when the kubelet does not answer."""
-    with grpc.insecure_channel(f"unix://{socket}") as channel:
-        response = api_pb2_grpc.PodResourcesListerStub(channel).List(api_pb2.ListPodResourcesRequest(), timeout=timeout)
+    """Raises :class:`PodResourcesUnavailable` when the kubelet does not answer."""
+    try:
+        with grpc.insecure_channel(f"unix://{socket}") as channel:
+            stub = api_pb2_grpc.PodResourcesListerStub(channel)
+            response = stub.List(api_pb2.ListPodResourcesRequest(), timeout=timeout)
+    except grpc.RpcError as exc:
+        raise PodResourcesUnavailable(f"{exc.code()} {exc.details() or ''}".strip()) from exc
     return [
         PodDevices(
             namespace=pod.namespace,

@@ -8,19 +8,19 @@ an admission, the kubelet's PodResources ``List`` holds exactly one of our GPU p
 devices: the one being admitted. Its next GPU container, in kubelet's order (init containers, then app
 containers, each in spec order), is the one asking. See docs/design.md, "The Allocate handshake".
 
-This module is the decision, over data the manager gathers; it does no I/O.
+This module is the decision, over data the daemon's manager gathers; it does no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
+from gpushared.core.bodies import PodBody, annotations_of, qualified_name
 from gpushared.core.ledger import holds_gpu_memory
-from gpushared.core.requests import pod_request
+from gpushared.core.requests import PodRequest, pod_request
 
 
 @dataclass(frozen=True)
@@ -54,35 +54,36 @@ class Slot:
 class Candidate:
     """A pod on this node that has GPU containers still waiting for devices."""
 
-    pod: Mapping[str, Any]
+    pod: PodBody
     slots: list[Slot] | None  # None: nothing records a GPU choice for it
     next: Slot | None
     problem: str | None = None
+    #: what the pod asks for, parsed once here and carried to the Allocate decision; None when unparseable
+    request: PodRequest | None = None
 
     @property
     def key(self) -> str:
-        meta = self.pod.get("metadata") or {}
-        return f"{meta.get('namespace')}/{meta.get('name')}"
+        return qualified_name(self.pod)
 
     @property
     def assume_time(self) -> int:
-        text = ((self.pod.get("metadata") or {}).get("annotations") or {}).get(contract.ALIYUN_GPU_MEM_ASSUME_TIME, "")
+        text = annotations_of(self.pod).get(contract.ALIYUN_GPU_MEM_ASSUME_TIME, "")
         return int(text) if text.isdigit() else 0
 
 
 class Unidentified(Exception):
     """No single container can be named; ``pod`` is the pod the message concerns, when there is one."""
 
-    def __init__(self, message: str, *, pod: Mapping[str, Any] | None = None, retry: bool = False) -> None:
+    def __init__(self, message: str, *, pod: PodBody | None = None, retry: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.pod = pod
         self.retry = retry
 
 
-def slots_of(pod: Mapping[str, Any], *, unit: MemoryUnit, resources: ResourceNames) -> list[Slot] | None:
+def slots_of(pod: PodBody, *, unit: MemoryUnit, request: PodRequest) -> list[Slot] | None:
     """The pod's GPU containers in kubelet's order, or None when no GPU choice is recorded."""
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = annotations_of(pod)
     if contract.POD_ALLOCATION in annotations:
         allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
         slots = []
@@ -100,14 +101,13 @@ def slots_of(pod: Mapping[str, Any], *, unit: MemoryUnit, resources: ResourceNam
         return slots
     if contract.ALIYUN_GPU_MEM_IDX in annotations:
         index = contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, annotations[contract.ALIYUN_GPU_MEM_IDX])
-        request = pod_request(pod, resources=resources)  # type: ignore[arg-type]
         ordered = [c for c in request.containers if c.init] + [c for c in request.containers if not c.init]
         return [Slot(c.name, c.init, c.amount, ((index, None),)) for c in ordered]
     return None
 
 
 def candidate(
-    pod: Mapping[str, Any],
+    pod: PodBody,
     *,
     listed: Mapping[str, Sequence[str]] | None,
     served: set[str],
@@ -121,26 +121,25 @@ def candidate(
     daemon answered Allocate for. Plain init containers are never listed: only ``served`` knows them, and
     once an app container has devices they are all done.
     """
-    if not holds_gpu_memory(pod):  # type: ignore[arg-type]
+    if not holds_gpu_memory(pod):
         return None
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
-    if annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true":
+    if annotations_of(pod).get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true":
         return None
     try:
-        request = pod_request(pod, resources=resources)  # type: ignore[arg-type]
+        request = pod_request(pod, resources=resources)
     except ContractError as exc:
         return Candidate(pod=pod, slots=None, next=None, problem=str(exc))
     if request.total == 0:
         return None
     try:
-        slots = slots_of(pod, unit=unit, resources=resources)
+        slots = slots_of(pod, unit=unit, request=request)
     except ContractError as exc:
-        return Candidate(pod=pod, slots=None, next=None, problem=str(exc))
+        return Candidate(pod=pod, slots=None, next=None, problem=str(exc), request=request)
     if slots is None:
         gpu_apps = [c.name for c in request.containers if not c.init]
         if listed is not None and gpu_apps and all(listed.get(name) for name in gpu_apps):
             return None  # already running: it was admitted some other way
-        return Candidate(pod=pod, slots=None, next=None)
+        return Candidate(pod=pod, slots=None, next=None, request=request)
     apps_started = any(listed.get(s.container) for s in slots if not s.init) if listed is not None else False
 
     def done(slot: Slot) -> bool:
@@ -155,7 +154,7 @@ def candidate(
     waiting = [s for s in slots if not done(s)]
     if not waiting:
         return None
-    return Candidate(pod=pod, slots=slots, next=waiting[0])
+    return Candidate(pod=pod, slots=slots, next=waiting[0], request=request)
 
 
 @dataclass
