@@ -1,0 +1,473 @@
+"""The daemon's Allocate as a table: the node's pods, the kubelet's call, and what the container gets or why not.
+
+Each row runs what the manager runs between gathering and answering — the handshake names the container
+(``core.handshake``), ``core.allocate.decide`` answers for it — over plain data. Every refusal of
+docs/design.md §7 is a row here; the two that depend on I/O (the API server or PodResources unreachable)
+are rows of the second table, through ``daemon.candidates`` with fakes that fail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpushared import contract
+from gpushared.contract import DEFAULT_RESOURCES, GpuInventory, MemoryUnit
+from gpushared.core.allocate import ContainerAllocation, MpsDaemon, NodeFacts, Refusal, decide, preferred_devices
+from gpushared.core.exposure import CDI_KIND, ExposurePolicy, Strategy
+from gpushared.core.handshake import Unidentified, candidate, identify
+from gpushared.core.ledger import Ledger, holding_from_pod
+from gpushared.core.placement import MAX_MPS_CLIENTS, bind_annotations
+from gpushared.core.requests import pod_request
+from gpushared.daemon.candidates import Candidates
+from gpushared.deviceplugin.server import AllocationRefused
+from gpushared.kube.api import KubeError, NotFound
+from tests.builders import inventory, on_gpus, pod
+
+INV = inventory(16, 16, 8)
+MPS_INV = inventory(16, 16, 8, mps=True)
+BIG = inventory(64, mps=True)  # room for more MPS clients than a server takes
+UUID = [gpu.uuid for gpu in INV.gpus]
+MPS_DIRS = {uuid: MpsDaemon(pipe=f"/run/mps/{uuid}/pipe", shm=f"/run/mps/{uuid}/shm") for uuid in UUID}
+
+
+def ids(gpu: int, count: int, start: int = 0) -> list[str]:
+    """``count`` of the kubelet's device IDs on GPU ``gpu``."""
+    return [f"{gpu}-{j}" for j in range(start, start + count)]
+
+
+def placed(
+    name: str,
+    *amounts: int,
+    gpus: tuple[int, ...] = (0,),
+    at: int = 1,
+    mps: bool = False,
+    assigned: bool = False,
+    inv: GpuInventory = INV,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A pod bound to n1 and placed by the extender on ``gpus`` (one container on all of them when several)."""
+    body = pod(name, *amounts, node="n1", annotations={contract.POD_MPS: "true"} if mps else {}, **extra)
+    if len(gpus) > 1:
+        on_gpus(body, len(gpus))
+    annotations = bind_annotations(pod_request(body), [inv.gpus[i] for i in gpus], unit=inv.unit, now_ns=at)
+    body["metadata"]["annotations"].update(annotations)
+    if assigned:
+        body["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED] = "true"
+        body["status"]["phase"] = "Running"
+    return body
+
+
+def edited(body: dict[str, Any], **annotations: str) -> dict[str, Any]:
+    body["metadata"]["annotations"].update(annotations)
+    return body
+
+
+@dataclass
+class Case:
+    name: str
+    #: the node's pods: those not ASSIGNED wait for devices (none of their containers are listed yet)
+    pods: list[dict[str, Any]]
+    #: the kubelet's call: the device IDs it gives the container
+    devices: list[str]
+    inventory: GpuInventory = INV
+    exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
+    minors: dict[str, int | None] = field(default_factory=lambda: {u: i for i, u in enumerate(UUID)})
+    control_present: tuple[str, ...] = ()
+    mps: dict[str, MpsDaemon] | None = None
+    #: a granted allocation: env that must be in it (others may be too), and its mounts, devices and CDI names
+    envs: dict[str, str] = field(default_factory=dict)
+    mounts: list[tuple[str, str, bool]] | None = None
+    devices_given: list[str] | None = None
+    cdi: list[str] | None = None
+    #: a refusal: a regular expression its message matches, and the pod its Event goes to (None: no Event)
+    refused: str | None = None
+    event_on: str | None = None
+
+
+def answer(case: Case) -> ContainerAllocation | Refusal:
+    """What the manager answers, minus the I/O: candidates from the pods, the handshake, the decision."""
+    ledger = Ledger.build(case.inventory)
+    for body in case.pods:
+        holding = holding_from_pod(body, unit=case.inventory.unit)
+        if holding is not None:
+            ledger.add(holding)
+    listed = {"c0": [], "c1": []}
+    candidates = [
+        found
+        for body in case.pods
+        if (found := candidate(body, listed=listed, served=set(), unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES))
+    ]
+    try:
+        decision = identify(len(case.devices), candidates, unit=MemoryUnit.GIB, node="n1")
+    except Unidentified as exc:
+        return Refusal(exc.message, exc.pod)
+    facts = NodeFacts(
+        name="n1",
+        inventory=case.inventory,
+        ledger=ledger,
+        exposure=case.exposure,
+        minors=case.minors,
+        control_present=case.control_present,
+        mps=case.mps,
+    )
+    return decide(decision.chosen, case.devices, facts)
+
+
+CASES = [
+    # --- granted ------------------------------------------------------------------------------------------
+    Case(
+        "one container on the GPU its annotation names gets that GPU and Aliyun's env",
+        [placed("p", 4, gpus=(1,))],
+        ids(1, 4),
+        envs={
+            "NVIDIA_VISIBLE_DEVICES": UUID[1],
+            contract.ENV_GPU_MEM_IDX: "1",
+            contract.ENV_GPU_MEM_POD: "4",
+            contract.ENV_GPU_MEM_CONTAINER: "4",
+            contract.ENV_GPU_MEM_DEV: "16",
+        },
+        mounts=[],
+        devices_given=[],
+        cdi=[],
+    ),
+    Case(
+        "ALIYUN_COM_GPU_MEM_POD is the pod's peak: an init container larger than its app containers counts",
+        [placed("p", 2, 3, gpus=(0,), init=[{"name": "warm", "resources": {"limits": {"aliyun.com/gpu-mem": "6"}}}])],
+        ids(0, 6),
+        envs={contract.ENV_GPU_MEM_POD: "6", contract.ENV_GPU_MEM_CONTAINER: "6"},
+    ),
+    Case(
+        "ALIYUN_COM_GPU_MEM_POD is the pod's peak on several GPUs too, where no _POD annotation is written",
+        [placed("train", 16, gpus=(1, 0))],
+        ids(1, 8) + ids(0, 8),
+        envs={
+            "NVIDIA_VISIBLE_DEVICES": f"{UUID[1]},{UUID[0]}",
+            contract.ENV_GPU_MEM_IDX: "1,0",
+            contract.ENV_GPU_MEM_POD: "16",
+            contract.ENV_GPU_MEM_CONTAINER: "16",
+        },
+    ),
+    Case(
+        "of equal waiting pods on one GPU, the oldest assume time is taken (either is right)",
+        [placed("late", 2, gpus=(2,), at=20), placed("early", 2, gpus=(2,), at=10)],
+        ids(2, 2),
+        envs={contract.ENV_GPU_MEM_IDX: "2"},
+    ),
+    Case(
+        "a pod already in the ledger (the watch saw its bind) is counted once: 16 of 16 fits",
+        [placed("p", 8, gpus=(0,)), placed("full", 8, gpus=(0,), assigned=True)],
+        ids(0, 8),
+        envs={contract.ENV_GPU_MEM_IDX: "0"},
+    ),
+    Case(
+        "volume-mounts, CDI and device nodes: every form the runtime may read, from the node's dev root",
+        [placed("p", 4, gpus=(1,))],
+        ids(1, 4),
+        exposure=ExposurePolicy(
+            strategies=frozenset({Strategy.VOLUME_MOUNTS, Strategy.CDI_CRI}), device_nodes=True, dev_root="/drv"
+        ),
+        control_present=("/dev/nvidiactl",),
+        envs={"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
+        mounts=[(f"/var/run/nvidia-container-devices/{UUID[1]}", "/dev/null", True)],
+        devices_given=["/dev/nvidia1", "/dev/nvidiactl"],
+        cdi=[f"{CDI_KIND}={UUID[1]}"],
+    ),
+    Case(
+        "an MPS pod gets its GPU's daemon, a thread share from its memory share, and a MiB ceiling on ordinal 0",
+        [placed("m", 6, gpus=(1,), mps=True, inv=MPS_INV)],
+        ids(1, 6),
+        inventory=MPS_INV,
+        mps=MPS_DIRS,
+        envs={
+            "CUDA_MPS_PIPE_DIRECTORY": "/tmp/nvidia-mps",
+            "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "38",  # 6/16, rounded up
+            "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=6144M",
+        },
+        mounts=[
+            ("/tmp/nvidia-mps", f"/run/mps/{UUID[1]}/pipe", False),
+            ("/dev/shm", f"/run/mps/{UUID[1]}/shm", False),
+        ],
+    ),
+    Case(
+        "an MPS pod's thread share is the pod's own when it sets one",
+        [edited(placed("m", 6, gpus=(1,), mps=True, inv=MPS_INV), **{contract.POD_MPS_THREAD_PERCENTAGE: "60"})],
+        ids(1, 6),
+        inventory=MPS_INV,
+        mps=MPS_DIRS,
+        envs={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"},
+    ),
+    # --- refused: the handshake cannot name one container (docs/design.md §7's table) ----------------------
+    Case(
+        "equal waiting pods on different GPUs: refused, naming both, not guessed",
+        [placed("a", 2, gpus=(0,)), placed("b", 2, gpus=(1,))],
+        ids(0, 2),
+        refused=r"cannot tell which of pods default/a, default/b",
+    ),
+    Case(
+        "a pod without a GPU choice bypassed the extender",
+        [pod("rogue", 3, node="n1")],
+        ids(0, 3),
+        refused=r"pod default/rogue cannot get 3 GiB of GPU memory: .*not scheduled through gpushared-extender",
+        event_on="rogue",
+    ),
+    Case(
+        "malformed annotations: the parse error",
+        [pod("bad", 3, node="n1", annotations={contract.POD_ALLOCATION: "{"})],
+        ids(0, 3),
+        refused=r"pod default/bad cannot get 3 GiB .*gpushared\.io/allocation: not valid JSON",
+        event_on="bad",
+    ),
+    Case(
+        "the kubelet's count differs from the annotated amount: both amounts",
+        [placed("w", 4, gpus=(0,))],
+        ids(0, 3),
+        refused=r"kubelet asks for 3 GiB but container 'c0' was assigned 4 GiB on GPU 0",
+        event_on="w",
+    ),
+    Case(
+        "nobody waits for the amount",
+        [],
+        ids(0, 3),
+        refused=r"no pod on node n1 is waiting for 3 GiB",
+    ),
+    # --- refused: the node cannot give the named container its GPU -----------------------------------------
+    Case(
+        "the GPU it was placed on is gone",
+        [placed("p", 4, gpus=(2,))],
+        ids(2, 4),
+        inventory=inventory(16, 16),
+        refused=r"placed on GPU 2, which node n1 does not have",
+        event_on="p",
+    ),
+    Case(
+        "the GPU at its index has another UUID now: the GPUs changed since it was scheduled",
+        [placed("p", 4, gpus=(1,))],
+        ids(1, 4),
+        inventory=GpuInventory(
+            unit=MemoryUnit.GIB, gpus=(INV.gpus[0], dataclasses.replace(INV.gpus[1], uuid="GPU-new"))
+        ),
+        refused=rf"placed on GPU 1 with UUID {UUID[1]}, but GPU 1 of node n1 is now GPU-new.*delete the pod",
+        event_on="p",
+    ),
+    Case(
+        "it does not fit beside what the GPU holds (another scheduler, or an extender bug)",
+        [placed("p", 4, gpus=(2,)), placed("big", 6, gpus=(2,), assigned=True)],
+        ids(2, 4),
+        refused=r"would bring GPU 2 to 10 GiB of 8 GiB: it does not fit",
+        event_on="p",
+    ),
+    Case(
+        "the kubelet's devices are on another GPU (it did not take the preferred allocation)",
+        [placed("p", 4, gpus=(1,))],
+        ids(0, 4),
+        refused=r"container 'c0' was placed on GPU 1, but the kubelet gave it devices \['0-0', '0-1', '0-2', '0-3'\]",
+        event_on="p",
+    ),
+    Case(
+        "a container on several GPUs given an uneven split of devices",
+        [placed("train", 16, gpus=(1, 0))],
+        ids(1, 10) + ids(0, 6),
+        refused=r"was placed on GPUs 1, 0, but the kubelet gave it devices",
+        event_on="train",
+    ),
+    Case(
+        "device nodes asked for, but NVML gave the GPU no minor number",
+        [placed("p", 4, gpus=(1,))],
+        ids(1, 4),
+        exposure=ExposurePolicy(device_nodes=True),
+        minors={UUID[1]: None},
+        refused=rf"pod default/p: GPU {UUID[1]} has no device minor number in NVML",
+        event_on="p",
+    ),
+    Case(
+        "an MPS pod on a node that runs no MPS daemons",
+        [placed("m", 4, gpus=(1,), mps=True)],
+        ids(1, 4),
+        mps=None,
+        refused=r"asks for MPS \(gpushared\.io/mps\), but node n1 runs no MPS daemons",
+        event_on="m",
+    ),
+    Case(
+        "an MPS pod whose containers were placed on two GPUs",
+        [
+            edited(
+                placed("m", 2, 2, gpus=(0,), mps=True, inv=MPS_INV),
+                **{
+                    contract.POD_ALLOCATION: contract.format_allocation(
+                        contract.Allocation(
+                            unit=MemoryUnit.GIB,
+                            containers=(
+                                contract.ContainerShares("c0", (contract.GpuShare(0, UUID[0], 2),)),
+                                contract.ContainerShares("c1", (contract.GpuShare(1, UUID[1], 2),)),
+                            ),
+                        )
+                    )
+                },
+            )
+        ],
+        ids(0, 2),
+        inventory=MPS_INV,
+        mps=MPS_DIRS,
+        refused=r"asks for MPS on GPUs \[0, 1\]: an MPS client reaches one GPU's daemon only",
+        event_on="m",
+    ),
+    Case(
+        "an MPS server's clients are all taken",
+        [placed("m", 1, mps=True, inv=BIG)]
+        + [placed(f"c{i}", 1, mps=True, assigned=True, inv=BIG) for i in range(MAX_MPS_CLIENTS)],
+        ids(0, 1),
+        inventory=BIG,
+        mps=MPS_DIRS,
+        refused=rf"would be MPS client {MAX_MPS_CLIENTS + 1} of GPU 0; an MPS server takes {MAX_MPS_CLIENTS}",
+        event_on="m",
+    ),
+    Case(
+        "an MPS pod whose GPU's control daemon does not answer",
+        [placed("m", 4, gpus=(1,), mps=True, inv=MPS_INV)],
+        ids(1, 4),
+        inventory=MPS_INV,
+        mps={UUID[0]: MPS_DIRS[UUID[0]]},
+        refused=r"the MPS control daemon of GPU 1 is not running",
+        event_on="m",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_allocate(case: Case) -> None:
+    outcome = answer(case)
+    if case.refused is not None:
+        assert isinstance(outcome, Refusal), f"granted: {outcome}"
+        assert re.search(case.refused, outcome.message), outcome.message
+        named = (outcome.pod or {}).get("metadata", {}).get("name")
+        assert named == case.event_on
+        return
+    assert isinstance(outcome, ContainerAllocation), f"refused: {outcome}"
+    assert {k: outcome.envs.get(k) for k in case.envs} == case.envs
+    if case.mounts is not None:
+        assert [(m.container_path, m.host_path, m.read_only) for m in outcome.mounts] == case.mounts
+    if case.devices_given is not None:
+        assert [d.container_path for d in outcome.devices] == case.devices_given
+        assert all(d.host_path.startswith(case.exposure.dev_root.rstrip("/") + "/dev/") for d in outcome.devices)
+    if case.cdi is not None:
+        assert list(outcome.cdi_devices) == case.cdi
+
+
+def test_every_mps_ceiling_stays_within_the_gpu() -> None:
+    """A GiB request on a GPU a few MiB short of whole GiB never pins more than the GPU has."""
+    short = GpuInventory(
+        unit=MemoryUnit.GIB,
+        gpus=(dataclasses.replace(MPS_INV.gpus[0], memory=16, memory_mib=15360),),
+    )
+    case = Case("short", [placed("m", 16, gpus=(0,), mps=True, inv=short)], ids(0, 16), inventory=short, mps=MPS_DIRS)
+    outcome = answer(case)
+    assert isinstance(outcome, ContainerAllocation)
+    assert outcome.envs["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=15360M"
+    assert outcome.envs["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "100"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "available", "must", "expected"),
+    [
+        ((1,), ids(0, 4) + ids(1, 4), [], ids(1, 2)),
+        ((1,), ["1-10", "1-9", "1-2"], ["1-9"], ["1-9", "1-2"]),  # must-include first, then in number order
+        ((1, 0), ids(0, 4) + ids(1, 4), [], ids(1, 1) + ids(0, 1)),  # a share of each of its GPUs
+        ((2,), ids(2, 1), [], []),  # too few left on its GPU: no preference
+    ],
+)
+def test_the_preferred_devices_are_the_slots_share_of_each_gpu(
+    gpus: tuple[int, ...], available: list[str], must: list[str], expected: list[str]
+) -> None:
+    body = placed("p", 2, gpus=gpus)
+    found = candidate(body, listed={"c0": []}, served=set(), unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES)
+    assert found is not None and found.next is not None
+    assert preferred_devices(found.next, available, must) == expected
+
+
+# --- the rows that need I/O: the API server and the kubelet's PodResources --------------------------------
+
+
+class _Pods:
+    """The node's pod watch, as far as Candidates reads it."""
+
+    def __init__(self, *bodies: dict[str, Any]) -> None:
+        self.bodies = list(bodies)
+
+    def pods(self) -> list[dict[str, Any]]:
+        return self.bodies
+
+    def find(self, namespace: str, name: str) -> dict[str, Any] | None:
+        return next((b for b in self.bodies if b["metadata"]["name"] == name), None)
+
+    def remember(self, body: dict[str, Any]) -> None:
+        self.bodies.append(body)
+
+
+class _Api:
+    def __init__(self, get_pod: Callable[..., dict[str, Any]]) -> None:
+        self.get_pod = get_pod
+
+    def without_retries(self) -> _Api:
+        return self
+
+
+def _unreachable(namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
+    raise KubeError(f"get pod {namespace}/{name}: API server unreachable (timed out)")
+
+
+def _gone(namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
+    raise NotFound(f"get pod {namespace}/{name}: 404 not found", status=404)
+
+
+def candidates_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, listing: Any, api: Any, pods: _Pods
+) -> Candidates:
+    from gpushared.daemon import candidates as module
+
+    monkeypatch.setattr(module, "list_pod_devices", listing)
+    return Candidates(
+        node="n1", unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES, api=api, pods=pods, pod_resources_socket=tmp_path
+    )
+
+
+def _listing(*names: str) -> Callable[..., list[Any]]:
+    from gpushared.deviceplugin.podresources.client import PodDevices
+
+    return lambda socket, *, resource: [PodDevices("default", name, {"c0": []}) for name in names]
+
+
+def _no_kubelet(socket: Path, *, resource: str) -> list[Any]:
+    from gpushared.deviceplugin.podresources.client import PodResourcesUnavailable
+
+    raise PodResourcesUnavailable("StatusCode.UNAVAILABLE failed to connect")
+
+
+def test_a_pod_the_watch_lacks_and_the_api_server_cannot_give_is_unavailable_not_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found = candidates_with(tmp_path, monkeypatch, listing=_listing("new"), api=_Api(_unreachable), pods=_Pods())
+    with pytest.raises(AllocationRefused, match="cannot read pod default/new to find its GPU") as info:
+        found.identify(4, served=lambda uid: (), deadline=time.monotonic() + 2)
+    assert info.value.retryable  # UNAVAILABLE: the kubelet tries the pod again
+
+
+def test_a_pod_deleted_meanwhile_is_no_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    found = candidates_with(tmp_path, monkeypatch, listing=_listing("gone"), api=_Api(_gone), pods=_Pods())
+    with pytest.raises(Unidentified, match="no pod on node n1 is waiting for 4 GiB"):
+        found.identify(4, served=lambda uid: (), deadline=time.monotonic() + 2)
+
+
+def test_without_pod_resources_the_watch_alone_names_the_pod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    waiting = placed("w", 4, gpus=(1,))
+    found = candidates_with(tmp_path, monkeypatch, listing=_no_kubelet, api=None, pods=_Pods(waiting))
+    decision = found.identify(4, served=lambda uid: (), deadline=0.0)
+    assert decision.chosen.key == "default/w"
+    assert decision.chosen.next is not None and decision.chosen.next.indices == [1]
