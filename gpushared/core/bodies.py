@@ -8,7 +8,7 @@ the daemon's pod lookups, the inspect tool and the trace replay.
 from __future__ import annotations
 
 import sys
-from typing import Any, TypedDict
+from typing import Any, TypedDict, cast
 
 from gpushared import contract
 
@@ -208,7 +208,7 @@ def _shared_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]
     return _shared(("containers", *key), containers)  # type: ignore[no-any-return]
 
 
-def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
+def slim_pod(pod: PodBody) -> PodBody:
     """The pod with only what the extender reads: its identity and resourceVersion, the annotations that say
     what it holds, its node, its containers' names, GPU resources and CPU requests, its phase, and, once it is being
     deleted, which of its containers have terminated (before that, no container state changes what it holds).
@@ -216,10 +216,11 @@ def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
     A watch cache of 150k pods holds each one for as long as it runs; whole pod objects (env, volumes,
     managed fields, last-applied annotations) cost several KiB each. Keys and the values many pods share
     (namespace, node, container names) are interned, so 150k pods keep one copy of each."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    status = pod.get("status") or {}
-    slim_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "deletionTimestamp") if k in meta}
+    meta: Any = pod.get("metadata") or {}
+    spec: Any = pod.get("spec") or {}
+    status: Any = pod.get("status") or {}
+    kept = ("name", "uid", "resourceVersion", "deletionTimestamp")
+    slim_meta: dict[str, Any] = {k: meta[k] for k in kept if k in meta}
     if "namespace" in meta:
         slim_meta["namespace"] = sys.intern(meta["namespace"])
     annotations = {
@@ -260,7 +261,7 @@ def slim_pod(pod: dict[str, Any]) -> dict[str, Any]:
         slim["status"] = _shared(("status", slim_status["phase"]), slim_status)
     elif slim_status:
         slim["status"] = slim_status
-    return slim
+    return cast(PodBody, slim)
 
 
 def pod_shape_problem(pod: Any) -> str | None:

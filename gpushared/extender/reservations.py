@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
+
+from gpushared.core.bodies import PodBody, meta_of, node_of, uid_of
 
 #: A bind the watch has not shown bound after this long is read back from the API server.
 CONFIRM_SECONDS = 5.0
@@ -78,9 +79,7 @@ class Settlement:
     reason: str
 
 
-def settle(
-    assumed: Assumed, read: dict[str, Any] | None, *, now: float, landing: float = LANDING_SECONDS
-) -> Settlement:
+def settle(assumed: Assumed, read: PodBody | None, *, now: float, landing: float = LANDING_SECONDS) -> Settlement:
     """What the API server's answer about the pod means for the reservation.
 
     ``read`` is the pod as read back, or None when the API server answered 404 (a read that failed is no
@@ -88,14 +87,13 @@ def settle(
     what = assumed.describe()
     if read is None:
         return Settlement(Action.RELEASE, f"{what}: the pod is deleted")
-    meta = read.get("metadata") or {}
-    if meta.get("uid") != assumed.uid:
+    if uid_of(read) != assumed.uid:
         return Settlement(Action.RELEASE, f"{what}: the pod was deleted and created again")
-    node = (read.get("spec") or {}).get("nodeName")
+    node = node_of(read)
     if node:
         where = "there" if node == assumed.node else f"to node {node}"
         return Settlement(Action.COUNT, f"{what}: the API server shows the pod bound {where}")
-    if meta.get("deletionTimestamp"):
+    if meta_of(read).get("deletionTimestamp"):
         return Settlement(Action.RELEASE, f"{what}: the pod is being deleted without a node")
     if now - assumed.since < landing:
         return Settlement(Action.WAIT, f"{what}: the pod is not bound yet; the Binding may still land")

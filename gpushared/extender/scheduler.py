@@ -14,17 +14,16 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from typing import Any
 
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import uid_of
+from gpushared.core.bodies import PodBody, key_of, node_of, uid_of
 from gpushared.core.placement import Policy, node_scores
 from gpushared.core.requests import pod_request
-from gpushared.extender.cache import ClusterCache
+from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.reservations import Assumed
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
-from gpushared.kube.api import KubeError
+from gpushared.kube.api import KubeError, NotFound
 
 log = logging.getLogger(__name__)
 
@@ -58,20 +57,19 @@ class Scheduler:
 
     def filter(self, args: ExtenderArgs) -> tuple[list[str], dict[str, str], str]:
         """(nodes that pass, failed node -> reason, error for the whole pod)."""
-        pod = _pod_name(args.pod)
         try:
-            request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
+            request = pod_request(args.pod, resources=self.resources)
         except ContractError as exc:
-            return [], {}, f"pod {pod}: {exc}"
+            return [], {}, f"pod {_pod_name(args.pod)}: {exc}"
         passed, failed = self.cache.filter(args.names, request)
         return passed, failed, ""
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
         try:
-            request = pod_request(args.pod, resources=self.resources)  # type: ignore[arg-type]
+            request = pod_request(args.pod, resources=self.resources)
         except ContractError:
             return [(name, 0) for name in args.names]
-        keys = self.cache.node_keys(args.names, args.pod, request, self.policy)  # type: ignore[arg-type]
+        keys = self.cache.node_keys(args.names, args.pod, request, self.policy)
         return list(zip(args.names, node_scores(keys), strict=True))
 
     def prioritize_no_gpu(self, args: ExtenderArgs) -> list[tuple[str, int]]:
@@ -79,7 +77,7 @@ class Scheduler:
         score highest. kube-scheduler calls this for every pod (a second extender entry, without managed
         resources), so pods that do ask for GPU memory get 0 everywhere: ``prioritize`` scores those."""
         try:
-            asks_gpu = pod_request(args.pod, resources=self.resources).total > 0  # type: ignore[arg-type]
+            asks_gpu = pod_request(args.pod, resources=self.resources).total > 0
         except ContractError:
             asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
         if asks_gpu:
@@ -105,22 +103,16 @@ class Scheduler:
     async def _bind(self, args: BindingArgs) -> None:
         where = f"pod {args.pod_namespace}/{args.pod_name}"
         pod = await self._read(args)
-        bound_to = (pod.get("spec") or {}).get("nodeName")
+        bound_to = node_of(pod)
         if bound_to:
             raise BindError(f"{where} is already bound to node {bound_to}")
         try:
-            request = pod_request(pod, resources=self.resources)  # type: ignore[arg-type]
+            request = pod_request(pod, resources=self.resources)
         except ContractError as exc:
             raise BindError(f"{where}: {exc}") from None
-        reserved = self.cache.reserve(
-            args.node,
-            pod,  # type: ignore[arg-type]
-            request,
-            policy=self.policy,
-            now_ns=self.clock(),
-        )
-        if isinstance(reserved, str):
-            raise BindError(f"{where}: {reserved}")
+        reserved = self.cache.reserve(args.node, pod, request, policy=self.policy, now_ns=self.clock())
+        if isinstance(reserved, Rejected):
+            raise BindError(f"{where}: {reserved.reason}")
         gpus, annotations, unit = reserved
         try:
             await self.api.bind_pod(
@@ -154,18 +146,18 @@ class Scheduler:
 
         async def read_back(assumed: Assumed) -> None:
             try:
-                read: dict[str, Any] | None = await self.api.get_pod(assumed.namespace, assumed.name)
-            except KubeError as exc:
-                if exc.status != 404:
-                    log.info("%s: cannot read the pod back yet (%s)", assumed.describe(), exc)
-                    return
+                read: PodBody | None = await self.api.get_pod(assumed.namespace, assumed.name)
+            except NotFound:
                 read = None
+            except KubeError as exc:
+                log.info("%s: cannot read the pod back yet (%s)", assumed.describe(), exc)
+                return
             self.cache.settle(assumed, read)
 
         await asyncio.gather(*(read_back(assumed) for assumed in due))
         return len(due)
 
-    async def _read(self, args: BindingArgs) -> dict[str, Any]:
+    async def _read(self, args: BindingArgs) -> PodBody:
         pod = self.cache.pods.get(args.pod_namespace, args.pod_name)
         if pod is None or uid_of(pod) != args.pod_uid:
             try:
@@ -186,6 +178,6 @@ def _refused(exc: KubeError) -> bool:
     return exc.status is not None and exc.status < 500
 
 
-def _pod_name(pod: dict[str, Any]) -> str:
-    meta = pod.get("metadata") or {}
-    return f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+def _pod_name(pod: PodBody) -> str:
+    namespace, name = key_of(pod)
+    return f"{namespace}/{name}"

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import orjson
 
-from gpushared.core.bodies import pod_shape_problem
+from gpushared.core.bodies import PodBody, pod_shape_problem
 
 #: The most candidate nodes one request may name. kube-scheduler sends at most every node of the cluster
 #: (Kubernetes is tested to 5,000; some managed clusters run 15,000); more only holds the event loop.
@@ -41,7 +41,8 @@ def _object(body: bytes, what: str) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ExtenderArgs:
-    pod: dict[str, Any]
+    #: typed once its shape is checked (``pod_shape_problem``): the core reads it as any pod
+    pod: PodBody
     node_names: list[str] | None  # nodeCacheCapable: true
     nodes: list[dict[str, Any]] | None  # nodeCacheCapable: false
 
@@ -77,7 +78,7 @@ def parse_args(body: bytes, *, verb: str, max_nodes: int = MAX_NODES) -> Extende
     count = len(names) if names is not None else len(items or ())
     if count > max_nodes:
         raise WireError(f"{verb}: {count} candidate nodes, more than the {max_nodes} one request may name")
-    return ExtenderArgs(pod=pod, node_names=names, nodes=items)
+    return ExtenderArgs(pod=cast(PodBody, pod), node_names=names, nodes=items)
 
 
 def filter_result(

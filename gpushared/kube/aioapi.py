@@ -18,7 +18,8 @@ import kubernetes
 import orjson
 from kubernetes.client.rest import should_bypass_proxies
 
-from gpushared.kube.api import REQUEST_TIMEOUT, KubeError, status_message
+from gpushared.core.bodies import PodBody
+from gpushared.kube.api import REQUEST_TIMEOUT, KubeError, error_for, status_message
 
 
 class AsyncApi:
@@ -47,7 +48,7 @@ class AsyncApi:
             await self._session.close()
             self._session = None
 
-    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+    async def get_pod(self, namespace: str, name: str) -> PodBody:
         return await self._call(  # type: ignore[no-any-return]
             f"get pod {namespace}/{name}", "GET", _pod_path(namespace, name)
         )
@@ -94,7 +95,7 @@ class AsyncApi:
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
         if status >= 300:
-            raise KubeError(f"{what}: {status} {status_message(data, reason)}", status=status)
+            raise error_for(f"{what}: {status} {status_message(data, reason)}", status)
         return orjson.loads(data or b"null")
 
 

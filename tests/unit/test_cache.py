@@ -17,8 +17,8 @@ from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.placement import BINPACK, GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
 from gpushared.core.requests import pod_request
-from gpushared.extender import cache as cache_module
-from gpushared.extender.cache import MIX_SECONDS, ClusterCache
+from gpushared.extender import index as index_module
+from gpushared.extender.cache import MIX_SECONDS, ClusterCache, Rejected
 from gpushared.extender.reservations import LANDING_SECONDS, ghost_uid
 from gpushared.extender.rooms import STALE, Rooms
 from tests.builders import inventory, on_gpus, pod
@@ -106,7 +106,7 @@ class CacheHistory(RuleBasedStateMachine):
         broken = copy.deepcopy(good)
         broken["metadata"]["annotations"][contract.NODE_INVENTORY] = "{not json"
         self.cache.nodes.handler(good, broken)  # type: ignore[misc]
-        assert isinstance(self.cache.judge(node, pod("probe"), pod_request(pod("probe", 1))), str)
+        assert isinstance(self.cache.judge(node, pod("probe"), pod_request(pod("probe", 1))), Rejected)
         self.cache.nodes.handler(broken, good)  # type: ignore[misc]
 
     @rule(uid=st.sampled_from(UIDS))
@@ -194,7 +194,7 @@ class CacheHistory(RuleBasedStateMachine):
                 assert mix.fragment(frees, cpu_free=cpu_free) == truth.fragment(frees, cpu_free=cpu_free)
         for name in NODES:
             judged = self.cache.judge(name, pod("probe"), pod_request(pod("probe", 1)))
-            assert not isinstance(judged, str) and judged[1].cpu is not None
+            assert not isinstance(judged, Rejected) and judged[1].cpu is not None
             requested = sum(cpu_milli(uid) for uid in UIDS if self._counted(uid) == name)
             requested += sum(cpu_milli(uid) for uid, node in self.unanswered if node == name)
             assert judged[1].cpu == NodeCpu(allocatable=8000, requested=requested), name
@@ -287,7 +287,7 @@ def test_a_warm_cache_answers_filter_without_judging_any_node(monkeypatch: pytes
         cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
     cache.warm()
     judged: list[object] = []
-    monkeypatch.setattr(cache_module, "most_free", lambda *a, **k: judged.append(a) or 0)
+    monkeypatch.setattr(index_module, "most_free", lambda *a, **k: judged.append(a) or 0)
     passed, failed = cache.filter(list(NODES), pod_request(pod("probe", 4)))
     assert sorted(passed) == sorted(NODES) and not failed
     assert not judged
@@ -322,13 +322,13 @@ def test_the_watch_confirming_a_bind_leaves_the_nodes_room_as_it_was(monkeypatch
     pending = pod("p", 3, uid="u1")
     cache.pods.handler(None, pending)  # type: ignore[misc]
     reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
-    assert not isinstance(reserved, str)
+    assert not isinstance(reserved, Rejected)
     cache.warm()
     bound = copy.deepcopy(pending)
     bound["metadata"]["annotations"] = reserved.annotations
     bound["spec"]["nodeName"] = "n1"
     worked_out: list[object] = []
-    monkeypatch.setattr(cache_module, "most_free", lambda *a, **k: worked_out.append(a) or 0)
+    monkeypatch.setattr(index_module, "most_free", lambda *a, **k: worked_out.append(a) or 0)
     cache.pods.handler(pending, bound)  # type: ignore[misc]
     assert cache.filter(["n1"], pod_request(pod("q", 13)))[0] == ["n1"]  # 16 - 3 free, as before the event
     assert not worked_out

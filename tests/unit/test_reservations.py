@@ -10,7 +10,7 @@ import pytest
 from gpushared import contract
 from gpushared.core.placement import BINPACK
 from gpushared.core.requests import pod_request
-from gpushared.extender.cache import ClusterCache
+from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.reservations import CONFIRM_SECONDS, LANDING_SECONDS, Action, Assumed, ghost_uid, settle
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node
@@ -77,7 +77,7 @@ def test_a_bind_the_watch_never_shows_keeps_its_memory_however_long() -> None:
     pending = pod("p", 10, uid="u1")
     cache.pods.handler(None, pending)  # type: ignore[misc]
     reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
-    assert not isinstance(reserved, str)
+    assert not isinstance(reserved, Rejected)
     for _ in range(100):  # ten minutes of silence, read on every filter
         now[0] += 6
         assert not fits(cache, 10)
@@ -94,7 +94,7 @@ def test_a_read_back_that_fails_settles_nothing_and_is_tried_again() -> None:
     now = [0.0]
     cache = cache_at(now)
     pending = pod("p", 10, uid="u1")
-    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), Rejected)  # type: ignore[arg-type]
     assert cache.due(limit=10) == []  # the watch gets CONFIRM_SECONDS first
     now[0] += CONFIRM_SECONDS
     assert len(cache.due(limit=10)) == 1
@@ -111,11 +111,11 @@ def test_an_unanswered_binding_keeps_its_memory_while_the_pod_is_tried_elsewhere
     cache.nodes.handler(None, gpu_node("n2", inv=inventory(16)))  # type: ignore[misc]
     pending = pod("p", 10, uid="u1")
     cache.pods.handler(None, pending)  # type: ignore[misc]
-    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), Rejected)  # type: ignore[arg-type]
     cache.unanswered(pending, "n1")
     assert not fits(cache, 10)  # the late Binding may take it
     # kube-scheduler tries the pod again, on n2: allowed, and both nodes hold it until the truth is known
-    assert not isinstance(cache.reserve("n2", pending, pod_request(pending), policy=BINPACK, now_ns=2), str)  # type: ignore[arg-type]
+    assert not isinstance(cache.reserve("n2", pending, pod_request(pending), policy=BINPACK, now_ns=2), Rejected)  # type: ignore[arg-type]
     assert not cache.filter(["n1", "n2"], pod_request(pod("probe", 10)))[0]
     # The watch shows it bound to n2: no Binding to n1 can land any more.
     bound = read(node="n2")
@@ -127,7 +127,7 @@ def test_a_second_bind_of_a_pod_whose_binding_was_created_is_refused() -> None:
     """Counting it on another node would free what it holds on the first before the watch shows it there."""
     cache = cache_at([0.0])
     pending = pod("p", 10, uid="u1")
-    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), str)  # type: ignore[arg-type]
+    assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), Rejected)  # type: ignore[arg-type]
     again = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=2)  # type: ignore[arg-type]
-    assert again == "it is already bound to node n1 (the watch has not shown it yet)"
+    assert again == Rejected("it is already bound to node n1 (the watch has not shown it yet)")
     assert not fits(cache, 10) and fits(cache, 6)

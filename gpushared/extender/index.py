@@ -1,0 +1,176 @@
+"""What filter and prioritize read: each node's room, reasons and ranks, kept until its ledger changes.
+
+A filter is answered from one table entry per node (``rooms.Rooms``: the most memory free on a GPU a plain
+and an MPS pod may use, ``most_free``), a prioritize from each node's rank for the request, kept in the
+node's memo per request and policy. ``ClusterState`` tells the index of every node whose ledger changed, so
+nothing here is older than the ledger it was worked out from. Everything runs under the state's lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpushared.contract import MemoryUnit
+from gpushared.core.bodies import PodBody
+from gpushared.core.placement import (
+    GpuVerdict,
+    NodeKey,
+    Policy,
+    Setting,
+    explain,
+    fitting,
+    idle_gpu_mib,
+    judge,
+    most_free,
+    no_room,
+)
+from gpushared.core.requests import PodRequest
+from gpushared.extender.rooms import STALE, Rooms
+from gpushared.extender.state import ClusterState, NodeState, Rejected, Version, cpu_of
+
+#: Entries a node's memo keeps: one per request size and kind seen since its ledger last changed.
+MEMO_LIMIT = 256
+
+
+class FilterIndex:
+    def __init__(self, state: ClusterState) -> None:
+        self.state = state
+        self.rooms = Rooms()
+
+    def changed(self, name: str) -> None:
+        """The node's ledger changed: its room is worked out again when next asked for."""
+        self.rooms.stale(name)
+
+    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], Setting] | Rejected:
+        """The node's verdict per GPU for ``request``, and what a policy weighs there beside the GPU (bind's
+        choice), or why the node is not a candidate at all.
+
+        Judged under the cache lock against the live ledger: no copy per node, and the informers cannot
+        change a ledger half-way through.
+        """
+        with self.state.lock:
+            usable = self.state.usable(name, gpus=request.gpus)
+            if isinstance(usable, Rejected):
+                return usable
+            node, ledger = usable
+            setting = Setting(ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod))
+            return judge(ledger, request), setting
+
+    def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
+        """The nodes with GPUs that fit ``request``, and why each other one does not.
+
+        Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes, under
+        one hold of the lock: a thousand candidates cost a thousand dict lookups. A node whose usable GPUs
+        are too full gets the one reason they all share (``no_room``); only a node with no usable GPU at all
+        is judged GPU by GPU, once per ledger change and request, for what is wrong with each. A pod on
+        several GPUs (rare: training jobs) is answered from each node's memo instead.
+        """
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        need, mps, several = request.per_gpu, request.mps, request.gpus > 1
+        full: dict[str, str] = {}  # unit -> the reason of every too-full node
+        with self.state.lock:
+            table, units = self.rooms.of(mps=mps), self.rooms.units
+            for name in names:
+                if several:
+                    room = self._room_for_several(name, request)
+                else:
+                    room = table.get(name, STALE)
+                    if room == STALE:
+                        room = self._room_of(name)[mps]
+                if 0 < need <= room:
+                    passed.append(name)
+                elif need > 0 and room >= 0:
+                    unit = units[name]  # a node with room has a ledger, so a unit
+                    reason = full.get(unit)
+                    if reason is None:
+                        reason = full[unit] = no_room(request, unit=MemoryUnit(unit))
+                    failed[name] = reason
+                else:
+                    failed[name] = self._why_not(name, request)
+        return passed, failed
+
+    def node_keys(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeKey | None]:
+        """How ``policy`` ranks each node for the pod (None: it does not fit), kept per node until its
+        ledger, its CPU (for a policy that reads it) or the request mix changes."""
+        keys: list[NodeKey | None] = []
+        with self.state.lock:
+            mix = self.state.request_mix()
+            pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
+            mixed = self.state.mix_generation if policy.reads_mix else 0
+            slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed)
+            for name in names:
+                usable = self.state.usable(name, gpus=request.gpus)
+                if isinstance(usable, Rejected):
+                    keys.append(None)
+                    continue
+                node, ledger = usable
+                version = (ledger.version, node.cpu_version if policy.reads_cpu else 0)
+                known = node.memo.get(slot)
+                if known is None or known[0] != version:
+                    setting = Setting(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu)
+                    appraised = policy.appraise(fitting(ledger, request), request, setting)
+                    known = _remember(node, slot, version, None if appraised is None else appraised[0])
+                keys.append(known[1])
+        return keys
+
+    def idle_costs(self, names: list[str]) -> list[float]:
+        """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
+        with self.state.lock:
+            costs: list[float] = []
+            for name in names:
+                node = self.state.nodes.get(name)
+                costs.append(float(idle_gpu_mib(node.ledger if node is not None else None)))
+        return costs
+
+    def warm(self) -> None:
+        """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
+        nodes GPU by GPU for the first time (docs/benchmarks.md, "A filter right after a start")."""
+        with self.state.lock:
+            for name in self.state.nodes:
+                if self.rooms.of(mps=False).get(name, STALE) == STALE:
+                    self._room_of(name)
+            self.rooms.compact()
+
+    def _room_of(self, name: str) -> tuple[int, int]:
+        usable = self.state.usable(name)
+        if isinstance(usable, Rejected):
+            known, unit = (-1, -1), ""
+        else:
+            ledger = usable[1]
+            known, unit = (most_free(ledger, mps=False), most_free(ledger, mps=True)), ledger.inventory.unit.value
+        if name in self.state.nodes:  # unknown names are not remembered: anyone may send any name
+            self.rooms.put(name, plain=known[0], mps=known[1], unit=unit)
+        return known
+
+    def _room_for_several(self, name: str, request: PodRequest) -> int:
+        """The most units free on each of ``request.gpus`` GPUs the pod may use (-1: too few, or no node)."""
+        usable = self.state.usable(name, gpus=request.gpus)
+        if isinstance(usable, Rejected):
+            return -1
+        node, ledger = usable
+        key = ("room", request.gpus, request.mps)
+        known = node.memo.get(key)
+        if known is None or known[0][0] != ledger.version:
+            room = most_free(ledger, mps=request.mps, gpus=request.gpus)
+            known = _remember(node, key, (ledger.version, 0), room)
+        return int(known[1])
+
+    def _why_not(self, name: str, request: PodRequest) -> str:
+        """Why no GPU of the node fits: what kube-scheduler shows in the pod's events."""
+        usable = self.state.usable(name, gpus=request.gpus)
+        if isinstance(usable, Rejected):
+            return usable.reason
+        node, ledger = usable
+        key = ("why", request.total, request.gpus, request.mps)
+        why = node.memo.get(key)
+        if why is None or why[0][0] != ledger.version:
+            why = _remember(node, key, (ledger.version, 0), explain(judge(ledger, request), gpus=request.gpus))
+        return str(why[1])
+
+
+def _remember(node: NodeState, key: tuple[Any, ...], version: Version, value: Any) -> tuple[Version, Any]:
+    if len(node.memo) >= MEMO_LIMIT:
+        node.memo.clear()  # old sizes and mixes: cheaper to forget all than to track which
+    entry = node.memo[key] = (version, value)
+    return entry

@@ -1,0 +1,308 @@
+"""The cluster as the extender's informers show it: each gpushared node's ledger, CPU and pods, and the mix
+of what pods ask for.
+
+Aliyun's cache is where its users' pain comes from (reference §5, §8): it frees memory when deletion starts,
+never notices a node's GPU count changing, and keeps a failed bind's reservation. Here each node's ledger is
+derived from the node's inventory and the pods bound to it, through the core's single definition of what a
+pod holds (``holding_from_pod``): a terminating pod holds until its containers have stopped, and a new GPU
+count or size rebuilds the node's ledger. A bind counts its pod here before the watch shows it
+(``reserving.Reservations``); the filter index (``index.FilterIndex``) is told of every node whose ledger
+changed, so its answers are never older than the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushared import contract
+from gpushared.contract import ContractError, GpuInventory, ResourceNames
+from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of, node_of, uid_of
+from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
+from gpushared.core.fragmentation import Kind, RequestMix
+from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
+from gpushared.core.placement import NodeCpu
+
+log = logging.getLogger(__name__)
+
+#: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
+MIX_SECONDS = 10.0
+
+#: What a memo entry was worked out against: (ledger version, CPU version).
+Version = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Why a node is no place for the pod: what kube-scheduler shows in the pod's events."""
+
+    reason: str
+
+
+@dataclass
+class NodeState:
+    name: str
+    inventory: GpuInventory | None = None
+    problem: str | None = None  # why the node's GPUs cannot be read
+    #: whether the node's device plugin puts a container on several GPUs: ours does (it writes the inventory
+    #: annotation); Aliyun's, whose nodes only advertise capacity, gives a container one GPU
+    several_gpus: bool = False
+    address: str = ""
+    pods: dict[str, PodBody] = field(default_factory=dict)  # uid -> pod bound here
+    ledger: Ledger | None = None
+    #: milli-CPU pods may request here (None: the node does not say) and that the pods bound here request
+    cpu_allocatable: int | None = None
+    cpu_requested: int = 0
+    #: counts changes of the two: ranks that read CPU are kept per (ledger version, CPU version)
+    cpu_version: int = 0
+    #: the filter index's reasons, rooms and ranks for this ledger: key -> ((ledger version, CPU version),
+    #: value); emptied when the ledger is rebuilt
+    memo: dict[tuple[Any, ...], tuple[Version, Any]] = field(default_factory=dict)
+
+    @property
+    def cpu(self) -> NodeCpu | None:
+        if self.cpu_allocatable is None:
+            return None
+        return NodeCpu(allocatable=self.cpu_allocatable, requested=self.cpu_requested)
+
+
+class ClusterState:
+    """Fed by the node and pod informers' handlers (``on_node``, ``on_pod``) and by binds (``place``,
+    ``remove``); read under ``lock``, which every part of the cache shares."""
+
+    def __init__(
+        self,
+        *,
+        resources: ResourceNames,
+        clock: Callable[[], float] = time.monotonic,
+        changed: Callable[[str], None] = lambda name: None,
+    ) -> None:
+        self.resources = resources
+        self.clock = clock
+        #: told the name of every node whose ledger changed
+        self.changed = changed
+        self.lock = threading.RLock()
+        self.nodes: dict[str, NodeState] = {}
+        #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
+        self.node_of: dict[str, str] = {}
+        #: bound pods whose annotations were edited to name other GPUs, kept on theirs (``_choice_kept``)
+        self.allocation_edits = 0
+        self._mix = RequestMix()
+        #: (milli-CPU, GPU memory units) -> running pods of that kind on gpushared nodes
+        self._kinds: Counter[Kind] = Counter()
+        #: counts the mixes taken: a rank that reads the mix is kept per mix
+        self.mix_generation = 0
+        self._mix_counted = -MIX_SECONDS
+
+    # --- reads -----------------------------------------------------------------------------------------------
+
+    def usable(self, name: str, *, gpus: int = 1) -> tuple[NodeState, Ledger] | Rejected:
+        """The node and its ledger, or why it is no candidate at all for a pod on ``gpus`` GPUs."""
+        state = self.nodes.get(name)
+        if state is None:
+            return Rejected(f"node {name} is not in the extender's cache (unknown node)")
+        if state.problem:
+            return Rejected(f"node {name} is not usable: {state.problem}")
+        if state.ledger is None:
+            return Rejected(
+                f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
+            )
+        if gpus > 1 and not state.several_gpus:
+            return Rejected(f"node {name} runs Aliyun's device plugin, which gives a container one GPU, not {gpus}")
+        return state, state.ledger
+
+    def request_mix(self) -> RequestMix:
+        """What the pods on gpushared nodes ask for, as of at most MIX_SECONDS ago: the mix moves slowly, and
+        a new one invalidates every node's ranks. The kinds are counted as pods come and go, so taking a
+        new mix costs the number of distinct kinds, not of pods."""
+        with self.lock:
+            if self.clock() - self._mix_counted >= MIX_SECONDS:
+                self._mix_counted = self.clock()
+                self.mix_generation += 1
+                self._mix = RequestMix.of_counts(self._kinds)
+            return self._mix
+
+    def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
+        """The node's inventory, holdings and address, for inspect."""
+        with self.lock:
+            state = self.nodes.get(name)
+            if state is None or state.ledger is None or state.inventory is None:
+                return None
+            return state.inventory, list(state.ledger.holdings()), state.address
+
+    def node_names(self) -> list[str]:
+        with self.lock:
+            return sorted(n for n, s in self.nodes.items() if s.inventory is not None or s.problem)
+
+    # --- informer handlers ---------------------------------------------------------------------------------
+
+    def on_node(self, old: NodeBody | None, new: NodeBody | None) -> None:
+        with self.lock:
+            if new is None:
+                if old is not None:
+                    state = self.nodes.get(meta_of(old).get("name", ""))
+                    if state is not None:
+                        state.inventory, state.problem, state.cpu_allocatable = None, None, None
+                        self._rebuild(state)
+                return
+            name = meta_of(new).get("name", "")
+            state = self.nodes.setdefault(name, NodeState(name=name))
+            addresses = (new.get("status") or {}).get("addresses") or []
+            state.address = next((a.get("address", "") for a in addresses if a.get("type") == "InternalIP"), "")
+            cpu = allocatable_cpu(new)
+            if cpu != state.cpu_allocatable:
+                state.cpu_allocatable = cpu
+                state.cpu_version += 1
+            try:
+                inventory = inventory_from_node(new, resources=self.resources)
+                problem = None
+            except ContractError as exc:
+                inventory, problem = None, f"its GPU inventory cannot be read: {exc}"
+            state.several_gpus = contract.NODE_INVENTORY in annotations_of(new)
+            if inventory == state.inventory and problem == state.problem:
+                return
+            state.inventory, state.problem = inventory, problem
+            self._rebuild(state)
+
+    def on_pod(self, old: PodBody | None, new: PodBody | None, *, assumed: Callable[[str], bool]) -> None:
+        """A pod event; ``assumed(uid)`` says whether a bind counts the pod that the watch has not shown yet
+        (such a pod is not taken out for the watch showing it unbound)."""
+        with self.lock:
+            if new is None:
+                if old is not None:
+                    self.remove(uid_of(old))
+                return
+            if old is not None and uid_of(old) != uid_of(new):
+                self.remove(uid_of(old))  # re-created under the same name while the watch was down
+            if node_of(new):
+                self.place(new)
+            elif not assumed(uid_of(new)):
+                self.remove(uid_of(new))
+
+    # --- counting ------------------------------------------------------------------------------------------
+
+    def place(self, pod: PodBody) -> None:
+        """Count ``pod`` on the node it is bound to (or a bind puts it on), under its UID."""
+        node = node_of(pod)
+        uid = uid_of(pod)
+        state = self.nodes.setdefault(node, NodeState(name=node))
+        counted_on = self.node_of.get(uid)
+        if counted_on == node:
+            pod = self._choice_kept(state, uid, pod)
+        if counted_on == node and self._counts_the_same(state, uid, pod):
+            # Most often the watch confirming a bind this extender counted already: the ledger keeps its
+            # version, so the node's room, reasons and ranks stay valid.
+            state.pods[uid] = pod
+            return
+        if counted_on is not None and counted_on != node:
+            self.remove(uid)  # assumed on another node than the watch shows
+        self._uncount(state, uid)
+        state.pods[uid] = pod
+        self.node_of[uid] = node
+        self._count(state, pod)
+
+    def remove(self, uid: str) -> None:
+        node = self.node_of.pop(uid, None)
+        state = self.nodes.get(node) if node is not None else None
+        if state is not None:
+            self._uncount(state, uid)
+            state.pods.pop(uid, None)
+
+    def _choice_kept(self, state: NodeState, uid: str, pod: PodBody) -> PodBody:
+        """The pod as counted, with the GPU choice it was counted with: a bound pod's annotations naming
+        other GPUs (or none) are an edit by its owner, not a move. Its containers still run on the GPUs the
+        kubelet gave them, so the books keep those (``allocation_edits`` counts such edits)."""
+        known = state.pods.get(uid)
+        if known is None or state.ledger is None:
+            return pod
+        annotations = meta_of(known).get("annotations")
+        if annotations == meta_of(pod).get("annotations"):
+            return pod  # the usual event (a status change, the watch confirming a bind): nothing to judge
+        before, after = state.ledger.holding(uid), self._holding(pod, state)
+        if before is None or not before.gpus or after is None or set(after.gpus) == set(before.gpus):
+            return pod
+        self.allocation_edits += 1
+        log.warning(
+            "pod %s/%s: its annotations were edited after bind to name GPUs %s; it stays counted on GPUs %s",
+            before.namespace,
+            before.name,
+            sorted(after.gpus) or "none",
+            sorted(before.gpus),
+        )
+        return {**pod, "metadata": {**meta_of(pod), "annotations": annotations or {}}}
+
+    def _counts_the_same(self, state: NodeState, uid: str, pod: PodBody) -> bool:
+        """Whether ``pod`` would be counted on its node exactly as the body ``state.pods`` holds for it is."""
+        known = state.pods.get(uid)
+        if known is None or holds_cpu(known) != holds_cpu(pod) or cpu_of(known) != cpu_of(pod):
+            return False
+        if state.ledger is None or not holds_cpu(pod):
+            return True
+        return state.ledger.holding(uid) == self._holding(pod, state)
+
+    def _count(self, state: NodeState, pod: PodBody) -> None:
+        """Count a pod now in ``state.pods`` against its node: its CPU, its holding, its kind in the mix."""
+        if not holds_cpu(pod):
+            return
+        cpu = cpu_of(pod)
+        state.cpu_requested += cpu
+        state.cpu_version += 1
+        if state.ledger is not None:
+            self.changed(state.name)
+            holding = self._holding(pod, state)
+            if holding is not None:
+                state.ledger.add(holding)
+            self._kinds[_kind(cpu, holding)] += 1
+
+    def _uncount(self, state: NodeState, uid: str) -> None:
+        """Take back what ``_count`` counted for the pod ``state.pods`` holds under ``uid``, if any."""
+        pod = state.pods.get(uid)
+        if pod is None or not holds_cpu(pod):
+            return
+        cpu = cpu_of(pod)
+        state.cpu_requested -= cpu
+        state.cpu_version += 1
+        if state.ledger is not None:
+            self.changed(state.name)
+            kind = _kind(cpu, state.ledger.remove(uid))
+            self._kinds[kind] -= 1
+            if not self._kinds[kind]:
+                del self._kinds[kind]
+
+    def _rebuild(self, state: NodeState) -> None:
+        """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
+        state.memo.clear()
+        self.changed(state.name)
+        for uid in state.pods:
+            self._uncount(state, uid)
+        state.ledger = None if state.inventory is None else Ledger.build(state.inventory)
+        for pod in state.pods.values():
+            self._count(state, pod)
+
+    def _holding(self, pod: PodBody, state: NodeState) -> Holding | None:
+        assert state.inventory is not None
+        return holding_from_pod(pod, unit=state.inventory.unit, resources=self.resources)
+
+
+def _kind(cpu: int, holding: Holding | None) -> Kind:
+    """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, and its GPUs."""
+    if holding is None:
+        return cpu, 0, 0
+    if len(holding.gpus) > 1:
+        return cpu, max(holding.gpus.values()), len(holding.gpus)
+    size = sum(holding.gpus.values()) + holding.pending
+    return cpu, size, 1 if size else 0
+
+
+def cpu_of(pod: PodBody) -> int:
+    """The pod's milli-CPU request; 0 for one whose quantities cannot be read (the API server refuses
+    those, so only a body that skipped validation has one; its GPU memory is what must not be lost)."""
+    try:
+        return cpu_request(pod)
+    except ContractError:
+        return 0
