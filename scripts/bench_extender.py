@@ -52,9 +52,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared import contract
+from gpushared.core.binding import bind_annotations, holding_for
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import BINPACK, Setting, bind_annotations, holding_for, judge, policy_named
+from gpushared.core.policies import BINPACK, PricingContext, policy_named
 from gpushared.core.requests import pod_request
+from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.scheduler import Scheduler
 from gpushared.extender.wire import BindingArgs, ExtenderArgs
@@ -146,7 +148,7 @@ def populate(backend: Backend, *, nodes: int, pods: int, rng: random.Random) -> 
         for _ in range(20):
             node = names[rng.randrange(nodes)]
             # binpack, whatever policy is measured: the same cluster every run
-            choice = BINPACK.choose(judge(ledgers[node], request), request, Setting(ledgers[node]))
+            choice = BINPACK.choose(judge(ledgers[node], request), request, PricingContext(ledgers[node]))
             if choice is not None:
                 break
         else:

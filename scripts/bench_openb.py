@@ -32,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpushared.core.placement import POLICIES
+from gpushared.core.policies import POLICIES
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay
 from gpushared.replay.trace import read_nodes, read_pods
 

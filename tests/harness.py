@@ -18,7 +18,7 @@ import yaml
 
 from gpushared import contract
 from gpushared.contract import GpuInventory
-from gpushared.core.placement import bind_annotations
+from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.builders import on_gpus, pod
 from tests.fakes.apiserver import FakeApiServer

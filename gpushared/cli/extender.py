@@ -2,24 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-import gc
 import logging
 import os
-import signal
 import socket
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
-import uvloop
 
 from gpushared import __version__
 from gpushared.cli import logs
-
-if TYPE_CHECKING:
-    from gpushared.extender.cache import ClusterCache
 
 log = logging.getLogger("gpushared.extender")
 
@@ -118,13 +109,11 @@ def main(
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
     from gpushared.contract import ContractError, ResourceNames
-    from gpushared.core.placement import policy_named
-    from gpushared.extender.cache import ClusterCache
-    from gpushared.extender.scheduler import Scheduler
-    from gpushared.extender.server import ServerConfig, build_app, serve
+    from gpushared.core.policies import policy_named
+    from gpushared.extender import app
+    from gpushared.extender.server import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect
-    from gpushared.kube.lease import LeaderElector
 
     logs.configure(log_level)
     try:
@@ -137,44 +126,7 @@ def main(
         binder = AsyncApi(api.client.configuration)
     except KubeError as exc:
         raise click.ClickException(str(exc)) from None
-    resources = ResourceNames(domain=resource_domain)
-    cache = ClusterCache(
-        list_nodes=api.core.list_node,
-        list_pods=api.core.list_pod_for_all_namespaces,
-        resources=resources,
-        watch_seconds=watch_seconds,
-        landing_seconds=binding_landing_seconds,
-    )
-    own_url = f"{'https' if tls_cert else 'http'}://{advertise_address or address}:{port}"
-    elector = (
-        LeaderElector(
-            api.client,
-            namespace=lease_namespace,
-            name=lease_name,
-            identity=f"{identity} {own_url}",
-            lease_seconds=lease_seconds,
-            renew_deadline=lease_seconds * 2 / 3,
-            retry_seconds=lease_seconds / 7.5,
-        )
-        if leader_elect
-        else None
-    )
-
-    prepared = threading.Event()
-
-    def ready() -> tuple[bool, str]:
-        if not prepared.is_set():
-            return False, "the cache has not synced with the API server yet"
-        return True, ""
-
-    def leader() -> str | None:
-        """Serve here when leading (or not electing); else the leader's URL, from its Lease identity."""
-        if elector is None or elector.leading:
-            return None
-        holder = elector.holder.rsplit(" ", 1)
-        return holder[1] if len(holder) == 2 and holder[1].startswith(("http://", "https://")) else ""
-
-    config = ServerConfig(
+    server = ServerConfig(
         address=address,
         port=port,
         prefix=prefix,
@@ -186,32 +138,17 @@ def main(
         client_names=frozenset(client_names),
         public_pod_names=public_pod_names,
     )
-    app = build_app(
-        Scheduler(cache=cache, api=binder, policy=chosen, resources=resources),
-        config,
-        ready=ready,
-        leader=leader,
+    lease = app.LeaseSettings(namespace=lease_namespace, name=lease_name, identity=identity, seconds=lease_seconds)
+    settings = app.ExtenderSettings(
+        server=server,
+        policy=chosen,
+        resources=ResourceNames(domain=resource_domain),
+        lease=lease if leader_elect else None,
+        advertise_address=advertise_address,
+        watch_seconds=watch_seconds,
+        binding_landing_seconds=binding_landing_seconds,
     )
-    cache.start()
-    threading.Thread(target=_prepare_when_synced, args=(cache, prepared), name="prepare", daemon=True).start()
-    if elector is not None:
-        elector.start()
-
-    async def run() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.set)
-        await serve(app, config, stop=stop)
-
-    try:
-        # uvloop: each filter and bind is a few event-loop turns over sockets, and uvloop's turns cost less
-        # (11-18 % less extender CPU per filter+bind at 2,500 nodes, docs/benchmarks.md)
-        uvloop.run(run())
-    finally:
-        if elector is not None:
-            elector.stop()
-        cache.stop()
+    app.run(settings, api=api, binder=binder)
 
 
 def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, where: str) -> None:
@@ -230,24 +167,6 @@ def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path |
             "no --client-ca: anyone who reaches %s may filter and bind pods; see docs/install.md (mutual TLS)",
             where,
         )
-
-
-def _prepare_when_synced(cache: ClusterCache, prepared: threading.Event) -> None:
-    """Once the first sync is done: warm the cache, keep what it holds out of the garbage collector's
-    walks, and only then say ready.
-
-    Cached pods live as long as their pods do, and 150k of them are about a million tracked objects: every
-    full collection would walk them all, a pause of tens of milliseconds in the middle of some filter.
-    Frozen, they are still freed by reference counting when the watch drops them (they hold no cycles)."""
-    if cache.nodes.wait_synced(SYNC_WAIT_SECONDS) and cache.pods.wait_synced(SYNC_WAIT_SECONDS):
-        cache.warm()
-        gc.freeze()
-        log.info("cache synced; %d objects kept out of the garbage collector's walks", gc.get_freeze_count())
-        prepared.set()
-
-
-#: How long the startup thread waits for the first sync; a cache that never syncs never serves either.
-SYNC_WAIT_SECONDS = 24 * 3600.0
 
 
 if __name__ == "__main__":

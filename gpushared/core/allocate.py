@@ -24,7 +24,7 @@ from gpushared.core.devices import gpu_of, natural
 from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
 from gpushared.core.handshake import Candidate, Slot
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import MAX_MPS_CLIENTS
+from gpushared.core.verdicts import MAX_MPS_CLIENTS
 
 #: Where an MPS client container finds its GPU's control daemon: the pipe directory is mounted here, at MPS's
 #: own default, so a client whose env was cleared still reaches the daemon instead of running without limits.

@@ -179,7 +179,7 @@ def _slim_container(container: dict[str, Any]) -> dict[str, Any]:
 
 
 #: Parts of slim pods seen, by content: pods of one workload ask alike, on a few thousand nodes, so their
-#: container lists (~0.8 KiB), specs and statuses repeat.
+#: container lists, specs and statuses repeat.
 _SHARED: dict[tuple[Any, ...], Any] = {}
 _SHARED_LIMIT = 1 << 17
 
@@ -205,7 +205,7 @@ def _shared_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]
         )
         for c in containers
     )
-    return _shared(("containers", *key), containers)  # type: ignore[no-any-return]
+    return cast(list[dict[str, Any]], _shared(("containers", *key), containers))
 
 
 def slim_pod(pod: PodBody) -> PodBody:
@@ -213,9 +213,10 @@ def slim_pod(pod: PodBody) -> PodBody:
     what it holds, its node, its containers' names, GPU resources and CPU requests, its phase, and, once it is being
     deleted, which of its containers have terminated (before that, no container state changes what it holds).
 
-    A watch cache of 150k pods holds each one for as long as it runs; whole pod objects (env, volumes,
-    managed fields, last-applied annotations) cost several KiB each. Keys and the values many pods share
-    (namespace, node, container names) are interned, so 150k pods keep one copy of each."""
+    A watch cache holds each pod for as long as it runs, and whole pod objects (env, volumes, managed
+    fields, last-applied annotations) are mostly what the extender never reads. Keys and the values many
+    pods share (namespace, node, container names) are interned, so the cache keeps one copy of each (what
+    a slim pod costs: docs/benchmarks.md, "Figures behind the code")."""
     meta: Any = pod.get("metadata") or {}
     spec: Any = pod.get("spec") or {}
     status: Any = pod.get("status") or {}

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody
+from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of
 from gpushared.core.quantity import parse_whole_quantity
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 
@@ -29,15 +29,16 @@ class GpuMode(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What one pod holds on this node. ``gpus`` maps GPU index to units held at the pod's peak;
-    ``pending`` is memory of a pod bound here without a GPU choice (it bypassed the extender, or its
-    annotations are unreadable, as ``problem`` then says): it counts against the node, not a GPU."""
+    """What one pod holds on this node, in the ledger's memory unit."""
 
     uid: str
     namespace: str
     name: str
+    #: GPU index -> units held there at the pod's peak
     gpus: Mapping[int, int]
     mps: bool = False
+    #: units of a pod bound here without a GPU choice (it bypassed the extender, or its annotations are
+    #: unreadable, as ``problem`` then says): they count against the node, not a GPU
     pending: int = 0
     assigned: bool = False
     problem: str | None = None
@@ -53,7 +54,7 @@ def holds_gpu_memory(pod: PodBody) -> bool:
     status = pod.get("status") or {}
     if status.get("phase") in ("Succeeded", "Failed"):
         return False
-    if not (pod.get("metadata") or {}).get("deletionTimestamp"):
+    if not meta_of(pod).get("deletionTimestamp"):
         return True
     statuses = list(status.get("containerStatuses") or [])
     if not statuses:
@@ -75,8 +76,8 @@ def holding_from_pod(
     """
     if not holds_gpu_memory(pod):
         return None
-    meta = pod.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
+    meta = meta_of(pod)
+    annotations = annotations_of(pod)
     problems: list[str] = []
     try:
         request = pod_request(pod, resources=resources)
@@ -153,8 +154,8 @@ def inventory_from_node(
     (Aliyun's own assumption) and the unit is guessed the way its inspect tool does (more than 100 units per
     GPU means MiB). None for a node that shares no GPU.
     """
-    meta = node.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
+    meta = meta_of(node)
+    annotations = annotations_of(node)
     if contract.NODE_INVENTORY in annotations:
         return contract.parse_inventory(annotations[contract.NODE_INVENTORY])
     capacity = (node.get("status") or {}).get("capacity") or {}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import Container, PodBody
+from gpushared.core.bodies import Container, PodBody, annotations_of
 from gpushared.core.quantity import parse_whole_quantity
 
 
@@ -111,7 +111,7 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
         for position, container in enumerate(spec.get("containers") or [])
         if (request := _container_request(container, position, resources, init=False))
     ]
-    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    annotations = annotations_of(pod)
     mps = (
         contract.parse_bool(contract.POD_MPS, annotations[contract.POD_MPS])
         if contract.POD_MPS in annotations

@@ -20,8 +20,9 @@ from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding
-from gpushared.core.placement import GpuVerdict, NodeKey, Policy, Setting
+from gpushared.core.policies import NodeRank, Policy, PricingContext
 from gpushared.core.requests import PodRequest
+from gpushared.core.verdicts import GpuVerdict
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reservations import LANDING_SECONDS, Assumed, Settlement
 from gpushared.extender.reserving import Reservation, Reservations
@@ -77,17 +78,17 @@ class ClusterCache:
 
     # --- the verbs' reads (index) and the cluster as it is (state) -------------------------------------------
 
-    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], Setting] | Rejected:
+    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], PricingContext] | Rejected:
         return self.index.judge(name, pod, request)
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
         return self.index.filter(names, request)
 
-    def node_keys(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeKey | None]:
-        return self.index.node_keys(names, pod, request, policy)
+    def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
+        return self.index.node_ranks(names, pod, request, policy)
 
-    def idle_costs(self, names: list[str]) -> list[float]:
-        return self.index.idle_costs(names)
+    def idle_prices(self, names: list[str]) -> list[float]:
+        return self.index.idle_prices(names)
 
     def warm(self) -> None:
         self.index.warm()

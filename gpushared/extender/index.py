@@ -12,19 +12,9 @@ from typing import Any
 
 from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody
-from gpushared.core.placement import (
-    GpuVerdict,
-    NodeKey,
-    Policy,
-    Setting,
-    explain,
-    fitting,
-    idle_gpu_mib,
-    judge,
-    most_free,
-    no_room,
-)
+from gpushared.core.policies import NodeRank, Policy, PricingContext
 from gpushared.core.requests import PodRequest
+from gpushared.core.verdicts import GpuVerdict, explain, fitting, idle_gpu_mib, judge, most_free, no_room
 from gpushared.extender.rooms import STALE, Rooms
 from gpushared.extender.state import ClusterState, NodeState, Rejected, Version, cpu_of
 
@@ -41,7 +31,7 @@ class FilterIndex:
         """The node's ledger changed: its room is worked out again when next asked for."""
         self.rooms.stale(name)
 
-    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], Setting] | Rejected:
+    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], PricingContext] | Rejected:
         """The node's verdict per GPU for ``request``, and what a policy weighs there beside the GPU (bind's
         choice), or why the node is not a candidate at all.
 
@@ -53,8 +43,8 @@ class FilterIndex:
             if isinstance(usable, Rejected):
                 return usable
             node, ledger = usable
-            setting = Setting(ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod))
-            return judge(ledger, request), setting
+            context = PricingContext(ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod))
+            return judge(ledger, request), context
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
         """The nodes with GPUs that fit ``request``, and why each other one does not.
@@ -90,10 +80,10 @@ class FilterIndex:
                     failed[name] = self._why_not(name, request)
         return passed, failed
 
-    def node_keys(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeKey | None]:
+    def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
         """How ``policy`` ranks each node for the pod (None: it does not fit), kept per node until its
         ledger, its CPU (for a policy that reads it) or the request mix changes."""
-        keys: list[NodeKey | None] = []
+        keys: list[NodeRank | None] = []
         with self.state.lock:
             mix = self.state.request_mix()
             pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
@@ -108,13 +98,13 @@ class FilterIndex:
                 version = (ledger.version, node.cpu_version if policy.reads_cpu else 0)
                 known = node.memo.get(slot)
                 if known is None or known[0] != version:
-                    setting = Setting(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu)
-                    appraised = policy.appraise(fitting(ledger, request), request, setting)
+                    context = PricingContext(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu)
+                    appraised = policy.price_node(fitting(ledger, request), request, context)
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])
         return keys
 
-    def idle_costs(self, names: list[str]) -> list[float]:
+    def idle_prices(self, names: list[str]) -> list[float]:
         """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
         with self.state.lock:
             costs: list[float] = []
@@ -125,7 +115,7 @@ class FilterIndex:
 
     def warm(self) -> None:
         """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
-        nodes GPU by GPU for the first time (docs/benchmarks.md, "A filter right after a start")."""
+        nodes GPU by GPU for the first time (docs/benchmarks.md, "Figures behind the code")."""
         with self.state.lock:
             for name in self.state.nodes:
                 if self.rooms.of(mps=False).get(name, STALE) == STALE:

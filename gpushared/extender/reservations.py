@@ -5,9 +5,9 @@ each other. That count must outlive the write until the cluster says where the p
 
 - **a watch can stall.** An API server or a proxy that keeps the stream open and silent delivers nothing,
   while Bindings still succeed. Releasing an unconfirmed bind after a time would give its memory away
-  again and again (measured before this rule: one 16 GiB GPU ended at 20/16; under load, 706 GPUs over
-  capacity). So a bind the watch has not confirmed after ``CONFIRM_SECONDS`` is *read back* from the API
-  server, and what the read shows is counted; a read that fails leaves it counted and is tried again.
+  again and again (docs/benchmarks.md, "Figures behind the code"). So a bind the watch has not confirmed
+  after ``CONFIRM_SECONDS`` is *read back* from the API server, and what the read shows is counted; a read
+  that fails leaves it counted and is tried again.
 - **a Binding's answer can be lost.** A timeout, a cut connection or a 5xx says nothing about whether the
   Binding landed: kube-apiserver may apply it after the client gave up. Such a bind stays counted on its
   node as an *unanswered Binding*, under a key of its own (``ghost_uid``), so kube-scheduler may try the pod

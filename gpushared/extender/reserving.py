@@ -14,9 +14,11 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from gpushared.contract import GpuInfo, MemoryUnit
+from gpushared.core.binding import bind_annotations
 from gpushared.core.bodies import PodBody, annotations_of, key_of, meta_of, node_of, slim_pod, uid_of
-from gpushared.core.placement import Policy, bind_annotations, explain
+from gpushared.core.policies import Policy
 from gpushared.core.requests import PodRequest
+from gpushared.core.verdicts import explain
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reservations import (
     CHECK_SECONDS,

@@ -1,17 +1,9 @@
 """Per node, the most units free on one GPU that a plain and an MPS pod may take: what filter reads.
 
-A filter looks up every candidate kube-scheduler sends, 500 of 5,000 nodes by default, so this table is
-laid out for lookups rather than for clarity. At 5,000 nodes among 150k pods' objects, a dict lookup
-costs mostly cache misses, and the largest is the key string the dict compares the request's name with:
-left where the informer parsed the node, it shares no cache line or page with any other key. Hence:
-
-- one dict per kind, of ints: no tuple to follow, and ints up to 256 (any room counted in GiB) are
-  objects Python shares; beside them, each node's memory unit as a string (for the reason a node is too
-  full), so a failed node needs no look at its state or its inventory, and no Enum's hash;
-- keys copied in one go (:meth:`Rooms.compact`), so they lie side by side in memory: 500 lookups in a
-  5,000-node table with cold caches take half the time (docs/benchmarks.md);
-- a node whose ledger changed is marked stale in place rather than popped: the dict keeps the key it had,
-  and the table stays compact while pods come and go.
+A filter looks up every candidate kube-scheduler sends, so this table is laid out for those lookups: one
+dict of ints per kind of pod, each node's memory unit beside them as a string, keys copied side by side
+(:meth:`Rooms.compact`), and a stale room marked in place rather than popped. Why, and what it measured:
+docs/benchmarks.md, "What changed, second pass".
 """
 
 from __future__ import annotations
@@ -24,6 +16,10 @@ REGROWTH = 8
 
 
 class Rooms:
+    """The most memory free on one GPU, per node and per kind of pod (plain, MPS): what a filter reads
+    first. A room is in units of the node's memory unit, -1 when no GPU of the node is usable by that kind
+    of pod, STALE when the node's ledger changed since it was worked out."""
+
     def __init__(self) -> None:
         self.plain: dict[str, int] = {}
         self.mps: dict[str, int] = {}

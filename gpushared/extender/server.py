@@ -42,8 +42,8 @@ class ServerConfig:
     address: str = "0.0.0.0"
     port: int = 39999
     prefix: str = "/gpushare-scheduler"
-    #: the body is parsed on the event loop: 8 MiB keeps one request under 100 ms of it, and 15,000 node
-    #: names (nodeCacheCapable) are far below (docs/benchmarks.md, scripts/bench_limits.py)
+    #: the body is parsed on the event loop; why 8 MiB: docs/benchmarks.md, "What a request may hold the
+    #: event loop for"
     max_body_bytes: int = 8 * 2**20
     max_nodes: int = wire.MAX_NODES
     read_timeout: float = 10.0

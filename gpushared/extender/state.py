@@ -26,7 +26,7 @@ from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of, no
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
 from gpushared.core.fragmentation import Kind, RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.placement import NodeCpu
+from gpushared.core.policies import NodeCpu
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any, cast
 
 import orjson
 
-from gpushared.core.bodies import PodBody, pod_shape_problem
+from gpushared.core.bodies import NodeBody, PodBody, meta_of, pod_shape_problem
 
 #: The most candidate nodes one request may name. kube-scheduler sends at most every node of the cluster
 #: (Kubernetes is tested to 5,000; some managed clusters run 15,000); more only holds the event loop.
@@ -44,13 +44,13 @@ class ExtenderArgs:
     #: typed once its shape is checked (``pod_shape_problem``): the core reads it as any pod
     pod: PodBody
     node_names: list[str] | None  # nodeCacheCapable: true
-    nodes: list[dict[str, Any]] | None  # nodeCacheCapable: false
+    nodes: list[NodeBody] | None  # nodeCacheCapable: false
 
     @property
     def names(self) -> list[str]:
         if self.node_names is not None:
             return self.node_names
-        return [(n.get("metadata") or {}).get("name", "") for n in self.nodes or []]
+        return [meta_of(n).get("name", "") for n in self.nodes or []]
 
 
 def parse_args(body: bytes, *, verb: str, max_nodes: int = MAX_NODES) -> ExtenderArgs:
@@ -87,7 +87,7 @@ def filter_result(
     """ExtenderFilterResult: the passing nodes in the form they came in (names or full Nodes)."""
     if args is not None and args.node_names is None and args.nodes is not None:
         keep = set(passed)
-        kept = [n for n in args.nodes if (n.get("metadata") or {}).get("name") in keep]
+        kept = [n for n in args.nodes if meta_of(n).get("name") in keep]
         return {
             "Nodes": {"metadata": {}, "items": kept},
             "NodeNames": None,

@@ -202,7 +202,7 @@ class Informer(Generic[B]):
             listing = orjson.loads(response.data)
             for obj in listing.get("items") or []:
                 items[key_of(obj)] = self.transform(obj)
-            token = (listing.get("metadata") or {}).get("continue") or ""
+            token = listing.get("metadata", {}).get("continue") or ""
             if not token:
                 break
         with self._lock:

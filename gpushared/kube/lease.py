@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import kubernetes
 from kubernetes.client.exceptions import ApiException
@@ -94,7 +94,7 @@ class LeaderElector:
 
     def _call(self, method: Callable[..., Any], *args: Any) -> dict[str, Any]:
         response = method(*args, _preload_content=False, _request_timeout=5)
-        return json.loads(response.data)  # type: ignore[no-any-return]
+        return cast(dict[str, Any], json.loads(response.data))
 
     def _read(self) -> dict[str, Any] | None:
         try:

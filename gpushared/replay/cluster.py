@@ -6,9 +6,9 @@ here, since the trace's multi-GPU tasks take whole GPUs, so a node's tasks never
 has) and its default scores (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's
 part is not modelled but run, as deploy/'s scheduler configs wire it: every node's GPUs are a production
 :class:`Ledger`, judged by :func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced
-and chosen by the production :class:`Policy` in the node's :class:`Setting` (the CPU left, for fgd); pods
+and chosen by the production :class:`Policy` in the node's :class:`PricingContext` (the CPU left, for fgd); pods
 without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is
-one that :func:`node_scores` would give the top score (:func:`ties` with :func:`best_key`): the extender's
+one that :func:`node_scores` would give the top score (:func:`ties` with :func:`best_rank`): the extender's
 weight (100) dominates the in-tree scores, which then only break its ties (the rest at random, as selectHost
 does).
 
@@ -23,20 +23,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.binding import holding_for
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import (
-    NodeCpu,
-    NodeKey,
-    Policy,
-    Setting,
-    best_key,
-    fitting,
-    holding_for,
-    idle_gpu_mib,
-    ties,
-)
+from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.core.verdicts import fitting, idle_gpu_mib
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
 
@@ -54,7 +46,7 @@ class SimNode:
     version: int = 0
     #: (request size, GPUs, CPU if the policy reads it) -> (version priced at, rank or None when too few GPUs
     #: fit, chosen GPU indices)
-    prices: dict[tuple[int, int, int], tuple[int, NodeKey | None, tuple[int, ...]]] = field(default_factory=dict)
+    prices: dict[tuple[int, int, int], tuple[int, NodeRank | None, tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
@@ -95,14 +87,14 @@ class SimCluster:
         """Schedule one pod; whether it was bound. A multi-GPU task asks gpu-count for its GPUs."""
         need = pod.memory_request
         request = PodRequest(containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),))
-        ranked: list[tuple[NodeKey, SimNode, tuple[int, ...]]] = []
+        ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
                 continue
             key, gpu = self._price(node, request, pod)
             if key is not None:
                 ranked.append((key, node, gpu))
-        best = best_key(key for key, _, _ in ranked)
+        best = best_rank(key for key, _, _ in ranked)
         if best is None:
             if need:
                 self.gpu_failed += 1
@@ -128,20 +120,20 @@ class SimCluster:
             cheapest = [(node, gpu) for score, node, gpu in scored if score == top]
         return cheapest[self.rng.randrange(len(cheapest))]
 
-    def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeKey | None, tuple[int, ...]]:
+    def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeRank | None, tuple[int, ...]]:
         need = request.total
         slot = (need, request.gpus, pod.cpu_milli if self.policy.reads_cpu else 0)
         known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
             return known[1], known[2]
-        key: NodeKey | None
+        key: NodeRank | None
         indices: tuple[int, ...]
         if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
             key, indices = (float(idle_gpu_mib(node.ledger)), 0.0), ()
         else:  # prioritize
             cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
-            setting = Setting(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)
-            appraised = self.policy.appraise(fitting(node.ledger, request), request, setting)
+            context = PricingContext(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)
+            appraised = self.policy.price_node(fitting(node.ledger, request), request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
         node.prices[slot] = (node.version, key, indices)
         return key, indices

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushared.core.fragmentation import RequestMix
-from gpushared.core.placement import policy_named
+from gpushared.core.policies import policy_named
 from gpushared.replay.cluster import SimCluster
 from gpushared.replay.trace import TraceNode, TracePod
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from gpushared import contract
-from gpushared.core.placement import bind_annotations
+from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.builders import GPU_MEM, pod
 from tests.e2e.cluster import CACHE

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from gpushared import contract
-from gpushared.core.placement import bind_annotations
+from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.fakes.apiserver import Fault
 from tests.fakes.kubelet import AdmissionError

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gpushared import contract
-from gpushared.core.placement import bind_annotations
+from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.builders import inventory, pod
 from tests.extender_harness import gpushared_cluster

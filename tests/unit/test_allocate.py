@@ -21,11 +21,12 @@ import pytest
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, GpuInventory, MemoryUnit
 from gpushared.core.allocate import ContainerAllocation, MpsDaemon, NodeFacts, Refusal, decide, preferred_devices
+from gpushared.core.binding import bind_annotations
 from gpushared.core.exposure import CDI_KIND, ExposurePolicy, Strategy
 from gpushared.core.handshake import Unidentified, candidate, identify
 from gpushared.core.ledger import Ledger, holding_from_pod
-from gpushared.core.placement import MAX_MPS_CLIENTS, bind_annotations
 from gpushared.core.requests import pod_request
+from gpushared.core.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon.candidates import Candidates
 from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import KubeError, NotFound

@@ -13,10 +13,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpushared import contract
+from gpushared.core.binding import bind_annotations
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.placement import BINPACK, GpuVerdict, NodeCpu, Policy, Setting, bind_annotations, judge, no_room
+from gpushared.core.policies import BINPACK, NodeCpu, Policy, PricingContext
 from gpushared.core.requests import pod_request
+from gpushared.core.verdicts import GpuVerdict, judge, no_room
 from gpushared.extender import index as index_module
 from gpushared.extender.cache import MIX_SECONDS, ClusterCache, Rejected
 from gpushared.extender.reservations import LANDING_SECONDS, ghost_uid
@@ -238,17 +240,17 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
 
-    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+    def cost(verdict: GpuVerdict, need: int, setting: PricingContext) -> float:
         priced.append(verdict.free)
         return float(verdict.free - need)
 
     for reads_mix in (False, True):
-        policy = Policy(name=f"counting-{reads_mix}", cost=cost, reads_mix=reads_mix)
-        cache.node_keys(["n1"], pod("probe"), request, policy)
+        policy = Policy(name=f"counting-{reads_mix}", price=cost, reads_mix=reads_mix)
+        cache.node_ranks(["n1"], pod("probe"), request, policy)
         assert priced
         priced.clear()
         now[0] += MIX_SECONDS
-        cache.node_keys(["n1"], pod("probe"), request, policy)
+        cache.node_ranks(["n1"], pod("probe"), request, policy)
         assert bool(priced) == reads_mix
         priced.clear()
 
@@ -259,21 +261,21 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
     cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
     cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY, cpu="8"))  # type: ignore[misc]
     request = pod_request(pod("probe", 3))
-    priced: list[Setting] = []  # each node pricing, by the setting its costs were given
+    priced: list[PricingContext] = []  # each node pricing, by the setting its costs were given
 
-    def cost(verdict: GpuVerdict, need: int, setting: Setting) -> float:
+    def cost(verdict: GpuVerdict, need: int, setting: PricingContext) -> float:
         if not priced or priced[-1] is not setting:
             priced.append(setting)
         return float(verdict.free - need)
 
     for reads_cpu in (False, True):
-        policy = Policy(name=f"counting-{reads_cpu}", cost=cost, reads_cpu=reads_cpu)
+        policy = Policy(name=f"counting-{reads_cpu}", price=cost, reads_cpu=reads_cpu)
         for cpu in ("1", "1", "2"):
-            cache.node_keys(["n1"], pod("probe", 3, cpu=cpu), request, policy)
+            cache.node_ranks(["n1"], pod("probe", 3, cpu=cpu), request, policy)
         assert [s.pod_cpu for s in priced] == ([1000, 2000] if reads_cpu else [0])
         priced.clear()
         cache.pods.handler(None, pod(f"cpu-only-{reads_cpu}", node="n1", cpu="1", phase="Running"))  # type: ignore[misc]
-        cache.node_keys(["n1"], pod("probe", 3, cpu="2"), request, policy)
+        cache.node_ranks(["n1"], pod("probe", 3, cpu="2"), request, policy)
         assert [s.pod_cpu for s in priced] == ([2000] if reads_cpu else [])
         assert not reads_cpu or priced[0].cpu == NodeCpu(allocatable=8000, requested=2000)
         priced.clear()

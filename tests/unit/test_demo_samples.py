@@ -16,8 +16,9 @@ import pytest
 import yaml
 
 from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.placement import Setting, fitting, policy_named
+from gpushared.core.policies import PricingContext, policy_named
 from gpushared.core.requests import pod_request
+from gpushared.core.verdicts import fitting
 from tests.builders import inventory
 from tests.e2e.cluster import GPU_SIZES_MIB
 
@@ -43,7 +44,7 @@ def place_all(order: list[tuple[str, dict[str, Any]]], policy: str) -> str | Non
     chosen_policy = policy_named(policy)
     for i, (kind, body) in enumerate(order):
         request = pod_request(body)
-        choice = chosen_policy.choose(fitting(ledger, request), request, Setting(ledger))
+        choice = chosen_policy.choose(fitting(ledger, request), request, PricingContext(ledger))
         if choice is None:
             return kind
         gpus = {verdict.gpu.index: request.per_gpu for verdict in choice}

@@ -6,26 +6,22 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.binding import bind_annotations
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
-from gpushared.core.placement import (
+from gpushared.core.policies import (
     BINPACK,
     FGD,
     SPREAD,
     NodeCpu,
-    NodeKey,
+    NodeRank,
     Policy,
-    Setting,
-    bind_annotations,
-    explain,
-    idle_gpu_mib,
-    judge,
-    most_free,
-    no_room,
+    PricingContext,
     node_scores,
     policy_named,
 )
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
+from gpushared.core.verdicts import explain, idle_gpu_mib, judge, most_free, no_room
 from tests.builders import inventory, on_gpus, pod
 
 
@@ -34,7 +30,7 @@ def request(amount: int, *, mps: bool = False) -> PodRequest:
 
 
 #: Binpack and spread read nothing of the node's setting but the verdicts.
-PLAIN = Setting(Ledger.build(inventory(16)))
+PLAIN = PricingContext(Ledger.build(inventory(16)))
 
 
 def used(ledger: Ledger, index: int, amount: int, *, mps: bool = False) -> None:
@@ -104,8 +100,10 @@ def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
     )
 
 
-def appraised(ledger: Ledger, req: PodRequest, setting: Setting = PLAIN, policy: Policy = BINPACK) -> NodeKey | None:
-    found = policy.appraise(judge(ledger, req), req, setting)
+def appraised(
+    ledger: Ledger, req: PodRequest, setting: PricingContext = PLAIN, policy: Policy = BINPACK
+) -> NodeRank | None:
+    found = policy.price_node(judge(ledger, req), req, setting)
     return None if found is None else found[0]
 
 
@@ -139,11 +137,11 @@ def test_fgd_leaves_what_the_mix_can_use() -> None:
     ledger = Ledger.build(inventory(16, 16))
     used(ledger, 0, 10)
     used(ledger, 1, 8)
-    setting = Setting(ledger, mix=mix_of((1000, 4), (1000, 4), (1000, 4), (1000, 6)))
+    setting = PricingContext(ledger, mix=mix_of((1000, 4), (1000, 4), (1000, 4), (1000, 6)))
     req = request(4)
     assert BINPACK.choose(judge(ledger, req), req, setting)[0].gpu.index == 0  # type: ignore[union-attr]
     assert FGD.choose(judge(ledger, req), req, setting)[0].gpu.index == 1  # type: ignore[union-attr]
-    assert FGD.choose(judge(ledger, req), req, Setting(ledger))[0].gpu.index == 0  # type: ignore[union-attr]  # no mix
+    assert FGD.choose(judge(ledger, req), req, PricingContext(ledger))[0].gpu.index == 0  # type: ignore[union-attr]  # no mix
     # On GPU 1 the fragment grows by 4 x 1/4 (a quarter of the mix asks more than 4): 1/16 of a GPU, whose
     # sigmoid is cut to 48 of 100 levels; on GPU 0 by 2 (all of it), 1/8 of a GPU: 46 levels.
     assert setting.growth(judge(ledger, req)[1:2], 4) == pytest.approx(1.0)
@@ -160,8 +158,8 @@ def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
     used(ample, 0, 8)
     req = request(4)
     settings = [
-        Setting(short, mix=mix, cpu=NodeCpu(allocatable=8000, requested=3000), pod_cpu=2000),
-        Setting(ample, mix=mix, cpu=NodeCpu(allocatable=32000, requested=0), pod_cpu=2000),
+        PricingContext(short, mix=mix, cpu=NodeCpu(allocatable=8000, requested=3000), pod_cpu=2000),
+        PricingContext(ample, mix=mix, cpu=NodeCpu(allocatable=32000, requested=0), pod_cpu=2000),
     ]
     assert node_scores([appraised(s.ledger, req, s) for s in settings]) == [10, 10]
     fgd = [appraised(s.ledger, req, s, FGD) for s in settings]
@@ -178,12 +176,12 @@ def test_fgd_gives_equal_growths_to_the_node_that_stays_balanced() -> None:
     full_cpu, balanced = Ledger.build(inventory(16)), Ledger.build(inventory(16))
     req = request(4)
     settings = [
-        Setting(full_cpu, cpu=NodeCpu(allocatable=8000, requested=6000), pod_cpu=2000),  # CPU 0 %, GPU 75 % left
-        Setting(balanced, cpu=NodeCpu(allocatable=8000, requested=0), pod_cpu=2000),  # 75 % and 75 %
+        PricingContext(full_cpu, cpu=NodeCpu(allocatable=8000, requested=6000), pod_cpu=2000),  # CPU 0 %, GPU 75 % left
+        PricingContext(balanced, cpu=NodeCpu(allocatable=8000, requested=0), pod_cpu=2000),  # 75 % and 75 %
     ]
     assert [s.imbalance(4) for s in settings] == [0.75, 0.0]
     assert node_scores([appraised(s.ledger, req, s, FGD) for s in settings]) == [9, 10]
-    assert Setting(balanced).imbalance(4) == 0.0  # CPU not known: nothing to balance
+    assert PricingContext(balanced).imbalance(4) == 0.0  # CPU not known: nothing to balance
 
 
 def test_policy_names() -> None:
@@ -265,7 +263,7 @@ def test_fgd_prices_a_pod_on_several_gpus_by_the_growth_of_all_it_takes() -> Non
     used(ledger, 0, 8)
     used(ledger, 1, 8)
     mix = RequestMix([(1000, 16, 2), (1000, 8, 2)])
-    setting = Setting(ledger, mix=mix)
+    setting = PricingContext(ledger, mix=mix)
     req = gang(8, 2)
     choice = FGD.choose(judge(ledger, req), req, setting)
     assert [v.gpu.index for v in choice or ()] == [0, 1]

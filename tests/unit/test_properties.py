@@ -17,21 +17,14 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.core.binding import bind_annotations, holding_for
 from gpushared.core.bodies import slim_pod
 from gpushared.core.cpu import cpu_request
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.placement import (
-    POLICIES,
-    NodeCpu,
-    Setting,
-    bind_annotations,
-    fitting,
-    holding_for,
-    judge,
-    most_free,
-)
+from gpushared.core.policies import POLICIES, NodeCpu, PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
+from gpushared.core.verdicts import fitting, judge, most_free
 from tests.builders import GPU_MEM, on_gpus, pod
 
 EXAMPLES = 300
@@ -152,7 +145,7 @@ class PlacementHistory(RuleBasedStateMachine):
         uid = f"pod-{self.serial}"
         body["metadata"].update(uid=uid, name=uid)
         request = pod_request(body)
-        setting = Setting(self.ledger, mix=self.mix, cpu=NodeCpu(allocatable=8000, requested=1000), pod_cpu=1000)
+        setting = PricingContext(self.ledger, mix=self.mix, cpu=NodeCpu(allocatable=8000, requested=1000), pod_cpu=1000)
         choice = POLICIES[policy].choose(judge(self.ledger, request), request, setting)
         if choice is None:
             return ""

@@ -6,7 +6,7 @@ import random
 from pathlib import Path
 
 from gpushared.core.fragmentation import RequestMix
-from gpushared.core.placement import BINPACK, FGD
+from gpushared.core.policies import BINPACK, FGD
 from gpushared.replay.cluster import SimCluster
 from gpushared.replay.run import replay, tuned
 from gpushared.replay.trace import GPU_MIB, TraceNode, TracePod, read_nodes, read_pods

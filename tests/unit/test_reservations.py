@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpushared import contract
-from gpushared.core.placement import BINPACK
+from gpushared.core.policies import BINPACK
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.reservations import CONFIRM_SECONDS, LANDING_SECONDS, Action, Assumed, ghost_uid, settle

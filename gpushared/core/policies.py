@@ -1,0 +1,242 @@
+"""Where on a node a pod goes, and how good the node is for it: the placement policies and their prices.
+
+A policy prices each GPU that fits (``core.verdicts``; lower is better) in the node's pricing context
+(:class:`PricingContext`: the request mix, the node's free GPU memory and CPU, the pod's CPU); a node's
+rank (:data:`NodeRank`) is the price of the GPUs the pod would get there, then how unbalanced its CPU and
+GPU memory would be left. :func:`node_scores` turns ranks into kube-scheduler's 0..10 scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from gpushared import contract
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.ledger import Ledger
+from gpushared.core.requests import PodRequest
+from gpushared.core.verdicts import GpuVerdict
+
+#: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
+MAX_SCORE: Final = 10
+
+
+@dataclass(frozen=True)
+class NodeCpu:
+    """A node's CPU as kube-scheduler's NodeResourcesFit counts it, in milli-CPU: what pods may request in
+    all, and what the pods bound to it request."""
+
+    allocatable: int
+    requested: int
+
+
+_NO_MIX: Final = RequestMix()
+
+
+class PricingContext:
+    """What a policy may weigh beside the GPU it prices: the mix of pods seen, the free memory of every
+    healthy GPU of the node, and the node's CPU and the pod's (unknown CPU: None).
+
+    Worked out on first use: best fit and spread read none of it, and the extender prices a thousand nodes
+    per call.
+    """
+
+    def __init__(self, ledger: Ledger, *, mix: RequestMix = _NO_MIX, cpu: NodeCpu | None = None, pod_cpu: int = 0):
+        self.ledger = ledger
+        self.mix = mix
+        self.cpu = cpu
+        self.pod_cpu = pod_cpu
+
+    @functools.cached_property
+    def _gpus(self) -> tuple[dict[int, int], list[int], int]:
+        """(GPU index -> position, free units per position, units in all) of the healthy GPUs."""
+        healthy = [gpu for gpu in self.ledger.inventory.gpus if gpu.healthy]
+        frees = [max(self.ledger.free(gpu), 0) for gpu in healthy]
+        return {gpu.index: i for i, gpu in enumerate(healthy)}, frees, sum(gpu.memory for gpu in healthy)
+
+    @property
+    def cpu_free(self) -> int | None:
+        return None if self.cpu is None else self.cpu.allocatable - self.cpu.requested
+
+    @functools.cached_property
+    def _fragment(self) -> float:
+        return self.mix.fragment(self._gpus[1], cpu_free=self.cpu_free)
+
+    def growth(self, verdicts: Sequence[GpuVerdict], need: int) -> float:
+        """How much the node's expected fragment (``RequestMix.fragment``) grows when the pod takes ``need``
+        units of each of the verdicts' GPUs."""
+        position, frees, _ = self._gpus
+        after = list(frees)
+        for verdict in verdicts:
+            after[position[verdict.gpu.index]] -= need
+        cpu_free = self.cpu_free
+        left = None if cpu_free is None else cpu_free - self.pod_cpu
+        return self.mix.fragment(after, cpu_free=left) - self._fragment
+
+    def imbalance(self, need: int) -> float:
+        """How far apart the node's shares of CPU and of GPU memory left would be with the pod on it. A node
+        that runs out of CPU first strands its GPU memory, and one that runs out of GPU memory its CPU."""
+        _, frees, capacity = self._gpus
+        cpu_free = self.cpu_free
+        if self.cpu is None or cpu_free is None or self.cpu.allocatable <= 0 or capacity <= 0:
+            return 0.0
+        cpu_left = (cpu_free - self.pod_cpu) / self.cpu.allocatable
+        return abs(cpu_left - (sum(frees) - need) / capacity)
+
+
+#: How a policy ranks a node: its price, then, among nodes priced equal, how unbalanced it would be.
+NodeRank = tuple[float, float]
+
+
+#: The GPUs a pod is put on (as many as ``PodRequest.gpus``), in the order the policy ranked them.
+Choice = tuple[GpuVerdict, ...]
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Where on a node a pod goes, and how good the node is for it.
+
+    ``price`` prices putting ``need`` units on one fitting GPU (lower is better) in the node's pricing
+    context; a node's price is its cheapest GPU's. Equal prices go to the GPU with less free memory, then
+    the lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes
+    those that come first in that order, and the node's price is theirs together: ``price_of_several``,
+    or the sum of their prices when a policy's prices add up.
+    """
+
+    name: str
+    price: Callable[[GpuVerdict, int, PricingContext], float]
+    price_of_several: Callable[[Choice, int, PricingContext], float] | None = None
+    #: whether ``price`` reads the mix: prices that do not are kept when a new mix is taken
+    reads_mix: bool = False
+    #: whether ``price`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
+    #: until the node's CPU changes
+    reads_cpu: bool = False
+    #: whether nodes priced equal are told apart by ``PricingContext.imbalance``
+    balances: bool = False
+
+    def gpu_order(self, verdict: GpuVerdict, need: int, context: PricingContext) -> tuple[float, int, int]:
+        """Where a fitting GPU comes in the policy's choice: its price, then its free memory, then its index."""
+        return (self.price(verdict, need, context), verdict.free, verdict.gpu.index)
+
+    def choose(self, verdicts: Sequence[GpuVerdict], request: PodRequest, context: PricingContext) -> Choice | None:
+        best = self._best(verdicts, request, context)
+        return None if best is None else best[1]
+
+    def price_node(
+        self, verdicts: Sequence[GpuVerdict], request: PodRequest, context: PricingContext
+    ) -> tuple[NodeRank, Choice] | None:
+        """The node's rank for the pod, and the GPUs it would get there; None when too few GPUs fit."""
+        best = self._best(verdicts, request, context)
+        if best is None:
+            return None
+        tiebreak = context.imbalance(request.total) if self.balances else 0.0
+        return (best[0], tiebreak), best[1]
+
+    def _best(
+        self, verdicts: Sequence[GpuVerdict], request: PodRequest, context: PricingContext
+    ) -> tuple[float, Choice] | None:
+        """The fitting GPUs that come first, with their price (each GPU priced once: fgd's prices are not free)."""
+        need, gpus = request.per_gpu, request.gpus
+        ordered = [(self.gpu_order(v, need, context), v) for v in verdicts if v.fits]
+        if len(ordered) < gpus:  # gpus >= 1: none fitting is too few
+            return None
+        if gpus == 1:
+            order, verdict = min(ordered, key=lambda pair: pair[0])
+            return order[0], (verdict,)
+        ordered.sort(key=lambda pair: pair[0])
+        chosen = tuple(verdict for _, verdict in ordered[:gpus])
+        if self.price_of_several is None:
+            return sum(order[0] for order, _ in ordered[:gpus]), chosen
+        return self.price_of_several(chosen, need, context), chosen
+
+
+def best_rank(keys: Iterable[NodeRank | None]) -> NodeRank | None:
+    """The best of ``keys``: the lowest price, then among the nodes at that price the least imbalance."""
+    known = [k for k in keys if k is not None]
+    if not known:
+        return None
+    cheapest = min(price for price, _ in known)
+    return cheapest, min(tiebreak for price, tiebreak in known if price <= cheapest + EQUAL_PRICE)
+
+
+def ties(key: NodeRank, best: NodeRank) -> bool:
+    """Whether a node ranked ``key`` is as good as the best (up to float sums): it earns MAX_SCORE."""
+    return key[0] <= best[0] + EQUAL_PRICE and key[1] <= best[1] + EQUAL_PRICE
+
+
+def node_scores(keys: Sequence[NodeRank | None]) -> list[int]:
+    """Extender scores (0..MAX_SCORE) for nodes ranked ``keys``: the best get MAX_SCORE and nobody else
+    does; nodes at the best price but less balanced MAX_SCORE-1; the rest 0..MAX_SCORE-1 by where their
+    price lies between the cheapest and the dearest. Relative, because kube-scheduler only compares, and
+    an extender has 11 levels: absolute buckets would tie nodes that the policy tells apart. Nodes that
+    cannot take the pod get 0."""
+    best = best_rank(keys)
+    if best is None:
+        return [0 for _ in keys]
+    worst = max(k[0] for k in keys if k is not None)
+    scores = []
+    for key in keys:
+        if key is None:
+            scores.append(0)
+        elif ties(key, best):
+            scores.append(MAX_SCORE)
+        elif key[0] <= best[0] + EQUAL_PRICE:
+            scores.append(MAX_SCORE - 1)
+        else:
+            scores.append(math.floor((MAX_SCORE - 1) * (worst - key[0]) / (worst - best[0]) + EQUAL_PRICE))
+    return scores
+
+
+#: Prices closer than this are equal (they are sums of float shares).
+EQUAL_PRICE: Final = 1e-9
+
+#: Levels the fgd policy prices in: kube-scheduler's MaxNodeScore, to which the paper's FGD score plugin
+#: cuts a sigmoid of the fragment's growth.
+FGD_LEVELS: Final = 100
+
+
+def _fgd_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
+    return _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory)
+
+
+def _fgd_price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
+    return _fgd_levels(context.growth(verdicts, need) / verdicts[0].gpu.memory)
+
+
+def _fgd_levels(growth: float) -> float:
+    """The growth of the node's expected fragment, in GPUs (of the first GPU's size), through a sigmoid cut to
+    FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
+    apart costs more than it wins; among equals the balance of CPU and GPU decides (docs/benchmarks.md)."""
+    return -float(math.floor(FGD_LEVELS / (1.0 + math.exp(growth))))
+
+
+#: Best fit (Aliyun's binpack): the GPU left with the least free memory after placement.
+BINPACK: Final = Policy(name="binpack", price=lambda v, need, context: float(v.free - need))
+#: The GPU left with the most free memory.
+SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free))
+#: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
+#: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
+#: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
+#: fit among balanced nodes.
+FGD: Final = Policy(
+    name="fgd",
+    price=_fgd_price,
+    price_of_several=_fgd_price_of_several,
+    reads_mix=True,
+    reads_cpu=True,
+    balances=True,
+)
+
+POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
+
+
+def policy_named(name: str) -> Policy:
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise contract.ContractError(
+            key="policy", value=name, reason=f"unknown placement policy; choose one of {', '.join(POLICIES)}"
+        ) from None
