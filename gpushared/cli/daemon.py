@@ -52,7 +52,8 @@ def version() -> None:
 @click.option("--metrics-port", type=int, help="Metrics and status port; 0 turns them off.")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the daemon until SIGTERM; SIGHUP re-reads the configuration."""
-    from gpushared.daemon.service import FatalError, RestartNeeded, Service
+    from gpushared.daemon.errors import FatalError, RestartNeeded
+    from gpushared.daemon.service import Service
     from gpushared.nvml.backend import NvmlBackend
 
     config = _load(config_path, flags)

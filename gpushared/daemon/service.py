@@ -22,33 +22,27 @@ from typing import Any
 import sdnotify
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gpushared import __version__, contract
+from gpushared import __version__
 from gpushared.contract import ResourceNames
 from gpushared.daemon import config as config_module
 from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
+from gpushared.daemon.errors import FatalError
+from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
-from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
+from gpushared.daemon.node import KubeletLink, NodePublisher
+from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
-from gpushared.nvml import driver
-from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice, GpuReadError
+from gpushared.nvml.backend import GpuBackend
 
 log = logging.getLogger(__name__)
 
 TICK = 0.5
 ENDPOINT = "gpushared.sock"
-
-
-class FatalError(Exception):
-    """Stop with this message: retrying cannot help (bad node name, device list too large)."""
-
-
-class RestartNeeded(Exception):
-    """Exit for systemd to start the unit again: only a new start fixes this (exit status 75, EX_TEMPFAIL)."""
 
 
 class Notifier:
@@ -99,25 +93,15 @@ class Service:
         self.notifier = Notifier()
         self._stop = threading.Event()
         self._reload = threading.Event()
-        self._backend_ok = False
-        #: systemd starts services with INVOCATION_ID; only there does a restart come, and a device allow-list
-        self._under_systemd = "INVOCATION_ID" in os.environ
-        self._driver_at_start = driver.loaded_device_groups()
-        self._backend_error: str | None = None
-        self._gpus: list[GpuDevice] = []
+        self.gpus = GpuReader(backend, health=self.health)
         self.api: Api | None = None
         self.pods: PodWatch | None = None
         self.manager: Manager | None = None
         self.mps: MpsSupervisor | None = None
         self.plugin: PluginServer | None = None
-        self._kubelet_inode: int | None = None
-        self._registered = False
-        self._node_checked = False
-        self._published: str | None = None
-        self._published_count: int | None = None
+        self.kubelet: KubeletLink | None = None
+        self.node: NodePublisher | None = None
         self._http: ThreadingHTTPServer | None = None
-        self._mig_refused: set[str] = set()
-        self._unnamed: set[int] = set()  # indices of GPUs NVML has failed on since before it ever read them
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
@@ -158,10 +142,10 @@ class Service:
             missing = missing_mps_privilege()
             if missing:
                 raise FatalError(missing)
-        self._read_gpus()
-        if self._gpus:
+        self.gpus.read()
+        if self.gpus.devices:
             try:
-                check_message_size(inventory_of(self._gpus, unit=self.config.memory_unit, health=self.health))
+                check_message_size(inventory_of(self.gpus.devices, unit=self.config.memory_unit, health=self.health))
             except DeviceListTooLarge as exc:
                 raise FatalError(str(exc)) from None
         self._serve_http()
@@ -177,6 +161,7 @@ class Service:
         except Exception as exc:  # KubeError, or a kubeconfig that does not parse
             raise FatalError(str(exc) if isinstance(exc, KubeError) else f"{self.config.kubeconfig}: {exc}") from None
         self.api = api
+        self.node = NodePublisher(api, self.config.node_name, resources=self.resources)
         self._serve()
 
     def _wait_for_credentials(self) -> None:
@@ -210,7 +195,7 @@ class Service:
                 metrics=self.metrics,
                 backend=self.backend,
             )
-            self.mps.sync(self._gpus)
+            self.mps.sync(self.gpus.devices)
             # Adopt (or start) the daemons before the first inventory goes out, so that a gpushared restart
             # does not show every MPS GPU unhealthy to the kubelet and the scheduler for a probe interval.
             self.mps.check()
@@ -226,13 +211,15 @@ class Service:
             mps=self.mps,
             exposure=self.config.exposure,
         )
-        self.manager.refresh(self._gpus)
+        self.manager.refresh(self.gpus.devices)
         self.metrics.watch_pods(self.manager.pod_shares)
         if self.mps is not None:
             threading.Thread(target=self.mps.run, args=(self._stop,), name="mps", daemon=True).start()
         self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
+        self.kubelet = KubeletLink(self.plugin, metrics=self.metrics)
         if self.config.health_enabled:
-            threading.Thread(target=self._watch_events, name="gpu-events", daemon=True).start()
+            watch = self.gpus.watch_events
+            threading.Thread(target=watch, args=(self._stop, self.metrics), name="gpu-events", daemon=True).start()
 
     def _shutdown(self) -> None:
         if self.plugin is not None:
@@ -257,154 +244,28 @@ class Service:
             self._reload.clear()
             self._apply_reload()
         assert self.manager is not None
-        self._read_gpus()
+        self.gpus.read()
         if self.mps is not None:
-            self.mps.sync(self._gpus)
-        changed = self.manager.refresh(self._gpus) if self._backend_ok else self.manager.recheck_health()
-        self._keep_registered()
-        self._check_node()
+            self.mps.sync(self.gpus.devices)
+        changed = self.manager.refresh(self.gpus.devices) if self.gpus.ok else self.manager.recheck_health()
+        assert self.kubelet is not None, "set with the manager"
+        assert self.node is not None, "set with the API client"
+        self.kubelet.keep()
+        self.node.check()
         self.manager.forget_departed()
-        if changed or self._published is None:
-            self._publish()
+        if changed or not self.node.published:
+            self.node.publish(self.manager.inventory)
         self._report()
-
-    def _read_gpus(self) -> None:
-        try:
-            if not self._backend_ok:
-                self.backend.start()
-            gpus, failed = self.backend.devices()
-        except GpuBackendError as exc:
-            if self._under_systemd and driver.loaded_after_start(self._driver_at_start, driver.loaded_device_groups()):
-                raise RestartNeeded(
-                    f"NVML: {exc}; the NVIDIA driver registered its devices after gpushared started, so the unit's "
-                    "device allow-list (DeviceAllow=char-nvidia*, resolved at start) does not have them: restarting"
-                ) from None
-            if str(exc) != self._backend_error:  # once per failure, not twice a second on a node without a driver
-                log.error("GPUs unreadable: %s; every GPU is unhealthy until NVML answers", exc)
-            self._backend_ok, self._backend_error = False, str(exc)
-            self.health.backend_failed(str(exc))
-            return
-        if self._backend_error is not None:
-            log.info("NVML answers again")
-        self._backend_ok, self._backend_error = True, None
-        self.health.backend_ok()
-        self._unnamed &= {error.index for error in failed}
-        gpus = sorted([*gpus, *self._failed_gpus(failed)], key=lambda g: g.index)
-        usable = []
-        for gpu in gpus:
-            if gpu.mig_enabled:
-                if gpu.uuid not in self._mig_refused:
-                    self._mig_refused.add(gpu.uuid)
-                    log.error(
-                        "GPU %d (%s) has MIG enabled: gpushared cannot share it by memory; it is not advertised "
-                        "(disable MIG with nvidia-smi -i %d -mig 0, or serve it with NVIDIA's MIG device plugin)",
-                        gpu.index,
-                        gpu.uuid,
-                        gpu.index,
-                    )
-                continue
-            usable.append(gpu)
-        self._gpus = usable
-
-    def _failed_gpus(self, failed: list[GpuReadError]) -> list[GpuDevice]:
-        """GPUs NVML failed on this time: each is unhealthy, alone, and keeps its last reading so the node's
-        inventory still lists it; one never read yet cannot be named, and is left out until it is."""
-        known = {gpu.index: gpu for gpu in self._gpus}
-        kept = []
-        for error in failed:
-            previous = known.get(error.index)
-            if previous is None or error.uuid not in (None, previous.uuid):
-                if error.index not in self._unnamed:  # once, not twice a second
-                    self._unnamed.add(error.index)
-                    log.error("GPU %d cannot be read (%s); not advertised until it can", error.index, error.reason)
-                continue
-            if self.health.gpu_failed(previous.uuid, error.reason):
-                log.error(
-                    "GPU %d (%s): NVML failed on it (%s); it alone is unhealthy",
-                    error.index,
-                    previous.uuid,
-                    error.reason,
-                )
-            kept.append(previous)
-        return kept
-
-    def _keep_registered(self) -> None:
-        """(Re-)register when kubelet.sock is new (kubelet restarted) or our socket is gone (kubelet deleted it)."""
-        assert self.plugin is not None
-        kubelet = self.plugin.kubelet_socket
-        try:
-            inode: int | None = kubelet.stat().st_ino
-        except FileNotFoundError:
-            inode = None
-        ours_gone = self._registered and not self.plugin.socket.exists()
-        if self._registered and inode == self._kubelet_inode and not ours_gone:
-            return
-        if inode is None:
-            if self._registered:
-                log.warning("kubelet socket %s is gone; waiting for the kubelet", kubelet)
-            self._registered = False
-            return
-        if self._registered:
-            log.info("kubelet restarted or our socket vanished: registering again")
-        self.plugin.stop()
-        self.plugin.start()
-        try:
-            self.plugin.register()
-        except RegistrationFailed as exc:
-            log.warning("registration with the kubelet failed: %s", exc)
-            self._registered = False
-            return
-        self._registered = True
-        self._kubelet_inode = inode
-        self.metrics.registrations.inc()
-        log.info("registered %s with the kubelet at %s", self.resources.gpu_mem, kubelet)
-
-    def _check_node(self) -> None:
-        if self._node_checked or self.api is None:
-            return
-        try:
-            self.api.get_node(self.config.node_name)
-        except KubeError as exc:
-            if exc.status == 404:
-                raise FatalError(
-                    f"node {self.config.node_name!r} does not exist in the cluster: set nodeName in the config "
-                    "to this machine's Node name"
-                ) from None
-            log.warning("cannot check node %s yet: %s", self.config.node_name, exc)
-            return
-        self._node_checked = True
-
-    def _publish(self) -> None:
-        """The inventory annotation and Aliyun's gpu-count capacity, patched only when they changed."""
-        if self.api is None or self.manager is None or not self._node_checked:
-            return
-        inventory = self.manager.inventory
-        text = contract.format_inventory(inventory)
-        count = len(inventory.gpus)
-        patch: dict[str, Any] = {}
-        if text != self._published:
-            patch["metadata"] = {"annotations": {contract.NODE_INVENTORY: text}}
-        if count != self._published_count:
-            patch["status"] = {"capacity": {self.resources.gpu_count: str(count)}}
-        if not patch:
-            return
-        try:
-            self.api.patch_node_status(self.config.node_name, patch)
-        except KubeError as exc:
-            log.warning("publishing the GPU inventory failed: %s; retrying", exc)
-            self._published = None
-            return
-        self._published, self._published_count = text, count
 
     def _report(self) -> None:
         assert self.manager is not None
         inventory = self.manager.inventory
         unhealthy = [g.index for g in inventory.gpus if not g.healthy]
-        if not self._backend_ok and not inventory.gpus:
+        if not self.gpus.ok and not inventory.gpus:
             text = "no GPUs: NVML unavailable; waiting"
         elif not inventory.gpus:
             text = "no GPUs found; waiting"
-        elif not self._registered:
+        elif not self.registered:
             text = f"{len(inventory.gpus)} GPUs; waiting for the kubelet at {self.config.plugin_dir}"
         else:
             text = f"serving {len(inventory.gpus)} GPUs, {inventory.total} {inventory.unit.value}"
@@ -435,31 +296,9 @@ class Service:
             log.warning("reload: %s change only after a restart", ", ".join(sorted(later)))
         log.info("configuration reloaded from %s", path)
 
-    # --- GPU events ------------------------------------------------------------------------------------------
-
-    def _watch_events(self) -> None:
-        while not self._stop.is_set():
-            if not self._backend_ok:
-                self._stop.wait(1.0)
-                continue
-            try:
-                event = self.backend.wait_event(1000)
-            except GpuBackendError as exc:
-                log.error("GPU event wait failed: %s", exc)
-                self.health.backend_failed(str(exc))
-                self._stop.wait(1.0)
-                continue
-            if event is None:
-                continue
-            self.metrics.gpu_events.labels(kind=event.kind, xid=str(event.xid)).inc()
-            counted = self.health.event(
-                event.uuid, kind=event.kind, xid=event.xid, all_uuids=[g.uuid for g in self._gpus]
-            )
-            target = event.uuid or "all GPUs"
-            if counted:
-                log.error("%s on %s: unhealthy for %.0fs", event.kind.upper(), target, self.health.recover_after)
-            else:
-                log.info("XID %d on %s ignored (application error)", event.xid, target)
+    @property
+    def registered(self) -> bool:
+        return self.kubelet is not None and self.kubelet.registered
 
     # --- status and metrics -----------------------------------------------------------------------------------
 
@@ -478,11 +317,11 @@ class Service:
         return {
             "version": __version__,
             "state": self.notifier.text,
-            "registered": self._registered,
+            "registered": self.registered,
             "kubeletWatching": self.plugin is not None and self.plugin.watched,
             "mps": self.mps.status() if self.mps is not None else None,
             "kubelet": str(self.config.plugin_dir),
-            "nvml": self._backend_ok,
+            "nvml": self.gpus.ok,
             **served,
         }
 

@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gpushared.daemon import service as service_module
+from gpushared.daemon import gpus as gpus_module
 from gpushared.daemon.config import load
-from gpushared.daemon.service import RestartNeeded, Service
+from gpushared.daemon.errors import RestartNeeded
+from gpushared.daemon.service import Service
 from gpushared.nvml.backend import GpuBackendError
 
 
@@ -44,11 +45,11 @@ def test_restart_when_the_driver_came_after_the_unit(
     else:
         monkeypatch.delenv("INVOCATION_ID", raising=False)
     seen = iter(groups)
-    monkeypatch.setattr(service_module.driver, "loaded_device_groups", lambda: next(seen))
+    monkeypatch.setattr(gpus_module.driver, "loaded_device_groups", lambda: next(seen))
     service = Service(load(tmp_path / "none.yaml", env={}), backend=NoNvml())  # type: ignore[arg-type]
     if restart:
         with pytest.raises(RestartNeeded, match="registered its devices after gpushared started"):
-            service._read_gpus()
+            service.gpus.read()
     else:
-        service._read_gpus()  # logged, every GPU unhealthy, waiting
-        assert not service._backend_ok
+        service.gpus.read()  # logged, every GPU unhealthy, waiting
+        assert not service.gpus.ok

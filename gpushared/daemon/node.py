@@ -1,0 +1,110 @@
+"""The daemon's two links outward, kept up by the service loop: its registration with the kubelet, and the
+node's GPU inventory on its Node object."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from gpushared import contract
+from gpushared.contract import GpuInventory, ResourceNames
+from gpushared.daemon.errors import FatalError
+from gpushared.daemon.metrics import Metrics
+from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
+from gpushared.kube.api import Api, KubeError, NotFound
+
+log = logging.getLogger(__name__)
+
+
+class KubeletLink:
+    """Registers the plugin with the kubelet, and again whenever kubelet.sock is new (the kubelet restarted)
+    or the plugin's socket is gone (the kubelet deleted it)."""
+
+    def __init__(self, plugin: PluginServer, *, metrics: Metrics) -> None:
+        self.plugin = plugin
+        self.metrics = metrics
+        self.registered = False
+        self._kubelet_inode: int | None = None
+
+    def keep(self) -> None:
+        kubelet = self.plugin.kubelet_socket
+        try:
+            inode: int | None = kubelet.stat().st_ino
+        except FileNotFoundError:
+            inode = None
+        ours_gone = self.registered and not self.plugin.socket.exists()
+        if self.registered and inode == self._kubelet_inode and not ours_gone:
+            return
+        if inode is None:
+            if self.registered:
+                log.warning("kubelet socket %s is gone; waiting for the kubelet", kubelet)
+            self.registered = False
+            return
+        if self.registered:
+            log.info("kubelet restarted or our socket vanished: registering again")
+        self.plugin.stop()
+        self.plugin.start()
+        try:
+            self.plugin.register()
+        except RegistrationFailed as exc:
+            log.warning("registration with the kubelet failed: %s", exc)
+            self.registered = False
+            return
+        self.registered = True
+        self._kubelet_inode = inode
+        self.metrics.registrations.inc()
+        log.info("registered %s with the kubelet at %s", self.plugin.manager.resource_name, kubelet)
+
+
+class NodePublisher:
+    """Checks once that the configured node exists, then keeps its inventory annotation and Aliyun's
+    gpu-count capacity current, patching only what changed."""
+
+    def __init__(self, api: Api, node: str, *, resources: ResourceNames) -> None:
+        self.api = api
+        self.node = node
+        self.resources = resources
+        self.checked = False
+        self._published: str | None = None
+        self._published_count: int | None = None
+
+    @property
+    def published(self) -> bool:
+        """Whether the inventory went out and was not refused since."""
+        return self._published is not None
+
+    def check(self) -> None:
+        """Raises :class:`FatalError` when the node does not exist: the configuration names another machine."""
+        if self.checked:
+            return
+        try:
+            self.api.get_node(self.node)
+        except NotFound:
+            raise FatalError(
+                f"node {self.node!r} does not exist in the cluster: set nodeName in the config "
+                "to this machine's Node name"
+            ) from None
+        except KubeError as exc:
+            log.warning("cannot check node %s yet: %s", self.node, exc)
+            return
+        self.checked = True
+
+    def publish(self, inventory: GpuInventory) -> None:
+        if not self.checked:
+            return
+        text = contract.format_inventory(inventory)
+        count = len(inventory.gpus)
+        patch: dict[str, Any] = {}
+        if text != self._published:
+            patch["metadata"] = {"annotations": {contract.NODE_INVENTORY: text}}
+        if count != self._published_count:
+            patch["status"] = {"capacity": {self.resources.gpu_count: str(count)}}
+        if not patch:
+            return
+        try:
+            self.api.patch_node_status(self.node, patch)
+        except KubeError as exc:
+            log.warning("publishing the GPU inventory failed: %s; retrying", exc)
+            self._published = None
+            return
+        self._published, self._published_count = text, count
