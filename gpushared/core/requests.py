@@ -70,7 +70,8 @@ class PodRequest:
 
     @property
     def app_sum(self) -> int:
-        """Aliyun's ``ALIYUN_COM_GPU_MEM_POD``: the sum over app containers."""
+        """The sum over app containers: what Aliyun writes as ``ALIYUN_COM_GPU_MEM_POD``. gpushared writes
+        and hands containers :attr:`total`, the peak, for that key (docs/design.md §3)."""
         return sum(c.amount for c in self.containers if not c.init)
 
 
