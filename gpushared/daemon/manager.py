@@ -272,15 +272,15 @@ class Manager:
     def _facts(self) -> NodeFacts:
         """What decide() needs to know about the node now; the device files are looked at only when the
         node's policy passes them."""
-        with self._lock:
-            gpus = list(self._gpus)
+        with self._lock:  # the inventory and its GPUs' minors from one reading
+            gpus, inventory = list(self._gpus), self._inventory
         present: list[str] = []
         if self.exposure.device_nodes:
             root = self.exposure.dev_root
             present = [p for p in CONTROL_DEVICES if os.path.exists(os.path.join(root, p.lstrip("/")))]
         return NodeFacts(
             name=self.node,
-            inventory=self.inventory,
+            inventory=inventory,
             ledger=self.ledger(),
             exposure=self.exposure,
             minors={g.uuid: g.minor for g in gpus},
