@@ -129,6 +129,9 @@ POD_ALLOCATION: Final = f"{ANNOTATION_DOMAIN}/allocation"
 POD_MPS: Final = f"{ANNOTATION_DOMAIN}/mps"
 #: Pod: overrides the derived CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100).
 POD_MPS_THREAD_PERCENTAGE: Final = f"{ANNOTATION_DOMAIN}/mps-active-thread-percentage"
+#: Pod: "off", "report" or "kill": what the daemon does when the pod's containers use more GPU memory than
+#: they were allocated; only stricter than the node's setting takes effect (core.memory).
+POD_MEMORY_ENFORCEMENT: Final = f"{ANNOTATION_DOMAIN}/memory-enforcement"
 
 #: The version of the JSON bodies this build writes and the newest it reads.
 CONTRACT_VERSION: Final = 1
