@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import pynvml
 
@@ -45,6 +45,16 @@ class GpuReadError:
 
 
 @dataclass(frozen=True)
+class GpuProcess:
+    """A process NVML lists on a GPU, by its host PID, with the memory it holds there."""
+
+    pid: int
+    #: None where the driver cannot say (NVML_VALUE_NOT_AVAILABLE)
+    used_mib: int | None
+    graphics: bool = False
+
+
+@dataclass(frozen=True)
 class GpuEvent:
     """A critical event; ``uuid`` is None when the driver could not attribute it to one GPU."""
 
@@ -60,6 +70,7 @@ class GpuBackend(Protocol):
     def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
     def driver_version(self) -> str: ...
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
+    def processes(self, uuid: str) -> list[GpuProcess]: ...
 
 
 _EVENT_KINDS = {
@@ -160,6 +171,22 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"setting the compute mode of {uuid}: {exc}") from exc
 
+    def processes(self, uuid: str) -> list[GpuProcess]:
+        """The compute and graphics processes on the GPU, through the newest call the driver has (``_v3``,
+        else ``_v2``). A process with contexts of both kinds is listed once, with the larger amount."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            found: dict[int, GpuProcess] = {}
+            for graphics, calls in ((False, _COMPUTE_CALLS), (True, _GRAPHICS_CALLS)):
+                for info in _newest(calls, handle):
+                    used = None if info.usedGpuMemory is None else int(info.usedGpuMemory) // 2**20
+                    known = found.get(int(info.pid))
+                    if known is None or (used or 0) > (known.used_mib or 0):
+                        found[int(info.pid)] = GpuProcess(pid=int(info.pid), used_mib=used, graphics=graphics)
+        except pynvml.NVMLError as exc:
+            raise GpuBackendError(f"reading the processes of {uuid}: {exc}") from exc
+        return sorted(found.values(), key=lambda p: p.pid)
+
     def wait_event(self, timeout_ms: int) -> GpuEvent | None:
         """The next critical event, or None after ``timeout_ms``. Registers on first use."""
         try:
@@ -182,6 +209,20 @@ class NvmlBackend:
             supported = pynvml.nvmlDeviceGetSupportedEventTypes(handle)
             pynvml.nvmlDeviceRegisterEvents(handle, wanted & supported, events)
         return events
+
+
+_COMPUTE_CALLS = ("nvmlDeviceGetComputeRunningProcesses_v3", "nvmlDeviceGetComputeRunningProcesses_v2")
+_GRAPHICS_CALLS = ("nvmlDeviceGetGraphicsRunningProcesses_v3", "nvmlDeviceGetGraphicsRunningProcesses_v2")
+
+
+def _newest(calls: tuple[str, ...], handle: object) -> list[Any]:
+    """The first of ``calls`` (newest first) that the driver has."""
+    for name in calls[:-1]:
+        try:
+            return list(getattr(pynvml, name)(handle))
+        except pynvml.NVMLError_FunctionNotFound:
+            continue
+    return list(getattr(pynvml, calls[-1])(handle))
 
 
 def _mig_enabled(handle: object) -> bool:

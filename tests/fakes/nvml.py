@@ -74,7 +74,8 @@ class FakeGpu:
     minor: int | None = None
     compute_capability: tuple[int, int] = (8, 0)
     mig_mode: int = 0
-    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used MiB)
+    #: (pid, used MiB) of compute processes, or (pid, used MiB, "graphics"); used -1: the driver cannot say
+    processes: list[tuple[int, int] | tuple[int, int, str]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # NVML function -> error name
 
     def to_json(self, index: int) -> dict[str, Any]:
@@ -86,7 +87,9 @@ class FakeGpu:
             "minor": index if self.minor is None else self.minor,
             "computeCapability": list(self.compute_capability),
             "migMode": self.mig_mode,
-            "processes": [{"pid": pid, "usedMiB": used} for pid, used in self.processes],
+            "processes": [
+                {"pid": p[0], "usedMiB": p[1], "kind": p[2] if len(p) > 2 else "compute"} for p in self.processes
+            ],
             "errors": self.errors,
         }
 
@@ -123,6 +126,11 @@ class FakeNvml:
         scratch = self.config_path.with_suffix(".tmp")
         scratch.write_text(json.dumps(body, indent=1))
         scratch.replace(self.config_path)  # atomic: the library never reads half a file
+
+    def set_processes(self, gpu: int, *processes: tuple[int, int] | tuple[int, int, str]) -> None:
+        """What NVML lists running on GPU ``gpu``: (pid, used MiB[, "graphics"]); re-read live."""
+        self.gpus[gpu].processes = list(processes)
+        self.write()
 
     def xid(self, gpu: int, xid: int) -> None:
         """Raise an XID critical error on GPU ``gpu`` (-1: all GPUs)."""

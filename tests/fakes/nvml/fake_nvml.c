@@ -13,7 +13,7 @@
  *    "errors": {"nvmlInitWithFlags": "DRIVER_NOT_LOADED"},
  *    "devices": [{"uuid": "GPU-...", "name": "Tesla T4", "memoryMiB": 15360, "usedMiB": 0, "minor": 0,
  *                 "computeCapability": [7, 5], "migMode": 0, "computeMode": 0, "gpuUtil": 0,
- *                 "processes": [{"pid": 42, "usedMiB": 100}],
+ *                 "processes": [{"pid": 42, "usedMiB": 100}, {"pid": 43, "usedMiB": 5, "kind": "graphics"}],
  *                 "errors": {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}}],
  *    "events": [{"id": 1, "device": 0, "type": "xid", "xid": 79}]}
  *
@@ -207,8 +207,9 @@ struct nvmlDevice_st {
     unsigned int minor, mig_mode, gpu_util;
     int cc_major, cc_minor;
     nvmlComputeMode_t compute_mode;
-    unsigned int process_count;
-    nvmlProcessInfo_t processes[MAX_PROCESSES];
+    unsigned int process_count, graphics_count;
+    nvmlProcessInfo_t processes[MAX_PROCESSES];  /* compute processes */
+    nvmlProcessInfo_t graphics[MAX_PROCESSES];
     unsigned int error_count;
     injected_error errors[MAX_ERRORS];
 };
@@ -343,11 +344,18 @@ static void reload(void) {
         dev->cc_major = cc && cc->type == J_ARR && cc->len == 2 ? (int)cc->items[0]->num : 8;
         dev->cc_minor = cc && cc->type == J_ARR && cc->len == 2 ? (int)cc->items[1]->num : 0;
         const jval *procs = jget(d, "processes");
-        dev->process_count = 0;
-        for (size_t p = 0; procs && procs->type == J_ARR && p < procs->len && p < MAX_PROCESSES; p++) {
-            nvmlProcessInfo_t *info = &dev->processes[dev->process_count++];
+        dev->process_count = dev->graphics_count = 0;
+        for (size_t p = 0; procs && procs->type == J_ARR && p < procs->len; p++) {
+            char kind[16];
+            jstr(procs->items[p], "kind", kind, sizeof kind, "compute");
+            int graphics = strcmp(kind, "graphics") == 0;
+            unsigned int *n = graphics ? &dev->graphics_count : &dev->process_count;
+            if (*n >= MAX_PROCESSES) continue;
+            nvmlProcessInfo_t *info = graphics ? &dev->graphics[(*n)++] : &dev->processes[(*n)++];
             info->pid = (unsigned int)jnum(procs->items[p], "pid", 0);
-            info->usedGpuMemory = (unsigned long long)jnum(procs->items[p], "usedMiB", 0) << 20;
+            /* usedMiB -1: the driver cannot say (NVML_VALUE_NOT_AVAILABLE, as under WDDM) */
+            double used = jnum(procs->items[p], "usedMiB", 0);
+            info->usedGpuMemory = used < 0 ? (unsigned long long)NVML_VALUE_NOT_AVAILABLE : (unsigned long long)used << 20;
             info->gpuInstanceId = 0xFFFFFFFF;
             info->computeInstanceId = 0xFFFFFFFF;
         }
@@ -564,18 +572,35 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     DONE;
 }
 
+static nvmlReturn_t running_processes(nvmlDevice_t device, unsigned int *count, nvmlProcessInfo_t *infos,
+                                      int graphics, const char *function) {
+    pthread_mutex_lock(&lock);
+    reload();
+    nvmlReturn_t rc = !initialized ? NVML_ERROR_UNINITIALIZED
+                      : !valid_device(device) ? NVML_ERROR_INVALID_ARGUMENT
+                                              : injected(function, device);
+    if (rc == NVML_SUCCESS) {
+        unsigned int have = graphics ? device->graphics_count : device->process_count;
+        unsigned int capacity = *count;
+        *count = have;
+        if (!infos || capacity < have) {
+            rc = have ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
+        } else {
+            memcpy(infos, graphics ? device->graphics : device->processes, have * sizeof *infos);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return rc;
+}
+
 nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
                                                      nvmlProcessInfo_t *infos) {
-    DEVICE_CALL(device);
-    unsigned int capacity = *count;
-    *count = device->process_count;
-    if (!infos || capacity < device->process_count) {
-        rc = device->process_count ? NVML_ERROR_INSUFFICIENT_SIZE : NVML_SUCCESS;
-        pthread_mutex_unlock(&lock);
-        return rc;
-    }
-    memcpy(infos, device->processes, device->process_count * sizeof *infos);
-    DONE;
+    return running_processes(device, count, infos, 0, __func__);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                      nvmlProcessInfo_t *infos) {
+    return running_processes(device, count, infos, 1, __func__);
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
