@@ -54,6 +54,8 @@ class ContainerState(TypedDict, total=False):
 class ContainerStatus(TypedDict, total=False):
     name: str
     state: ContainerState
+    #: ``<runtime>://<id>`` once the container was created
+    containerID: str
 
 
 class PodStatus(TypedDict, total=False):

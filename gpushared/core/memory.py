@@ -30,6 +30,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpushared import contract
+from gpushared.contract import ContractError, MemoryUnit, ResourceNames
+from gpushared.core.bodies import PodBody, annotations_of, key_of, uid_of
+from gpushared.core.cgroups import CgroupOwner, container_id_of
+from gpushared.core.handshake import slots_of
+from gpushared.core.requests import pod_request
 
 
 class Enforcement(enum.IntEnum):
@@ -246,3 +251,55 @@ def _to_kill(
         chosen.append(pid)
         left -= held[pid][usage.gpu]
     return chosen
+
+
+def allowances_of(
+    pod: PodBody, *, unit: MemoryUnit, resources: ResourceNames, node: Enforcement, gpus: Sequence[int]
+) -> dict[tuple[str, str], Allowance]:
+    """What each container of ``pod`` may use on each GPU, keyed by (pod UID, container name).
+
+    From the pod's recorded GPU choice (``core.handshake.slots_of``: our allocation annotation, or Aliyun's
+    index): a container's share on each of its GPUs. A container that asks for no GPU memory may use none.
+    Where the choice cannot be read, each container may use what it asks for on any of the node's ``gpus``:
+    the daemon never acts on a pod by a record it cannot read."""
+    uid = uid_of(pod)
+    enforcement = pod_enforcement(node, annotations_of(pod).get(contract.POD_MEMORY_ENFORCEMENT))
+    spec = pod.get("spec") or {}
+    containers = [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]
+    names = [c.get("name", "") for c in containers]
+    allowances = {(uid, name): Allowance({}, enforcement) for name in names}
+    try:
+        request = pod_request(pod, resources=resources)
+    except ContractError:
+        return allowances
+    try:
+        slots = slots_of(pod, unit=unit, request=request)
+    except ContractError:
+        slots = None
+    if slots is None:
+        for container in request.containers:
+            mib = unit.to_mib(container.amount)
+            allowances[(uid, container.name)] = Allowance(dict.fromkeys(gpus, mib), enforcement, request.mps)
+        return allowances
+    allowances = {key: Allowance({}, enforcement, request.mps) for key in allowances}
+    for slot in slots:
+        share = unit.to_mib(slot.share)
+        allowances[(uid, slot.container)] = Allowance(dict.fromkeys(slot.indices, share), enforcement, request.mps)
+    return allowances
+
+
+def owner_ref(owner: CgroupOwner | None, pods: Mapping[str, PodBody]) -> ContainerRef | None:
+    """The container a process runs in, from its cgroup owner and this node's pods by UID; None for a process
+    of no pod, of a pod this node does not know (yet), or of no container the pod's status names (yet):
+    nothing is done to a process that cannot be named."""
+    if owner is None or owner.container_id is None:
+        return None
+    pod = pods.get(owner.pod_uid)
+    if pod is None:
+        return None
+    status = pod.get("status") or {}
+    for container in [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]:
+        if container_id_of(container.get("containerID") or "") == owner.container_id:
+            namespace, name = key_of(pod)
+            return ContainerRef(owner.pod_uid, namespace, name, container.get("name", ""))
+    return None

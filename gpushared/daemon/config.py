@@ -18,6 +18,7 @@ import yaml
 
 from gpushared.contract import ContractError, MemoryUnit
 from gpushared.core.exposure import ExposurePolicy, Strategy, parse_strategies
+from gpushared.core.memory import Enforcement, MemoryPolicy
 
 DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
@@ -55,6 +56,12 @@ class Config:
     mps_exclusive_process: bool
     mps_shm_size: str
     mps_probe_seconds: float
+    memory_poll_seconds: float
+    memory_enforcement: Enforcement
+    memory_grace_seconds: float
+    memory_tolerance_mib: int
+    memory_reserve_mib: int
+    inventory_usage_seconds: float
 
     @property
     def plugin_dir(self) -> Path:
@@ -63,6 +70,14 @@ class Config:
     @property
     def pod_resources_socket(self) -> Path:
         return self.kubelet_dir / "pod-resources" / "kubelet.sock"
+
+    @property
+    def memory_policy(self) -> MemoryPolicy:
+        return MemoryPolicy(
+            grace_seconds=self.memory_grace_seconds,
+            tolerance_mib=self.memory_tolerance_mib,
+            reserve_mib=self.memory_reserve_mib,
+        )
 
     @property
     def exposure(self) -> ExposurePolicy:
@@ -154,6 +169,20 @@ def _level(value: Any) -> str:
     return value.lower()
 
 
+def _mib(value: Any) -> int:
+    number = _integer(value)
+    if number < 0:
+        raise ValueError("must be a number of MiB, 0 or more")
+    return number
+
+
+def _enforcement(value: Any) -> Enforcement:
+    try:
+        return Enforcement.parse(str(value))
+    except ContractError:
+        raise ValueError("must be off, report or kill") from None
+
+
 def _xids(value: Any) -> tuple[int, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple):
@@ -170,8 +199,9 @@ class Option:
 
     @property
     def env(self) -> str:
-        """``health.recoverAfterSeconds`` -> ``GPUSHARED_HEALTH_RECOVER_AFTER_SECONDS``."""
-        return "GPUSHARED_" + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", self.key).replace(".", "_").upper()
+        """``health.recoverAfterSeconds`` -> ``GPUSHARED_HEALTH_RECOVER_AFTER_SECONDS``; ``MiB`` is one word."""
+        key = self.key.replace("MiB", "Mib")
+        return "GPUSHARED_" + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", key).replace(".", "_").upper()
 
 
 OPTIONS = (
@@ -196,6 +226,12 @@ OPTIONS = (
     Option("mps_exclusive_process", "mps.exclusiveProcess", _boolean, lambda: False),
     Option("mps_shm_size", "mps.shmSize", _shm_size, lambda: "50%"),
     Option("mps_probe_seconds", "mps.probeSeconds", _positive_seconds, lambda: 5.0),
+    Option("memory_poll_seconds", "memoryPollSeconds", _positive_seconds, lambda: 2.0),
+    Option("memory_enforcement", "memoryEnforcement", _enforcement, lambda: Enforcement.REPORT),
+    Option("memory_grace_seconds", "memoryGraceSeconds", _seconds, lambda: 10.0),
+    Option("memory_tolerance_mib", "memoryToleranceMiB", _mib, lambda: 256),
+    Option("memory_reserve_mib", "memoryReserveMiB", _mib, lambda: 512),
+    Option("inventory_usage_seconds", "inventoryUsageSeconds", _positive_seconds, lambda: 60.0),
 )
 assert {o.field for o in OPTIONS} == {f.name for f in fields(Config)}
 

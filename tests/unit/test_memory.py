@@ -7,6 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
+from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
+from gpushared.core.binding import bind_annotations
+from gpushared.core.cgroups import CgroupOwner
 from gpushared.core.memory import (
     Allowance,
     ContainerRef,
@@ -14,9 +17,13 @@ from gpushared.core.memory import (
     Episode,
     GpuProcess,
     MemoryPolicy,
+    allowances_of,
     decide_memory,
+    owner_ref,
     pod_enforcement,
 )
+from gpushared.core.requests import pod_request
+from tests.builders import inventory, pod
 
 A = ContainerRef("uid-a", "default", "a", "main")
 B = ContainerRef("uid-b", "default", "b", "main")
@@ -205,3 +212,53 @@ def test_only_processes_of_containers_over_their_allocation_are_ever_killed(
         before = sum(p.used_mib for p in processes if p.owner == ref and p.gpu == gpu and p.pid not in others)
         assert before > kill.usage.allocated_mib + POLICY.tolerance_mib
         assert kill.used_mib > 0
+
+
+# --- from the node's pods: allowances and owners ------------------------------------------------------------
+
+
+def test_allowances_from_the_recorded_choice_and_the_pods_annotation() -> None:
+    inv = inventory(16, 16)
+    body = pod("p", 2, 3, node="n1", annotations={contract.POD_MEMORY_ENFORCEMENT: "kill"})
+    body["spec"]["containers"].append({"name": "sidecar", "image": "busybox"})
+    body["metadata"]["annotations"].update(bind_annotations(pod_request(body), [inv.gpus[1]], unit=inv.unit, now_ns=1))
+    allowances = allowances_of(
+        body, unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES, node=Enforcement.REPORT, gpus=[0, 1]
+    )
+    uid = body["metadata"]["uid"]
+    assert allowances == {
+        (uid, "c0"): Allowance({1: 2048}, Enforcement.KILL),
+        (uid, "c1"): Allowance({1: 3072}, Enforcement.KILL),
+        (uid, "sidecar"): Allowance({}, Enforcement.KILL),  # asks for none: may use none
+    }
+
+
+def test_a_record_that_cannot_be_read_allows_the_request_on_any_gpu() -> None:
+    body = pod("bad", 4, node="n1", annotations={contract.POD_ALLOCATION: "{"})
+    allowances = allowances_of(
+        body, unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES, node=Enforcement.KILL, gpus=[0, 1]
+    )
+    assert allowances == {(body["metadata"]["uid"], "c0"): Allowance({0: 4096, 1: 4096}, Enforcement.KILL)}
+
+
+def test_an_mps_pods_containers_are_marked() -> None:
+    inv = inventory(16, mps=True)
+    body = pod("m", 2, node="n1", annotations={contract.POD_MPS: "true"})
+    body["metadata"]["annotations"].update(bind_annotations(pod_request(body), [inv.gpus[0]], unit=inv.unit, now_ns=1))
+    (allowance,) = allowances_of(
+        body, unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES, node=Enforcement.REPORT, gpus=[0]
+    ).values()
+    assert allowance.mps
+
+
+def test_a_process_is_named_by_its_pods_container_status() -> None:
+    body = pod("p", 2, node="n1", uid="3f2a9c1e-7b4d-4e8f-9a0b-1c2d3e4f5a6b")
+    body["status"]["containerStatuses"] = [{"name": "c0", "containerID": "containerd://" + "ab" * 32}]
+    pods = {body["metadata"]["uid"]: body}
+    assert owner_ref(CgroupOwner(body["metadata"]["uid"], "ab" * 32), pods) == ContainerRef(
+        body["metadata"]["uid"], "default", "p", "c0"
+    )
+    assert owner_ref(CgroupOwner(body["metadata"]["uid"], "cd" * 32), pods) is None  # not in its status yet
+    assert owner_ref(CgroupOwner("0" * 8 + "-0000-0000-0000-" + "0" * 12, "ab" * 32), pods) is None  # unknown pod
+    assert owner_ref(CgroupOwner(body["metadata"]["uid"], None), pods) is None  # CRI-O's conmon
+    assert owner_ref(None, pods) is None  # a host process
