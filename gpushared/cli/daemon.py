@@ -194,6 +194,18 @@ def render_status(body: dict[str, Any]) -> str:
             )
             if daemon["problem"]:
                 lines.append(f"    problem: {daemon['problem']}")
+    memory = body.get("memory")
+    if memory and (memory["containers"] or memory["hostProcesses"]):
+        lines += ["", f"{'CONTAINER':<48}{'GPU':<5}{'USED/ALLOCATED (MiB)':<22}PIDS"]
+        for usage in memory["containers"]:
+            name = f"{usage['namespace']}/{usage['pod']}/{usage['container']}"
+            amounts = f"{usage['usedMiB']}/{usage['allocatedMiB']}"
+            over = "  OVER" if usage["usedMiB"] > usage["allocatedMiB"] else ""
+            pids = ",".join(map(str, usage["pids"]))
+            lines.append(f"{name:<48}{usage['gpu']:<5}{amounts + over:<22}{pids}")
+        for gpu, processes in memory["hostProcesses"].items():
+            for process in processes:
+                lines.append(f"{'(no pod) pid ' + str(process['pid']):<48}{gpu:<5}{process['usedMiB']}")
     return "\n".join(lines)
 
 

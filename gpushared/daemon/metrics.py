@@ -29,6 +29,19 @@ class PodShare:
     bytes: int
 
 
+@dataclass(frozen=True)
+class ContainerMemory:
+    """What one container uses and was allocated on one GPU, as the last memory poll read it."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpu: int
+    uuid: str
+    used_bytes: int
+    allocated_bytes: int
+
+
 def build_info(registry: CollectorRegistry, component: str) -> None:
     info = Gauge(
         "gpushared_build_info",
@@ -55,6 +68,33 @@ class PodSeries(Collector):
         for share in self.shares():
             family.add_metric((share.namespace, share.pod, str(share.gpu), share.uuid), share.bytes)
         yield family
+
+
+class ContainerSeries(Collector):
+    """``gpushared_container_gpu_memory_used_bytes`` and ``..._allocated_bytes`` per container and GPU, from
+    the last memory poll: a container with no process on a GPU has no series there."""
+
+    def __init__(self, usages: Callable[[], Iterable[ContainerMemory]]) -> None:
+        self.usages = usages
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ("namespace", "pod", "container", "gpu", "uuid")
+        used = GaugeMetricFamily(
+            "gpushared_container_gpu_memory_used_bytes",
+            "GPU memory a container's processes use on a GPU, as NVML reports it",
+            labels=labels,
+        )
+        allocated = GaugeMetricFamily(
+            "gpushared_container_gpu_memory_allocated_bytes",
+            "GPU memory the container was allocated on that GPU (its share of its pod's gpu-mem)",
+            labels=labels,
+        )
+        for usage in self.usages():
+            values = (usage.namespace, usage.pod, usage.container, str(usage.gpu), usage.uuid)
+            used.add_metric(values, usage.used_bytes)
+            allocated.add_metric(values, usage.allocated_bytes)
+        yield used
+        yield allocated
 
 
 class Metrics:
@@ -103,9 +143,33 @@ class Metrics:
             registry=self.registry,
         )
 
+        self.usage_polls = Histogram(
+            "gpushared_usage_poll_seconds",
+            "Time to read every GPU's processes and attribute them to containers",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            registry=self.registry,
+        )
+        self.overruns = Counter(
+            "gpushared_container_overruns",
+            "Times a container went over its GPU memory allocation plus the tolerance",
+            registry=self.registry,
+        )
+        self.overrun_kills = Counter(
+            "gpushared_overrun_kills",
+            "Processes killed for GPU memory used past their container's allocation",
+            ("reason",),
+            registry=self.registry,
+        )
+
         self._pods = PodSeries(lambda: ())
         self.registry.register(self._pods)
+        self._containers = ContainerSeries(lambda: ())
+        self.registry.register(self._containers)
 
     def watch_pods(self, shares: Callable[[], Iterable[PodShare]]) -> None:
         """Where the per-pod series come from (the manager, once the daemon has one)."""
         self._pods.shares = shares
+
+    def watch_containers(self, usages: Callable[[], Iterable[ContainerMemory]]) -> None:
+        """Where the per-container memory series come from (the memory watcher)."""
+        self._containers.usages = usages

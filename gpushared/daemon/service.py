@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
 from gpushared.contract import ResourceNames
+from gpushared.core.memory import Enforcement
 from gpushared.daemon import config as config_module
 from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
@@ -31,6 +32,7 @@ from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager, inventory_of
+from gpushared.daemon.memory import GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher
@@ -99,6 +101,7 @@ class Service:
         self.manager: Manager | None = None
         self.mps: MpsSupervisor | None = None
         self.plugin: PluginServer | None = None
+        self.memory: MemoryWatcher | None = None
         self.kubelet: KubeletLink | None = None
         self.node: NodePublisher | None = None
         self._http: ThreadingHTTPServer | None = None
@@ -213,13 +216,33 @@ class Service:
         )
         self.manager.refresh(self.gpus.devices)
         self.metrics.watch_pods(self.manager.pod_shares)
+        self.memory = self._memory_watcher(self.manager, self.pods)
         if self.mps is not None:
             threading.Thread(target=self.mps.run, args=(self._stop,), name="mps", daemon=True).start()
         self.plugin = PluginServer(self.manager, plugin_dir=self.config.plugin_dir, endpoint=ENDPOINT)
         self.kubelet = KubeletLink(self.plugin, metrics=self.metrics)
+        if self.memory is not None:
+            threading.Thread(target=self.memory.run, args=(self._stop,), name="gpu-memory", daemon=True).start()
         if self.config.health_enabled:
             watch = self.gpus.watch_events
             threading.Thread(target=watch, args=(self._stop, self.metrics), name="gpu-events", daemon=True).start()
+
+    def _memory_watcher(self, manager: Manager, pods: PodWatch) -> MemoryWatcher | None:
+        """The memory watcher (docs/memory.md); none where enforcement is off."""
+        if self.config.memory_enforcement is Enforcement.OFF:
+            return None
+        return MemoryWatcher(
+            backend=self.backend,
+            gpus=lambda: [GpuView(g.index, g.uuid, g.memory_mib) for g in manager.inventory.gpus],
+            pods=pods.pods,
+            outbox=manager.outbox,
+            metrics=self.metrics,
+            unit=self.config.memory_unit,
+            resources=self.resources,
+            enforcement=self.config.memory_enforcement,
+            policy=self.config.memory_policy,
+            poll_seconds=self.config.memory_poll_seconds,
+        )
 
     def _shutdown(self) -> None:
         if self.plugin is not None:
@@ -320,6 +343,7 @@ class Service:
             "registered": self.registered,
             "kubeletWatching": self.plugin is not None and self.plugin.watched,
             "mps": self.mps.status() if self.mps is not None else None,
+            "memory": self.memory.status() if self.memory is not None else None,
             "kubelet": str(self.config.plugin_dir),
             "nvml": self.gpus.ok,
             **served,

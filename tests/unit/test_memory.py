@@ -206,9 +206,9 @@ def test_only_processes_of_containers_over_their_allocation_are_ever_killed(
         allowance = allowances.get((kill.usage.ref.uid, kill.usage.ref.container))
         assert allowance is None or (allowance.enforcement is not Enforcement.OFF and not allowance.mps)
     assert len({k.pid for k in decision.kills}) == len(decision.kills), "a process killed twice"
-    for kill in decision.kills:  # each kill was needed: without it, the container was still over
+    for position, kill in enumerate(decision.kills):  # each kill was needed, after the kills before it
         ref, gpu = kill.usage.ref, kill.usage.gpu
-        others = {k.pid for k in decision.kills if k.pid != kill.pid}
+        others = {k.pid for k in decision.kills[:position]}
         before = sum(p.used_mib for p in processes if p.owner == ref and p.gpu == gpu and p.pid not in others)
         assert before > kill.usage.allocated_mib + POLICY.tolerance_mib
         assert kill.used_mib > 0

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushared.daemon.metrics import ContainerMemory, PodShare
 from gpushared.daemon.metrics import Metrics as NodeMetrics
-from gpushared.daemon.metrics import PodShare
 from gpushared.extender.server import Metrics as ExtenderMetrics
 
 NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -35,6 +35,9 @@ def node_registry() -> CollectorRegistry:
     metrics.gpu_events.labels(kind="xid", xid="79").inc()
     metrics.allocate_seconds.observe(0.01)
     metrics.watch_pods(lambda: [PodShare("default", "p", 0, "GPU-0", 2**30)])
+    metrics.watch_containers(lambda: [ContainerMemory("default", "p", "c", 0, "GPU-0", 2**31, 2**30)])
+    metrics.overrun_kills.labels(reason="kill").inc()
+    metrics.usage_polls.observe(0.01)
     return metrics.registry
 
 

@@ -1,0 +1,308 @@
+"""The memory watcher: every GPU's processes, attributed to their containers, and acted on (core.memory).
+
+Each poll reads every GPU's running processes from NVML (host PIDs, with the memory each holds there),
+pins each process with a pidfd, reads its ``/proc/<pid>/cgroup`` to find its pod and container
+(``core.cgroups``), and hands the lot to ``core.memory.decide_memory``. A PID that exited between NVML's
+list and our read has no cgroup to read and is left out of this poll (its memory is being freed; NVML stops
+listing it). A PID that was reused in that window is a different process: the pidfd was opened before the
+cgroup was read, so the cgroup read is the pinned process's own, and a signal through the pidfd can only
+reach that process — never one that took its PID later. Where the kernel or the unit's seccomp filter has
+no pidfds, the cgroup is read again just before a kill, and a process that is no longer the container's
+is spared.
+
+Events go through the outbox (never on the poll's thread), and the series go to the metrics' container
+collector, read at scrape time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gpushared.contract import MemoryUnit, ResourceNames
+from gpushared.core.bodies import PodBody, uid_of
+from gpushared.core.cgroups import CgroupOwner, owner_of
+from gpushared.core.memory import (
+    Allowance,
+    ContainerUsage,
+    Enforcement,
+    Episode,
+    EpisodeKey,
+    GpuProcess,
+    Kill,
+    MemoryDecision,
+    MemoryPolicy,
+    Report,
+    allowances_of,
+    decide_memory,
+    owner_ref,
+)
+from gpushared.daemon.metrics import ContainerMemory, Metrics
+from gpushared.daemon.outbox import Outbox
+from gpushared.nvml.backend import GpuBackend, GpuBackendError
+
+log = logging.getLogger(__name__)
+
+EVENT_OVER_LIMIT = "GPUMemoryOverLimit"
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """A process as one poll saw it: its pidfd (None where pidfds are not to be had) and cgroup owner."""
+
+    pid: int
+    fd: int | None
+    owner: CgroupOwner | None
+
+
+class ProcessTable:
+    """``/proc`` read for one poll: each PID pinned before its cgroup is read; the pidfds closed after."""
+
+    def __init__(self, proc: Path = Path("/proc")) -> None:
+        self.proc = proc
+        self._pinned: dict[int, Pinned | None] = {}
+
+    def pin(self, pid: int) -> Pinned | None:
+        """The process, or None when it has exited."""
+        if pid in self._pinned:
+            return self._pinned[pid]
+        fd: int | None = None
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self._pinned[pid] = None
+            return None
+        except OSError:  # no pidfds here (an old kernel, a seccomp filter): re-checked before any kill
+            fd = None
+        try:
+            owner = owner_of((self.proc / str(pid) / "cgroup").read_text())
+        except (FileNotFoundError, ProcessLookupError):
+            if fd is not None:
+                os.close(fd)
+            self._pinned[pid] = None
+            return None
+        pinned = self._pinned[pid] = Pinned(pid, fd, owner)
+        return pinned
+
+    def kill(self, pinned: Pinned) -> bool:
+        """SIGKILL the pinned process; False when it is gone, or no longer the process that was read."""
+        try:
+            if pinned.fd is not None:
+                signal.pidfd_send_signal(pinned.fd, signal.SIGKILL)
+                return True
+            now = owner_of((self.proc / str(pinned.pid) / "cgroup").read_text())
+            if now != pinned.owner:
+                return False
+            os.kill(pinned.pid, signal.SIGKILL)
+            return True
+        except (ProcessLookupError, FileNotFoundError):
+            return False
+
+    def close(self) -> None:
+        for pinned in self._pinned.values():
+            if pinned is not None and pinned.fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(pinned.fd)
+        self._pinned.clear()
+
+
+@contextlib.contextmanager
+def process_table(proc: Path) -> Iterator[ProcessTable]:
+    table = ProcessTable(proc)
+    try:
+        yield table
+    finally:
+        table.close()
+
+
+@dataclass(frozen=True)
+class GpuView:
+    index: int
+    uuid: str
+    memory_mib: int
+
+
+class MemoryWatcher:
+    def __init__(
+        self,
+        *,
+        backend: GpuBackend,
+        gpus: Callable[[], list[GpuView]],
+        pods: Callable[[], list[PodBody]],
+        outbox: Outbox,
+        metrics: Metrics,
+        unit: MemoryUnit,
+        resources: ResourceNames,
+        enforcement: Enforcement,
+        policy: MemoryPolicy,
+        poll_seconds: float = 2.0,
+        proc: Path = Path("/proc"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.backend = backend
+        self.gpus = gpus
+        self.pods = pods
+        self.outbox = outbox
+        self.metrics = metrics
+        self.unit = unit
+        self.resources = resources
+        self.enforcement = enforcement
+        self.policy = policy
+        self.poll_seconds = poll_seconds
+        self.proc = proc
+        self.clock = clock
+        self.last = MemoryDecision()
+        self._uuids: dict[int, str] = {}
+        self._episodes: dict[EpisodeKey, Episode] = {}
+        self._unreadable: set[str] = set()  # GPUs whose processes NVML would not list, logged once
+        metrics.watch_containers(self.series)
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.poll_seconds):
+            try:
+                self.poll()
+            except Exception:  # one bad poll must not end the watching
+                log.exception("GPU memory poll failed")
+
+    def poll(self) -> MemoryDecision:
+        started = time.perf_counter()
+        gpus = self.gpus()
+        pods = {uid_of(pod): pod for pod in self.pods()}
+        allowances: dict[tuple[str, str], Allowance] = {}
+        for pod in pods.values():
+            allowances.update(
+                allowances_of(
+                    pod,
+                    unit=self.unit,
+                    resources=self.resources,
+                    node=self.enforcement,
+                    gpus=[gpu.index for gpu in gpus],
+                )
+            )
+        with process_table(self.proc) as table:
+            processes = []
+            pinned: dict[int, Pinned] = {}
+            for gpu in gpus:
+                for process in self._processes(gpu):
+                    found = table.pin(process.pid)
+                    if found is None:
+                        continue  # exited since NVML listed it
+                    pinned[process.pid] = found
+                    owner = owner_ref(found.owner, pods)
+                    processes.append(GpuProcess(process.pid, gpu.index, process.used_mib or 0, owner))
+            decision = decide_memory(
+                processes,
+                allowances,
+                gpu_mib={gpu.index: gpu.memory_mib for gpu in gpus},
+                policy=self.policy,
+                episodes=self._episodes,
+                now=self.clock(),
+            )
+            done = {kill.pid for kill in decision.kills if table.kill(pinned[kill.pid])}
+        self._episodes = decision.episodes
+        self._uuids = {gpu.index: gpu.uuid for gpu in gpus}
+        self.last = decision
+        self._tell(decision, pods, done)
+        self.metrics.usage_polls.observe(time.perf_counter() - started)
+        return decision
+
+    def _processes(self, gpu: GpuView) -> list[Any]:
+        try:
+            listed = self.backend.processes(gpu.uuid)
+        except GpuBackendError as exc:
+            if gpu.uuid not in self._unreadable:
+                self._unreadable.add(gpu.uuid)
+                log.warning("GPU %d: its processes cannot be read (%s); its memory is not watched", gpu.index, exc)
+            return []
+        self._unreadable.discard(gpu.uuid)
+        return listed
+
+    def _tell(self, decision: MemoryDecision, pods: Mapping[str, PodBody], done: set[int]) -> None:
+        tolerance = self.policy.tolerance_mib
+        for report in decision.reports:
+            self.metrics.overruns.inc()
+            pod = pods.get(report.usage.ref.uid)
+            message = _report_message(report, tolerance, self._uuids.get(report.usage.gpu, ""))
+            log.warning("%s", message)
+            if pod is not None:
+                self.outbox.event(pod, EVENT_OVER_LIMIT, message, warning=True)
+        for kill in decision.kills:
+            if kill.pid not in done:
+                log.info("process %d of %s was gone before it could be killed", kill.pid, kill.usage.ref)
+                continue
+            self.metrics.overrun_kills.labels(reason=kill.reason).inc()
+            pod = pods.get(kill.usage.ref.uid)
+            message = _kill_message(kill, tolerance, self._uuids.get(kill.usage.gpu, ""))
+            log.warning("%s", message)
+            if pod is not None:
+                self.outbox.event(pod, EVENT_OVER_LIMIT, message, warning=True)
+
+    def series(self) -> list[ContainerMemory]:
+        return [
+            ContainerMemory(
+                namespace=usage.ref.namespace,
+                pod=usage.ref.pod,
+                container=usage.ref.container,
+                gpu=usage.gpu,
+                uuid=self._uuids.get(usage.gpu, ""),
+                used_bytes=usage.used_mib * MIB,
+                allocated_bytes=usage.allocated_mib * MIB,
+            )
+            for usage in self.last.usages
+        ]
+
+    def status(self) -> dict[str, Any]:
+        """For ``/status`` and ``gpushared status``."""
+        return {
+            "containers": [
+                {
+                    "namespace": usage.ref.namespace,
+                    "pod": usage.ref.pod,
+                    "container": usage.ref.container,
+                    "gpu": usage.gpu,
+                    "usedMiB": usage.used_mib,
+                    "allocatedMiB": usage.allocated_mib,
+                    "pids": list(usage.pids),
+                }
+                for usage in self.last.usages
+            ],
+            "hostProcesses": {
+                str(gpu): [{"pid": pid, "usedMiB": mib} for pid, mib in processes]
+                for gpu, processes in sorted(self.last.host.items())
+            },
+            "enforcement": str(self.enforcement),
+        }
+
+
+def _over(usage: ContainerUsage, tolerance: int, uuid: str) -> str:
+    return (
+        f"container {usage.ref.container!r} uses {usage.used_mib} MiB of GPU {usage.gpu} ({uuid}), "
+        f"allocated {usage.allocated_mib} MiB (+{tolerance} MiB tolerance)"
+    )
+
+
+def _report_message(report: Report, tolerance: int, uuid: str) -> str:
+    then = {
+        Enforcement.REPORT: "reported only (memory enforcement: report)",
+        Enforcement.KILL: "its largest processes there are killed if it stays over (memory enforcement: kill)",
+        Enforcement.OFF: "",
+    }[report.enforcement]
+    return f"{_over(report.usage, tolerance, uuid)}; {then}"
+
+
+def _kill_message(kill: Kill, tolerance: int, uuid: str) -> str:
+    why = (
+        "still over after the grace period (memory enforcement: kill)"
+        if kill.reason == "kill"
+        else "the GPU is nearly full and this container is the most over its allocation"
+    )
+    return f"{_over(kill.usage, tolerance, uuid)}: killed process {kill.pid} ({kill.used_mib} MiB), {why}"

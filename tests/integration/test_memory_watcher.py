@@ -1,0 +1,170 @@
+"""The memory watcher over the fake NVML library and real processes: attribution, reports and kills.
+
+The processes are real children of the test (``sleep``), so that pidfds and SIGKILL are real; their
+``/proc/<pid>/cgroup`` is a file in a directory that plays /proc, written as the kubelet and containerd would
+place them. NVML lists them on a GPU with the memory the test says.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pynvml
+import pytest
+
+from gpushared import contract
+from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
+from gpushared.core.binding import bind_annotations
+from gpushared.core.memory import Enforcement, MemoryPolicy
+from gpushared.core.requests import pod_request
+from gpushared.daemon.memory import EVENT_OVER_LIMIT, GpuView, MemoryWatcher
+from gpushared.daemon.metrics import Metrics
+from gpushared.nvml.backend import NvmlBackend
+from tests.builders import inventory, pod
+from tests.fakes.nvml import FakeNvml
+
+INV = inventory(16, 12, 24, 8)
+
+
+class Events:
+    """The outbox, as far as the watcher uses it."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, str, str]] = []
+
+    def event(self, body: dict[str, Any], reason: str, message: str, *, warning: bool) -> None:
+        self.sent.append((body["metadata"]["name"], reason, message))
+
+
+@pytest.fixture
+def backend(fake_nvml: FakeNvml) -> Iterator[NvmlBackend]:
+    pynvml.nvmlInit()
+    yield NvmlBackend()
+    pynvml.nvmlShutdown()
+
+
+@pytest.fixture
+def children() -> Iterator[list[subprocess.Popen[bytes]]]:
+    started: list[subprocess.Popen[bytes]] = []
+    yield started
+    for child in started:
+        child.kill()
+        child.wait()
+
+
+def running(pod_body: dict[str, Any], container: str, container_id: str) -> None:
+    pod_body["status"] = {
+        "phase": "Running",
+        "containerStatuses": [{"name": container, "containerID": f"containerd://{container_id}"}],
+    }
+
+
+def placed(name: str, gib: int, gpu: int, *, uid: str, **annotations: str) -> dict[str, Any]:
+    body = pod(name, gib, node="n1", uid=uid, annotations=annotations)
+    body["metadata"]["annotations"].update(
+        bind_annotations(pod_request(body), [INV.gpus[gpu]], unit=INV.unit, now_ns=1)
+    )
+    return body
+
+
+def in_container(proc: Path, pid: int, uid: str, container_id: str) -> None:
+    (proc / str(pid)).mkdir(parents=True)
+    slice_uid = uid.replace("-", "_")
+    (proc / str(pid) / "cgroup").write_text(
+        f"0::/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod{slice_uid}.slice/"
+        f"cri-containerd-{container_id}.scope\n"
+    )
+
+
+def on_host(proc: Path, pid: int) -> None:
+    (proc / str(pid)).mkdir(parents=True)
+    (proc / str(pid) / "cgroup").write_text("0::/system.slice/nvidia-mps.service\n")
+
+
+UID_A = "aaaaaaaa-0000-4000-8000-000000000001"
+UID_B = "bbbbbbbb-0000-4000-8000-000000000002"
+ID_A, ID_B = "a" * 64, "b" * 64
+
+
+def watcher(
+    backend: NvmlBackend, fake: FakeNvml, pods: list[dict[str, Any]], proc: Path, events: Events, *, now: list[float]
+) -> MemoryWatcher:
+    return MemoryWatcher(
+        backend=backend,
+        gpus=lambda: [GpuView(i, gpu.uuid, gpu.memory_mib) for i, gpu in enumerate(fake.gpus)],
+        pods=lambda: pods,
+        outbox=events,  # type: ignore[arg-type]
+        metrics=Metrics(),
+        unit=MemoryUnit.GIB,
+        resources=DEFAULT_RESOURCES,
+        enforcement=Enforcement.REPORT,
+        policy=MemoryPolicy(grace_seconds=10, tolerance_mib=256, reserve_mib=512),
+        proc=proc,
+        clock=lambda: now[0],
+    )
+
+
+def test_over_its_allocation_a_container_is_reported_then_killed_and_its_neighbour_untouched(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    proc = tmp_path / "proc"
+    greedy = subprocess.Popen(["sleep", "60"])
+    polite = subprocess.Popen(["sleep", "60"])
+    mps_server = subprocess.Popen(["sleep", "60"])
+    children += [greedy, polite, mps_server]
+    a = placed("greedy", 2, 0, uid=UID_A, **{contract.POD_MEMORY_ENFORCEMENT: "kill"})
+    b = placed("polite", 4, 0, uid=UID_B)
+    running(a, "c0", ID_A)
+    running(b, "c0", ID_B)
+    in_container(proc, greedy.pid, UID_A, ID_A)
+    in_container(proc, polite.pid, UID_B, ID_B)
+    on_host(proc, mps_server.pid)
+    fake_nvml.set_processes(0, (greedy.pid, 5120), (polite.pid, 4000), (mps_server.pid, 30))
+    events, now = Events(), [100.0]
+    watch = watcher(backend, fake_nvml, [a, b], proc, events, now=now)
+
+    first = watch.poll()
+    assert [(u.ref.pod, u.used_mib, u.allocated_mib) for u in first.usages] == [
+        ("greedy", 5120, 2048),
+        ("polite", 4000, 4096),
+    ]
+    assert first.host == {0: [(mps_server.pid, 30)]}
+    assert [(name, reason) for name, reason, _ in events.sent] == [("greedy", EVENT_OVER_LIMIT)]
+    assert "uses 5120 MiB of GPU 0" in events.sent[0][2] and "allocated 2048 MiB" in events.sent[0][2]
+    assert greedy.poll() is None  # within the grace
+
+    now[0] += 10
+    second = watch.poll()
+    assert [(k.pid, k.reason) for k in second.kills] == [(greedy.pid, "kill")]
+    assert greedy.wait(timeout=5) == -9  # SIGKILL
+    assert polite.poll() is None and mps_server.poll() is None
+    assert "killed process" in events.sent[-1][2]
+    series = {(s.pod, s.container): (s.used_bytes, s.allocated_bytes) for s in watch.series()}
+    assert series[("polite", "c0")] == (4000 * 2**20, 4096 * 2**20)
+
+
+def test_a_pid_that_exited_between_nvml_and_proc_is_left_out(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    fake_nvml.set_processes(1, (gone.pid, 9000))
+    decision = watcher(backend, fake_nvml, [], tmp_path / "proc", Events(), now=[0.0]).poll()
+    assert decision.usages == [] and decision.host == {} and decision.kills == []
+
+
+def test_a_process_of_a_pod_the_node_does_not_know_is_never_killed(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    proc = tmp_path / "proc"
+    stranger = subprocess.Popen(["sleep", "60"])
+    children.append(stranger)
+    in_container(proc, stranger.pid, UID_A, ID_A)  # its pod is not among the node's pods (yet)
+    fake_nvml.set_processes(3, (stranger.pid, 8192))  # the whole GPU: past the reserve
+    decision = watcher(backend, fake_nvml, [], proc, Events(), now=[0.0]).poll()
+    assert decision.kills == []
+    assert decision.host == {3: [(stranger.pid, 8192)]}
+    assert stranger.poll() is None
