@@ -9,6 +9,7 @@ so that callers can turn it into an HTTP 4xx, a gRPC status or a pod Event witho
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import math
@@ -196,6 +197,8 @@ class GpuInfo:
 
     ``index`` is NVML's enumeration index (the same one the daemon resolves to ``uuid``); ``memory`` is in
     the node's unit, rounded down; ``memory_mib`` is NVML's exact total, which MPS limits are derived from.
+    ``used_mib`` is what the GPU's processes used when the daemon last published it (None: not watched); it
+    is not part of a GPU's identity, so a change of use alone changes no ledger.
     """
 
     index: int
@@ -205,6 +208,7 @@ class GpuInfo:
     memory_mib: int
     healthy: bool = True
     mps_capable: bool = False
+    used_mib: int | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -247,6 +251,7 @@ def format_inventory(inventory: GpuInventory) -> str:
                     "memoryMiB": gpu.memory_mib,
                     "healthy": gpu.healthy,
                     "mps": gpu.mps_capable,
+                    **({"usedMiB": gpu.used_mib} if gpu.used_mib is not None else {}),
                 }
                 for gpu in inventory.gpus
             ],
@@ -276,6 +281,7 @@ def parse_inventory(text: str) -> GpuInventory:
                 memory_mib=_require_int(key, f"{where}.memoryMiB", gpu.get("memoryMiB")),
                 healthy=_require_bool(key, f"{where}.healthy", gpu.get("healthy", True)),
                 mps_capable=_require_bool(key, f"{where}.mps", gpu.get("mps", False)),
+                used_mib=_require_int(key, f"{where}.usedMiB", gpu["usedMiB"]) if "usedMiB" in gpu else None,
             )
         )
     return GpuInventory(unit=unit, gpus=tuple(parsed))

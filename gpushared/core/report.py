@@ -30,6 +30,8 @@ def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: I
                 "healthy": gpu.healthy,
                 "totalGPU": gpu.memory,
                 "usedGPU": used,
+                # what its processes use, in MiB, as the daemon last published it (None: not watched)
+                "inUseMiB": gpu.used_mib,
                 "pods": [{"name": h.name, "namespace": h.namespace, "usedGPU": h.gpus[gpu.index]} for h in on_gpu],
             }
         )

@@ -260,6 +260,17 @@ class MemoryWatcher:
             for usage in self.last.usages
         ]
 
+    def gpu_usage(self) -> dict[int, int] | None:
+        """MiB each GPU's processes used at the last poll, pods' and others'; None before the first."""
+        if not self._uuids:
+            return None
+        used = dict.fromkeys(self._uuids, 0)
+        for usage in self.last.usages:
+            used[usage.gpu] = used.get(usage.gpu, 0) + usage.used_mib
+        for gpu, processes in self.last.host.items():
+            used[gpu] = used.get(gpu, 0) + sum(mib for _, mib in processes)
+        return used
+
     def status(self) -> dict[str, Any]:
         """For ``/status`` and ``gpushared status``."""
         return {

@@ -3,7 +3,10 @@ node's GPU inventory on its Node object."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpushared import contract
@@ -58,15 +61,32 @@ class KubeletLink:
 
 class NodePublisher:
     """Checks once that the configured node exists, then keeps its inventory annotation and Aliyun's
-    gpu-count capacity current, patching only what changed."""
+    gpu-count capacity current, patching only what changed.
 
-    def __init__(self, api: Api, node: str, *, resources: ResourceNames) -> None:
+    The GPUs' used memory rides in the same annotation, but a change of use alone is written at most once
+    per ``usage_seconds`` and only when some GPU's use moved by more than one unit of the node's memory unit:
+    on 5,000 nodes that is at most 83 patches a second, and far fewer when use is steady (docs/design.md)."""
+
+    def __init__(
+        self,
+        api: Api,
+        node: str,
+        *,
+        resources: ResourceNames,
+        usage_seconds: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.api = api
         self.node = node
         self.resources = resources
+        self.usage_seconds = usage_seconds
+        self.clock = clock
         self.checked = False
         self._published: str | None = None
         self._published_count: int | None = None
+        #: the use that went out last, GPU index -> MiB, and when
+        self._usage: dict[int, int] = {}
+        self._usage_at: float | None = None
 
     @property
     def published(self) -> bool:
@@ -89,9 +109,16 @@ class NodePublisher:
             return
         self.checked = True
 
-    def publish(self, inventory: GpuInventory) -> None:
+    def publish(self, inventory: GpuInventory, usage: Mapping[int, int] | None = None) -> None:
+        """``usage``: GPU index -> MiB its processes use now (None: not watched)."""
         if not self.checked:
             return
+        usage_now = self._usage_due(inventory, usage)
+        shown = self._usage if usage_now is None else usage_now
+        inventory = GpuInventory(
+            unit=inventory.unit,
+            gpus=tuple(dataclasses.replace(gpu, used_mib=shown.get(gpu.index)) for gpu in inventory.gpus),
+        )
         text = contract.format_inventory(inventory)
         count = len(inventory.gpus)
         patch: dict[str, Any] = {}
@@ -108,3 +135,17 @@ class NodePublisher:
             self._published = None
             return
         self._published, self._published_count = text, count
+        if usage_now is not None:
+            self._usage, self._usage_at = usage_now, self.clock()
+
+    def _usage_due(self, inventory: GpuInventory, usage: Mapping[int, int] | None) -> dict[int, int] | None:
+        """The use to write now, or None to keep what was written last."""
+        if usage is None:
+            return None
+        if self._usage_at is not None and self.clock() - self._usage_at < self.usage_seconds:
+            return None
+        step = inventory.unit.mib
+        moved = set(usage) != set(self._usage) or any(
+            abs(mib - self._usage.get(index, 0)) > step for index, mib in usage.items()
+        )
+        return dict(usage) if moved else None

@@ -164,7 +164,9 @@ class Service:
         except Exception as exc:  # KubeError, or a kubeconfig that does not parse
             raise FatalError(str(exc) if isinstance(exc, KubeError) else f"{self.config.kubeconfig}: {exc}") from None
         self.api = api
-        self.node = NodePublisher(api, self.config.node_name, resources=self.resources)
+        self.node = NodePublisher(
+            api, self.config.node_name, resources=self.resources, usage_seconds=self.config.inventory_usage_seconds
+        )
         self._serve()
 
     def _wait_for_credentials(self) -> None:
@@ -270,14 +272,17 @@ class Service:
         self.gpus.read()
         if self.mps is not None:
             self.mps.sync(self.gpus.devices)
-        changed = self.manager.refresh(self.gpus.devices) if self.gpus.ok else self.manager.recheck_health()
+        if self.gpus.ok:
+            self.manager.refresh(self.gpus.devices)
+        else:
+            self.manager.recheck_health()
         assert self.kubelet is not None, "set with the manager"
         assert self.node is not None, "set with the API client"
         self.kubelet.keep()
         self.node.check()
         self.manager.forget_departed()
-        if changed or not self.node.published:
-            self.node.publish(self.manager.inventory)
+        # Every tick: the publisher writes only what changed, and the GPUs' use at its own pace.
+        self.node.publish(self.manager.inventory, usage=self.memory.gpu_usage() if self.memory else None)
         self._report()
 
     def _report(self) -> None:

@@ -165,6 +165,7 @@ class ClusterState:
                 inventory, problem = None, f"its GPU inventory cannot be read: {exc}"
             state.several_gpus = contract.NODE_INVENTORY in annotations_of(new)
             if inventory == state.inventory and problem == state.problem:
+                state.inventory = inventory  # the same GPUs; what they use (inspect) may be newer
                 return
             state.inventory, state.problem = inventory, problem
             self._rebuild(state)

@@ -94,6 +94,11 @@ def render_summary(reports: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _in_use(dev: dict[str, Any]) -> str:
+    """What a GPU's processes use, beside what is allocated on it: the node's memory watcher's reading."""
+    return "-" if dev.get("inUseMiB") is None else str(dev["inUseMiB"])
+
+
 def render_details(reports: Sequence[dict[str, Any]]) -> str:
     if not reports:
         return "No gpushared nodes found."
@@ -112,6 +117,9 @@ def render_details(reports: Sequence[dict[str, Any]]) -> str:
             row = [key[0], key[1], *[str(pods.get(key, {}).get(d["id"], 0)) for d in r["devs"]]]
             row += [str(pending.get(key, 0))] if pending else []
             rows.append(row)
+        if any(d.get("inUseMiB") is not None for d in r["devs"]):
+            in_use = ["(in use, MiB)", "", *[_in_use(d) for d in r["devs"]]]
+            rows.append(in_use + ([""] if pending else []))
         out += _table(rows)
         out += [
             f"Allocated :  {r['usedGPU']} ({_percent(r['usedGPU'], r['totalGPU'])})",
