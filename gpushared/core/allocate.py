@@ -183,11 +183,18 @@ def _mps(
     assert chosen.request is not None
     percentage = thread_percentage(amount=slot.amount, gpu_memory=gpu.memory, override=chosen.request.thread_percentage)
     amount_mib = node.inventory.unit.to_mib(slot.amount)
+    return mps_client(daemon, amount_mib=amount_mib, gpu_memory_mib=gpu.memory_mib, percentage=percentage)
+
+
+def mps_client(
+    daemon: MpsDaemon, *, amount_mib: int, gpu_memory_mib: int, percentage: int
+) -> tuple[dict[str, str], list[Mount]]:
+    """The env and mounts that make a container a client of ``daemon`` with these limits."""
     envs = {
         "CUDA_MPS_PIPE_DIRECTORY": MPS_CONTAINER_PIPE_DIRECTORY,
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(percentage),
         # Ordinal 0: the container sees exactly one GPU.
-        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={min(amount_mib, gpu.memory_mib)}M",
+        "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": f"0={min(amount_mib, gpu_memory_mib)}M",
     }
     mounts = [
         Mount(container_path=MPS_CONTAINER_PIPE_DIRECTORY, host_path=daemon.pipe, read_only=False),

@@ -592,6 +592,34 @@ state = "{base}/state"
     def write_gpus(self, sizes_mib: Sequence[int]) -> FakeNvml:
         return FakeNvml.with_sizes(self.gpus_file, build_library(self.gpus_file.parent), *sizes_mib)
 
+    def set_gpu_processes(self, index: int, processes: Sequence[tuple[int, int]]) -> None:
+        """What the fake NVML lists on GPU ``index``: (host PID, MiB); the daemon reads it on its next poll."""
+        body = json.loads(self.gpus_file.read_text())
+        body["devices"][index]["processes"] = [{"pid": pid, "usedMiB": mib} for pid, mib in processes]
+        scratch = self.gpus_file.with_suffix(".tmp")
+        scratch.write_text(json.dumps(body, indent=1))
+        scratch.replace(self.gpus_file)
+
+    def clear_gpu_processes(self) -> None:
+        for index in range(len(json.loads(self.gpus_file.read_text())["devices"])):
+            self.set_gpu_processes(index, [])
+
+    @staticmethod
+    def container_pids(container_id: str) -> list[int]:
+        """The host PIDs of a container's processes, from their cgroups, lowest (its first process) first."""
+        found = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if container_id in (entry / "cgroup").read_text():
+                        found.append(int(entry.name))
+        return sorted(found)
+
+    def daemon_metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.ports.daemon_metrics}/metrics"
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.read().decode()  # type: ignore[no-any-return]
+
     @property
     def mps_root(self) -> Path:
         return self.state / "mps"

@@ -13,8 +13,10 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
+from collections.abc import Iterator
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpushared import contract
 from gpushared.core.ledger import holding_from_pod
@@ -398,3 +400,55 @@ def test_the_demo_samples_run_ten_times_in_a_row_in_any_order(
     finally:
         for space in used_namespaces:
             cluster.kubectl("delete", "namespace", space, "--wait=false", check=False)
+
+
+@pytest.fixture
+def gpu_processes(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """The fake NVML's process lists, emptied again after the test."""
+    yield cluster
+    cluster.clear_gpu_processes()
+
+
+def test_memory_past_the_allocation_is_reported_then_killed_and_the_neighbour_untouched(
+    kube: Kube, gpu_processes: LocalCluster, namespace: str
+) -> None:
+    cluster = gpu_processes
+    kube.create(namespace, gpu_pod("reported", 2))
+    kube.create(namespace, gpu_pod("killed", 2, annotations={contract.POD_MEMORY_ENFORCEMENT: "kill"}))
+    kube.create(namespace, gpu_pod("polite", 4))
+    pods = {p["metadata"]["name"]: p for p in kube.wait_running(namespace, "reported", "killed", "polite")}
+
+    def main_pid(name: str) -> int:
+        container_id = pods[name]["status"]["containerStatuses"][0]["containerID"].rpartition("://")[2]
+        pids = wait_for(lambda: cluster.container_pids(container_id), timeout=30, what=f"{name}'s processes")
+        return int(pids[0])
+
+    listed: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    # 7,500 MiB in all: under every GPU's size less the reserve, so no neighbour protection comes into it.
+    for name, mib in (("reported", 3000), ("killed", 3000), ("polite", 1500)):
+        listed[gpu_of(kube, pods[name])[0]].append((main_pid(name), mib))
+    for index, processes in listed.items():
+        cluster.set_gpu_processes(index, processes)
+
+    over = kube.wait_event(namespace, "reported", lambda r, m: r == "GPUMemoryOverLimit", timeout=30)
+    assert "uses 3000 MiB" in over and "allocated 2048 MiB" in over and "report" in over
+    killed = kube.wait_event(namespace, "killed", lambda r, m: "killed process" in m, timeout=60)
+    assert "still over after the grace period" in killed
+
+    def restarted() -> bool:
+        status = kube.pod(namespace, "killed")["status"]["containerStatuses"][0]
+        return status["restartCount"] == 1 and "running" in status["state"]
+
+    wait_for(restarted, timeout=60, what="the killed container to be restarted by the kubelet")
+    for name in ("reported", "polite"):
+        assert kube.pod(namespace, name)["status"]["containerStatuses"][0]["restartCount"] == 0, name
+    assert not [r for r, _ in kube.events(namespace, "polite") if r == "GPUMemoryOverLimit"]
+    samples = {
+        (sample.name, sample.labels["pod"]): sample.value
+        for family in text_string_to_metric_families(cluster.daemon_metrics())
+        for sample in family.samples
+        if sample.name.startswith("gpushared_container_gpu_memory_")
+    }
+    for name, used, allocated in (("reported", 3000, 2048), ("polite", 1500, 4096)):
+        assert samples[("gpushared_container_gpu_memory_used_bytes", name)] == used * 2**20, name
+        assert samples[("gpushared_container_gpu_memory_allocated_bytes", name)] == allocated * 2**20, name
