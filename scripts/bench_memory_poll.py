@@ -71,6 +71,7 @@ def main() -> None:
                 uid = f"{gpu:08x}-0000-4000-8000-{n:012x}"
                 container_id = f"{gpu:032x}{n:032x}"
                 body = pod(f"p{gpu}-{n}", 1, node="n1", uid=uid, phase="Running")
+                body["metadata"]["resourceVersion"] = str(1000 + len(pods))
                 record = bind_annotations(pod_request(body), [inv.gpus[gpu]], unit=inv.unit, now_ns=1)
                 body["metadata"]["annotations"].update(record)
                 body["status"]["containerStatuses"] = [{"name": "c0", "containerID": f"containerd://{container_id}"}]

@@ -168,3 +168,28 @@ def test_a_process_of_a_pod_the_node_does_not_know_is_never_killed(
     assert decision.kills == []
     assert decision.host == {3: [(stranger.pid, 8192)]}
     assert stranger.poll() is None
+
+
+def test_a_pods_new_version_is_read_again(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    """Allowances are kept per pod resourceVersion: an annotation edited since (a new version) counts."""
+    proc = tmp_path / "proc"
+    greedy = subprocess.Popen(["sleep", "60"])
+    children.append(greedy)
+    a = placed("greedy", 2, 0, uid=UID_A)
+    a["metadata"]["resourceVersion"] = "1"
+    running(a, "c0", ID_A)
+    in_container(proc, greedy.pid, UID_A, ID_A)
+    fake_nvml.set_processes(0, (greedy.pid, 5120))
+    pods, now = [a], [0.0]
+    watch = watcher(backend, fake_nvml, pods, proc, Events(), now=now)
+    assert not watch.poll().kills
+    now[0] = 60
+    assert not watch.poll().kills  # report only, however long
+    edited = {**a, "metadata": {**a["metadata"], "resourceVersion": "2"}}
+    edited["metadata"]["annotations"] = {**a["metadata"]["annotations"], contract.POD_MEMORY_ENFORCEMENT: "kill"}
+    pods[0] = edited
+    now[0] = 61
+    assert [k.pid for k in watch.poll().kills] == [greedy.pid]
+    assert greedy.wait(timeout=5) == -9
