@@ -57,7 +57,7 @@ class Enforcement(enum.IntEnum):
 
 def pod_enforcement(node: Enforcement, annotation: str | None) -> Enforcement:
     """The pod's enforcement: the node's, or the annotation's where that is stricter. A malformed annotation
-    is the node's (the daemon reports the error on the pod)."""
+    is the node's (``enforcement_problem`` says why, for an Event on the pod)."""
     if annotation is None:
         return node
     try:
@@ -251,6 +251,18 @@ def _to_kill(
         chosen.append(pid)
         left -= held[pid][usage.gpu]
     return chosen
+
+
+def enforcement_problem(pod: PodBody, node: Enforcement) -> str | None:
+    """Why the pod's ``gpushared.io/memory-enforcement`` is not taken, or None."""
+    text = annotations_of(pod).get(contract.POD_MEMORY_ENFORCEMENT)
+    if text is None:
+        return None
+    try:
+        Enforcement.parse(text)
+    except contract.ContractError as exc:
+        return f"{exc}; the node's {node} applies"
+    return None
 
 
 def allowances_of(

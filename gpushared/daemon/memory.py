@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushared.contract import MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, meta_of, uid_of
+from gpushared.core.bodies import PodBody, meta_of, qualified_name, uid_of
 from gpushared.core.cgroups import CgroupOwner, owner_of
 from gpushared.core.memory import (
     Allowance,
@@ -43,6 +43,7 @@ from gpushared.core.memory import (
     Report,
     allowances_of,
     decide_memory,
+    enforcement_problem,
     owner_ref,
 )
 from gpushared.daemon.metrics import ContainerMemory, Metrics
@@ -52,6 +53,7 @@ from gpushared.nvml.backend import GpuBackend, GpuBackendError
 log = logging.getLogger(__name__)
 
 EVENT_OVER_LIMIT = "GPUMemoryOverLimit"
+EVENT_BAD_ANNOTATION = "GPUMemoryEnforcementInvalid"
 MIB = 2**20
 
 
@@ -222,6 +224,10 @@ class MemoryWatcher:
                 found = allowances_of(
                     pod, unit=self.unit, resources=self.resources, node=self.enforcement, gpus=list(indices)
                 )
+                problem = enforcement_problem(pod, self.enforcement)
+                if problem is not None and (known is None or known[0] != version):
+                    log.warning("pod %s: %s", qualified_name(pod), problem)
+                    self.outbox.event(pod, EVENT_BAD_ANNOTATION, problem, warning=True)
             kept[uid] = (version, indices, found)
             allowances.update(found)
         self._known = kept

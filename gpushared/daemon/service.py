@@ -24,7 +24,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
 from gpushared.contract import ResourceNames
-from gpushared.core.memory import Enforcement
 from gpushared.daemon import config as config_module
 from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
@@ -101,7 +100,7 @@ class Service:
         self.manager: Manager | None = None
         self.mps: MpsSupervisor | None = None
         self.plugin: PluginServer | None = None
-        self.memory: MemoryWatcher | None = None
+        self.memory: MemoryWatcher | None = None  # set with the manager
         self.kubelet: KubeletLink | None = None
         self.node: NodePublisher | None = None
         self._http: ThreadingHTTPServer | None = None
@@ -229,10 +228,9 @@ class Service:
             watch = self.gpus.watch_events
             threading.Thread(target=watch, args=(self._stop, self.metrics), name="gpu-events", daemon=True).start()
 
-    def _memory_watcher(self, manager: Manager, pods: PodWatch) -> MemoryWatcher | None:
-        """The memory watcher (docs/memory.md); none where enforcement is off."""
-        if self.config.memory_enforcement is Enforcement.OFF:
-            return None
+    def _memory_watcher(self, manager: Manager, pods: PodWatch) -> MemoryWatcher:
+        """The memory watcher (docs/memory.md). It runs with the node's enforcement off too: a pod's
+        annotation may still ask for report or kill."""
         return MemoryWatcher(
             backend=self.backend,
             gpus=lambda: [GpuView(g.index, g.uuid, g.memory_mib) for g in manager.inventory.gpus],

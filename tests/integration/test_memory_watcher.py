@@ -193,3 +193,16 @@ def test_a_pods_new_version_is_read_again(
     now[0] = 61
     assert [k.pid for k in watch.poll().kills] == [greedy.pid]
     assert greedy.wait(timeout=5) == -9
+
+
+def test_a_malformed_enforcement_is_named_on_the_pod_once_and_the_nodes_applies(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    bad = placed("typo", 2, 0, uid=UID_B, **{contract.POD_MEMORY_ENFORCEMENT: "evict"})
+    bad["metadata"]["resourceVersion"] = "7"
+    events = Events()
+    watch = watcher(backend, fake_nvml, [bad], tmp_path / "proc", events, now=[0.0])
+    watch.poll()
+    watch.poll()
+    assert [(name, reason) for name, reason, _ in events.sent] == [("typo", "GPUMemoryEnforcementInvalid")]
+    assert "must be one of off, report, kill (got 'evict'); the node's report applies" in events.sent[0][2]
