@@ -33,6 +33,7 @@ from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, annotations_of, key_of, uid_of
 from gpushared.core.cgroups import CgroupOwner, container_id_of
+from gpushared.core.devices import gpu_of
 from gpushared.core.handshake import slots_of
 from gpushared.core.requests import pod_request
 
@@ -298,6 +299,33 @@ def allowances_of(
         share = unit.to_mib(slot.share)
         allowances[(uid, slot.container)] = Allowance(dict.fromkeys(slot.indices, share), enforcement, request.mps)
     return allowances
+
+
+def given_by_kubelet(
+    allowances: Mapping[tuple[str, str], Allowance],
+    uid: str,
+    devices: Mapping[str, Sequence[str]],
+    *,
+    unit: MemoryUnit,
+) -> dict[tuple[str, str], Allowance]:
+    """The pod's allowances with, for each container the kubelet lists with devices (PodResources), what the
+    kubelet gave it: one unit per device ID, on the GPU the ID names. That is what the container runs with,
+    whatever its annotations say now (an owner may edit them after Allocate)."""
+    updated = {}
+    for name, ids in devices.items():
+        key = (uid, name)
+        known = allowances.get(key)
+        if known is None or not ids:
+            continue
+        counts: dict[int, int] = {}
+        for device in ids:
+            gpu = gpu_of(device)
+            if gpu is not None:
+                counts[gpu] = counts.get(gpu, 0) + 1
+        if counts:
+            allocated = {gpu: unit.to_mib(count) for gpu, count in counts.items()}
+            updated[key] = Allowance(allocated, known.enforcement, known.mps)
+    return updated
 
 
 def owner_ref(owner: CgroupOwner | None, pods: Mapping[str, PodBody]) -> ContainerRef | None:

@@ -22,13 +22,13 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gpushared.contract import MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, meta_of, qualified_name, uid_of
+from gpushared.core.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
 from gpushared.core.cgroups import CgroupOwner, owner_of
 from gpushared.core.memory import (
     Allowance,
@@ -44,10 +44,12 @@ from gpushared.core.memory import (
     allowances_of,
     decide_memory,
     enforcement_problem,
+    given_by_kubelet,
     owner_ref,
 )
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
+from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
 from gpushared.nvml.backend import GpuBackend, GpuBackendError
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,7 @@ class MemoryWatcher:
         enforcement: Enforcement,
         policy: MemoryPolicy,
         poll_seconds: float = 2.0,
+        pod_devices: Callable[[], Sequence[PodDevices]] | None = None,
         proc: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -160,6 +163,9 @@ class MemoryWatcher:
         self.enforcement = enforcement
         self.policy = policy
         self.poll_seconds = poll_seconds
+        #: the kubelet's PodResources listing: what each container was given (None: annotations alone)
+        self.pod_devices = pod_devices
+        self._listing_failed = False
         self.proc = proc
         self.clock = clock
         self.last = MemoryDecision()
@@ -182,6 +188,7 @@ class MemoryWatcher:
         gpus = self.gpus()
         pods = {uid_of(pod): pod for pod in self.pods()}
         allowances = self._allowances(pods, gpus)
+        allowances.update(self._given(pods, allowances))
         with process_table(self.proc) as table:
             processes = []
             pinned: dict[int, Pinned] = {}
@@ -232,6 +239,28 @@ class MemoryWatcher:
             allowances.update(found)
         self._known = kept
         return allowances
+
+    def _given(
+        self, pods: Mapping[str, PodBody], allowances: Mapping[tuple[str, str], Allowance]
+    ) -> dict[tuple[str, str], Allowance]:
+        """What the kubelet gave each listed container, in place of what the annotations say."""
+        if self.pod_devices is None:
+            return {}
+        try:
+            listing = self.pod_devices()
+        except PodResourcesUnavailable as exc:
+            if not self._listing_failed:
+                log.warning("kubelet PodResources unavailable (%s): allowances from the pods' annotations", exc)
+            self._listing_failed = True
+            return {}
+        self._listing_failed = False
+        uids = {key_of(pod): uid for uid, pod in pods.items()}
+        given: dict[tuple[str, str], Allowance] = {}
+        for entry in listing:
+            uid = uids.get((entry.namespace, entry.name))
+            if uid is not None:
+                given.update(given_by_kubelet(allowances, uid, entry.containers, unit=self.unit))
+        return given
 
     def _processes(self, gpu: GpuView) -> list[Any]:
         try:

@@ -35,6 +35,7 @@ from gpushared.daemon.memory import GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher
+from gpushared.deviceplugin.podresources.client import list_pod_devices
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
 from gpushared.kube.podwatch import PodWatch
@@ -242,6 +243,7 @@ class Service:
             enforcement=self.config.memory_enforcement,
             policy=self.config.memory_policy,
             poll_seconds=self.config.memory_poll_seconds,
+            pod_devices=lambda: list_pod_devices(self.config.pod_resources_socket, resource=self.resources.gpu_mem),
         )
 
     def _shutdown(self) -> None:

@@ -206,3 +206,34 @@ def test_a_malformed_enforcement_is_named_on_the_pod_once_and_the_nodes_applies(
     watch.poll()
     assert [(name, reason) for name, reason, _ in events.sent] == [("typo", "GPUMemoryEnforcementInvalid")]
     assert "must be one of off, report, kill (got 'evict'); the node's report applies" in events.sent[0][2]
+
+
+def test_the_kubelets_devices_are_the_allowance_and_its_absence_falls_back_to_the_annotations(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
+
+    proc = tmp_path / "proc"
+    worker = subprocess.Popen(["sleep", "60"])
+    children.append(worker)
+    a = placed("edited", 2, 0, uid=UID_A)  # the annotations say 2 GiB; the kubelet gave it 4
+    running(a, "c0", ID_A)
+    in_container(proc, worker.pid, UID_A, ID_A)
+    fake_nvml.set_processes(0, (worker.pid, 3000))
+    listing: list[object] = [PodDevices("default", "edited", {"c0": ["0-0", "0-1", "0-2", "0-3"]})]
+
+    def pod_devices() -> list[object]:
+        if not listing:
+            raise PodResourcesUnavailable("StatusCode.UNAVAILABLE")
+        return listing
+
+    events = Events()
+    watch = watcher(backend, fake_nvml, [a], proc, events, now=[0.0])
+    watch.pod_devices = pod_devices  # type: ignore[assignment]
+    [usage] = watch.poll().usages
+    assert (usage.used_mib, usage.allocated_mib) == (3000, 4096)
+    assert not events.sent
+    listing.clear()  # the kubelet does not answer: what the annotations say
+    [usage] = watch.poll().usages
+    assert usage.allocated_mib == 2048
+    assert [reason for _, reason, _ in events.sent] == [EVENT_OVER_LIMIT]

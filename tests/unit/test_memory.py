@@ -19,6 +19,7 @@ from gpushared.core.memory import (
     MemoryPolicy,
     allowances_of,
     decide_memory,
+    given_by_kubelet,
     owner_ref,
     pod_enforcement,
 )
@@ -262,3 +263,11 @@ def test_a_process_is_named_by_its_pods_container_status() -> None:
     assert owner_ref(CgroupOwner("0" * 8 + "-0000-0000-0000-" + "0" * 12, "ab" * 32), pods) is None  # unknown pod
     assert owner_ref(CgroupOwner(body["metadata"]["uid"], None), pods) is None  # CRI-O's conmon
     assert owner_ref(None, pods) is None  # a host process
+
+
+def test_what_the_kubelet_gave_a_container_is_its_allowance() -> None:
+    allowances = {("u", "main"): Allowance({1: 2048}, Enforcement.KILL), ("u", "side"): Allowance({}, Enforcement.KILL)}
+    given = given_by_kubelet(
+        allowances, "u", {"main": ["0-0", "0-1", "0-2", "3-0"], "side": [], "other": ["0-3"]}, unit=MemoryUnit.GIB
+    )
+    assert given == {("u", "main"): Allowance({0: 3072, 3: 1024}, Enforcement.KILL)}
