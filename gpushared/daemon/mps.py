@@ -31,6 +31,8 @@ from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 60.0
+#: Tries of `quit` while the daemon still runs ("Cannot send command" when another client holds its pipe).
+QUIT_ATTEMPTS = 3
 
 
 @dataclass(frozen=True)
@@ -319,12 +321,17 @@ def shut_down(control: MpsControl, *, settings: MpsSettings, backend: GpuBackend
     pid that was quit. The supervisor may be restarting the same daemon meanwhile (it probes, the operator
     stops): a daemon gone by the time it is told to quit is as good as quit."""
     pid = control.pid()
-    if pid is not None:
+    for attempt in range(QUIT_ATTEMPTS if pid is not None else 0):
         try:
             control.quit()
+            break
         except MpsError:
-            if control.pid() is not None:
+            if control.pid() is None:
+                break
+            if attempt == QUIT_ATTEMPTS - 1:
                 raise
+            # The control daemon serves one client at a time: the supervisor's probe may hold it just now.
+            time.sleep(0.2)
     control.release_shm()
     if settings.exclusive_process:
         backend.start()
