@@ -93,7 +93,6 @@ class Manager:
         self.resources = resources
         self.resource_name = resources.gpu_mem
         self.unit = unit
-        self.api = api
         self.pods = pods
         self.health = health
         self.metrics = metrics

@@ -50,7 +50,7 @@ from gpushared.core.memory import (
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
 from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
-from gpushared.nvml.backend import GpuBackend, GpuBackendError
+from gpushared.nvml.backend import GpuBackend, GpuBackendError, NvmlProcess
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,7 @@ class MemoryWatcher:
                 given.update(given_by_kubelet(allowances, uid, entry.containers, unit=self.unit))
         return given
 
-    def _processes(self, gpu: GpuView) -> list[Any]:
+    def _processes(self, gpu: GpuView) -> list[NvmlProcess]:
         try:
             listed = self.backend.processes(gpu.uuid)
         except GpuBackendError as exc:

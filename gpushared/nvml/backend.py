@@ -45,7 +45,7 @@ class GpuReadError:
 
 
 @dataclass(frozen=True)
-class GpuProcess:
+class NvmlProcess:
     """A process NVML lists on a GPU, by its host PID, with the memory it holds there."""
 
     pid: int
@@ -70,7 +70,7 @@ class GpuBackend(Protocol):
     def wait_event(self, timeout_ms: int) -> GpuEvent | None: ...
     def driver_version(self) -> str: ...
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
-    def processes(self, uuid: str) -> list[GpuProcess]: ...
+    def processes(self, uuid: str) -> list[NvmlProcess]: ...
 
 
 _EVENT_KINDS = {
@@ -171,18 +171,18 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"setting the compute mode of {uuid}: {exc}") from exc
 
-    def processes(self, uuid: str) -> list[GpuProcess]:
+    def processes(self, uuid: str) -> list[NvmlProcess]:
         """The compute and graphics processes on the GPU, through the newest call the driver has (``_v3``,
         else ``_v2``). A process with contexts of both kinds is listed once, with the larger amount."""
         try:
             handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
-            found: dict[int, GpuProcess] = {}
+            found: dict[int, NvmlProcess] = {}
             for graphics, calls in ((False, _COMPUTE_CALLS), (True, _GRAPHICS_CALLS)):
                 for info in _newest(calls, handle):
                     used = None if info.usedGpuMemory is None else int(info.usedGpuMemory) // 2**20
                     known = found.get(int(info.pid))
                     if known is None or (used or 0) > (known.used_mib or 0):
-                        found[int(info.pid)] = GpuProcess(pid=int(info.pid), used_mib=used, graphics=graphics)
+                        found[int(info.pid)] = NvmlProcess(pid=int(info.pid), used_mib=used, graphics=graphics)
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"reading the processes of {uuid}: {exc}") from exc
         return sorted(found.values(), key=lambda p: p.pid)

@@ -128,19 +128,19 @@ def test_a_half_written_config_keeps_the_last_good_state(nvml: FakeNvml) -> None
 
 
 def test_the_backend_reads_compute_and_graphics_processes_live(nvml: FakeNvml) -> None:
-    from gpushared.nvml.backend import GpuBackendError, GpuProcess, NvmlBackend
+    from gpushared.nvml.backend import GpuBackendError, NvmlBackend, NvmlProcess
 
     backend = NvmlBackend()
     uuid = nvml.gpus[1].uuid
     assert backend.processes(uuid) == []
     nvml.set_processes(1, (300, 2048), (200, 64, "graphics"), (300, 16, "graphics"), (400, -1))
     assert backend.processes(uuid) == [
-        GpuProcess(pid=200, used_mib=64, graphics=True),
-        GpuProcess(pid=300, used_mib=2048),  # listed once, with its larger amount
-        GpuProcess(pid=400, used_mib=None),  # the driver cannot say
+        NvmlProcess(pid=200, used_mib=64, graphics=True),
+        NvmlProcess(pid=300, used_mib=2048),  # listed once, with its larger amount
+        NvmlProcess(pid=400, used_mib=None),  # the driver cannot say
     ]
     nvml.set_processes(1, (300, 5120))
-    assert backend.processes(uuid) == [GpuProcess(pid=300, used_mib=5120)]
+    assert backend.processes(uuid) == [NvmlProcess(pid=300, used_mib=5120)]
     nvml.gpus[1].errors = {"nvmlDeviceGetComputeRunningProcesses_v3": "GPU_IS_LOST"}
     nvml.write()
     with pytest.raises(GpuBackendError, match=r"reading the processes of .*GPU is lost"):
