@@ -86,3 +86,23 @@ def scheduler_config(path: Path, *, no_gpu_scoring: bool = False) -> dict[str, A
     if no_gpu_scoring:
         text = re.sub(r"^  #(-|  )", r"  \1", text, flags=re.MULTILINE)
     return yaml.safe_load(text)  # type: ignore[no-any-return]
+
+
+def admission_review(
+    body: dict[str, Any], *, version: str = "admission.k8s.io/v1", operation: str = "CREATE", uid: str = "review-1"
+) -> dict[str, Any]:
+    """What the API server sends a mutating webhook when ``body`` (a pod) is created."""
+    return {
+        "apiVersion": version,
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": body.get("kind", "Pod")},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": body.get("metadata", {}).get("namespace", "default"),
+            "operation": operation,
+            "userInfo": {"username": "someone"},
+            "object": body,
+            "dryRun": False,
+        },
+    }

@@ -44,6 +44,12 @@ ENV = "GPUSHARED_EXTENDER"
     show_default=True,
     help="/inspect names pods to callers without a client certificate too.",
 )
+@click.option(
+    "--webhook-scheduler",
+    default="gpushared-scheduler",
+    show_default=True,
+    help="The scheduler <prefix>/mutate sends new pods that ask for GPU memory to (docs/install.md, managed clusters).",
+)
 @click.option("--max-body-mib", type=click.IntRange(1, 1024), default=8, show_default=True, help="Request size limit.")
 @click.option(
     "--max-nodes",
@@ -95,6 +101,7 @@ def main(
     client_ca: Path | None,
     client_names: tuple[str, ...],
     public_pod_names: bool,
+    webhook_scheduler: str,
     max_body_mib: int,
     max_nodes: int,
     leader_elect: bool,
@@ -137,6 +144,7 @@ def main(
         client_ca=client_ca,
         client_names=frozenset(client_names),
         public_pod_names=public_pod_names,
+        webhook_scheduler=webhook_scheduler,
     )
     lease = app.LeaseSettings(namespace=lease_namespace, name=lease_name, identity=identity, seconds=lease_seconds)
     settings = app.ExtenderSettings(

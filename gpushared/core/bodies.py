@@ -15,6 +15,7 @@ from gpushared import contract
 
 class ObjectMeta(TypedDict, total=False):
     name: str
+    generateName: str
     namespace: str
     uid: str
     resourceVersion: str
@@ -39,6 +40,7 @@ class PodSpec(TypedDict, total=False):
     containers: list[Container]
     initContainers: list[Container]
     overhead: dict[str, str | int]
+    schedulerName: str
 
 
 class ContainerStateTerminated(TypedDict, total=False):
@@ -288,8 +290,9 @@ def pod_shape_problem(pod: Any) -> str | None:
         return None
     if not isinstance(spec, dict):
         return "'Pod.spec' must be an object"
-    if spec.get("nodeName") is not None and not isinstance(spec["nodeName"], str):
-        return "'Pod.spec.nodeName' must be a string"
+    for key in ("nodeName", "schedulerName"):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            return f"'Pod.spec.{key}' must be a string"
     if spec.get("overhead") is not None and not isinstance(spec["overhead"], dict):
         return "'Pod.spec.overhead' must be an object"
     for part in ("initContainers", "containers"):

@@ -30,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gpushared import __version__
+from gpushared.core.admission import GPUSHARED_SCHEDULER, scheduler_route
 from gpushared.core.report import node_report
 from gpushared.extender import wire
 from gpushared.extender.scheduler import BindError, Scheduler
@@ -56,6 +57,8 @@ class ServerConfig:
     client_names: frozenset[str] = frozenset()
     #: /inspect names pods to callers without a client certificate too
     public_pod_names: bool = False
+    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
+    webhook_scheduler: str = GPUSHARED_SCHEDULER
 
 
 class WatchRestarts(Collector):
@@ -164,6 +167,7 @@ def build_app(
     app.router.add_post(f"{prefix}/prioritize", routes.verb("prioritize", routes.prioritize))
     app.router.add_post(f"{prefix}/prioritize-no-gpu", routes.verb("prioritize-no-gpu", routes.prioritize_no_gpu))
     app.router.add_post(f"{prefix}/bind", routes.verb("bind", routes.bind))
+    app.router.add_post(f"{prefix}/mutate", routes.mutate)
     app.router.add_get(f"{prefix}/inspect", routes.inspect_all)
     app.router.add_get(f"{prefix}/inspect/{{node}}", routes.inspect_node)
     app.router.add_get("/healthz", routes.healthz)
@@ -349,6 +353,40 @@ class _Routes:
             log.warning("bind refused: %s", exc)
             return _json(wire.binding_result(str(exc)))
         return _json(wire.binding_result())
+
+    async def mutate(self, request: web.Request) -> web.Response:
+        """The mutating admission webhook: the API server calls it for every pod created in the namespaces
+        its configuration selects. Served by every replica, synced or not, leader or not: the answer depends
+        on the pod alone. No client certificate is asked for, because the API server presents none unless
+        configured to; a caller gets only a patch for the object it sent, and nothing changes here."""
+        started = time.perf_counter()
+        try:
+            try:
+                async with asyncio.timeout(self.config.read_timeout):
+                    raw = await request.read()
+                review = wire.parse_admission_review(raw)
+            except web.HTTPRequestEntityTooLarge:
+                self.metrics.errors.labels(verb="mutate").inc()
+                return _json({"Error": f"mutate: body larger than {self.config.max_body_bytes} bytes"}, status=413)
+            except TimeoutError:
+                self.metrics.errors.labels(verb="mutate").inc()
+                return _json({"Error": "mutate: request body too slow"}, status=408)
+            except wire.WireError as exc:
+                self.metrics.errors.labels(verb="mutate").inc()
+                return _json({"Error": str(exc)}, status=400)
+            patch: tuple[dict[str, Any], ...] = ()
+            if review.pod is not None and review.operation == "CREATE":
+                route = scheduler_route(
+                    review.pod, scheduler=self.config.webhook_scheduler, resources=self.scheduler.resources
+                )
+                patch = route.patch
+                if patch:
+                    meta = review.pod.get("metadata") or {}
+                    name = meta.get("name") or meta.get("generateName", "") + "*"
+                    log.info("new pod %s/%s %s", review.namespace, name, route.reason)
+            return _json(wire.admission_response(review, patch))
+        finally:
+            self.metrics.seconds.labels(verb="mutate").observe(time.perf_counter() - started)
 
     def _report(self, name: str, request: web.Request) -> dict[str, Any] | None:
         snapshot = self.scheduler.cache.snapshot(name)

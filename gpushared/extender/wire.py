@@ -8,6 +8,7 @@ Kubernetes JSON (camelCase tags) and pass through untouched.
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass
 from typing import Any, cast
@@ -132,3 +133,66 @@ def parse_binding(body: bytes) -> BindingArgs:
 
 def binding_result(error: str = "") -> dict[str, Any]:
     return {"Error": error}
+
+
+# --- the mutating admission webhook (core/admission.py decides) -------------------------------------------
+
+#: The AdmissionReview versions the API server may send (``admissionReviewVersions``); the answer is in the
+#: version asked. 1.16+ send v1; v1beta1 is kept for configurations that still list it first.
+ADMISSION_VERSIONS = ("admission.k8s.io/v1", "admission.k8s.io/v1beta1")
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    api_version: str
+    uid: str
+    operation: str
+    kind: str
+    #: the namespace the object is created in (its metadata may not say yet)
+    namespace: str
+    #: the object being created; a Pod once ``kind`` says so (its shape checked by ``pod_shape_problem``)
+    pod: PodBody | None
+
+
+def parse_admission_review(body: bytes) -> AdmissionRequest:
+    """An AdmissionReview from the API server. These keys are camelCase JSON tags, matched exactly."""
+    try:
+        review = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise WireError(f"mutate: body is not JSON ({exc})") from None
+    if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
+        raise WireError("mutate: body must be an AdmissionReview")
+    api_version = review.get("apiVersion")
+    if api_version not in ADMISSION_VERSIONS:
+        raise WireError(f"mutate: apiVersion {str(api_version)[:64]!r} is not one of {', '.join(ADMISSION_VERSIONS)}")
+    request = review.get("request")
+    if not isinstance(request, dict):
+        raise WireError("mutate: 'request' must be an object")
+    uid = request.get("uid")
+    if not isinstance(uid, str) or not uid or len(uid) > 128:
+        raise WireError("mutate: 'request.uid' must be a non-empty string")
+    kind = request.get("kind")
+    kind_name = kind.get("kind") if isinstance(kind, dict) else None
+    operation = request.get("operation")
+    if not isinstance(kind_name, str) or not isinstance(operation, str):
+        raise WireError("mutate: 'request.kind.kind' and 'request.operation' must be strings")
+    pod = None
+    if kind_name == "Pod":
+        obj = request.get("object")
+        problem = pod_shape_problem(obj)
+        if problem is not None:
+            raise WireError(f"mutate: 'request.object' {problem}")
+        pod = cast(PodBody, obj)
+    namespace = request.get("namespace")
+    return AdmissionRequest(
+        str(api_version), uid, operation, kind_name, namespace if isinstance(namespace, str) else "", pod
+    )
+
+
+def admission_response(request: AdmissionRequest, patch: tuple[dict[str, Any], ...]) -> dict[str, Any]:
+    """Allowed, with the patch if there is one: the webhook never refuses a pod."""
+    response: dict[str, Any] = {"uid": request.uid, "allowed": True}
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(orjson.dumps(list(patch))).decode()
+    return {"apiVersion": request.api_version, "kind": "AdmissionReview", "response": response}

@@ -38,6 +38,8 @@ import psutil
 import yaml
 
 from tests.builders import scheduler_config
+from tests.e2e import versions
+from tests.e2e.versions import Version
 from tests.fakes.nvml import FakeNvml, build_library
 from tests.harness import free_port
 from tests.mps_binary import fetch_mps_control
@@ -133,6 +135,7 @@ class LocalCluster:
         self._children: dict[str, subprocess.Popen[bytes]] = {}
         self._ports: Ports | None = None
         self._tokens: dict[str, str] | None = None
+        self._versions: dict[str, Version] = {}
 
     # --- layout -------------------------------------------------------------------------------------------
 
@@ -147,6 +150,13 @@ class LocalCluster:
         if self._tokens is None:
             self._tokens = json.loads((self.state / "tokens.json").read_text())
         return self._tokens
+
+    def version(self, binary: str = "kube-apiserver") -> Version:
+        """What a cached binary says it is: flags and configs are chosen by it (tests/e2e/versions.py)."""
+        if binary not in self._versions:
+            out = subprocess.run([str(self.bin / binary), "--version"], capture_output=True, text=True, check=True)
+            self._versions[binary] = Version.parse(out.stdout + out.stderr)
+        return self._versions[binary]
 
     @property
     def server(self) -> str:
@@ -320,7 +330,7 @@ class LocalCluster:
                 "--bind-address", "127.0.0.1",
                 "--advertise-address", "127.0.0.1",
                 "--secure-port", self.ports.apiserver,
-                "--insecure-port", "0",
+                *versions.apiserver_flags(self.version("kube-apiserver")),
                 "--tls-cert-file", pki / "apiserver.crt",
                 "--tls-private-key-file", pki / "apiserver.key",
                 "--client-ca-file", pki / "ca.crt",
@@ -371,7 +381,7 @@ class LocalCluster:
                 "--kubeconfig", self.kubeconfig_for("admin"),
                 "--bind-address", "127.0.0.1",
                 "--secure-port", self.ports.controller_manager,
-                "--port", "0",
+                *versions.insecure_port_flags(self.version("kube-controller-manager")),
                 "--leader-elect=false",
                 "--service-account-private-key-file", pki / "sa.key",
                 "--root-ca-file", pki / "ca.crt",
@@ -478,6 +488,7 @@ state = "{base}/state"
             "evictionHard": {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "50Mi"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
+            **self._kubelet_choice().config,
         }
         (self.state / "kubelet.yaml").write_text(yaml.safe_dump(config))
         self._spawn("kubelet", self._kubelet_argv())
@@ -488,14 +499,20 @@ state = "{base}/state"
             self.bin / "kubelet",
             "--config", self.state / "kubelet.yaml",
             "--kubeconfig", self.kubeconfig_for("admin"),
-            "--container-runtime", "remote",
-            "--container-runtime-endpoint", f"unix://{self.containerd_socket}",
+            *self._kubelet_choice().flags,
             "--hostname-override", NODE,
             "--node-ip", NODE_IP,
-            "--pod-infra-container-image", PAUSE_IMAGE,
             "--root-dir", KUBELET_ROOT,
             "--node-labels", "gpushare=true",
         ]  # fmt: skip
+
+    def _kubelet_choice(self) -> versions.KubeletChoice:
+        return versions.kubelet(
+            self.version("kubelet"),
+            runtime_endpoint=f"unix://{self.containerd_socket}",
+            pause_image=PAUSE_IMAGE,
+            cgroup_v1=not Path("/sys/fs/cgroup/cgroup.controllers").exists(),
+        )
 
     def restart_kubelet(self) -> None:
         self.stop("kubelet")
@@ -552,16 +569,13 @@ state = "{base}/state"
 
     def _start_scheduler(self) -> None:
         p = self.ports
-        config = {
-            "apiVersion": "kubescheduler.config.k8s.io/v1beta1",
-            "kind": "KubeSchedulerConfiguration",
-            "clientConnection": {"kubeconfig": str(self.kubeconfig_for("admin"))},
-            "leaderElection": {"leaderElect": False},
-            "healthzBindAddress": f"127.0.0.1:{p.scheduler_health}",
-            "metricsBindAddress": f"127.0.0.1:{p.scheduler_health}",
-            # Everything after `extenders` is deploy/scheduler-config-v1beta1.yaml with our address.
-            "extenders": self._extenders(),
-        }
+        version = self.version("kube-scheduler")
+        chosen = versions.scheduler_api(version)
+        config = chosen.document(
+            extenders=self._extenders(chosen.shipped),
+            kubeconfig=str(self.kubeconfig_for("admin")),
+            health=f"127.0.0.1:{p.scheduler_health}",
+        )
         (self.state / "scheduler.yaml").write_text(yaml.safe_dump(config))
         self._spawn(
             "kube-scheduler",
@@ -570,22 +584,23 @@ state = "{base}/state"
                 "--config", self.state / "scheduler.yaml",
                 "--bind-address", "127.0.0.1",
                 "--secure-port", p.scheduler,
-                "--port", "0",
+                *versions.insecure_port_flags(version),
             ],
         )  # fmt: skip
 
-    def _extenders(self) -> list[dict[str, Any]]:
-        # With the opt-in entry for pods without GPU, which a test scores.
-        shipped = scheduler_config(ROOT / "deploy" / "scheduler-config-v1beta1.yaml", no_gpu_scoring=True)["extenders"]
+    def _extenders(self, shipped: Path) -> list[dict[str, Any]]:
+        """The shipped file's extenders with this cluster's address and certificate paths, and the opt-in
+        entry for pods without GPU uncommented (a test scores it)."""
+        extenders = scheduler_config(shipped, no_gpu_scoring=True)["extenders"]
         pki = self.state / "pki"
-        for extender in shipped:
+        for extender in extenders:
             extender["urlPrefix"] = f"{self.extender_url}/gpushare-scheduler"
             extender["tlsConfig"] = {
                 "certFile": str(pki / "scheduler.crt"),
                 "keyFile": str(pki / "scheduler.key"),
                 "caFile": str(pki / "ca.crt"),
             }
-        return list(shipped)
+        return list(extenders)
 
     # --- the gpushared daemon on simulated GPUs -----------------------------------------------------------
 

@@ -17,6 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from gpushared import contract
 from gpushared.contract import GpuInventory
 from tests.e2e.cluster import NODE, LocalCluster, wait_for
+from tests.e2e.versions import creates_token_secrets
 
 GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
 #: Prints the GPU env Allocate gave the container, then waits, leaving at once on SIGTERM (as PID 1 it would
@@ -59,13 +60,15 @@ class Kube:
     def create_namespace(self, name: str) -> None:
         self.core.create_namespace({"metadata": {"name": name}})
 
+        token_secrets = creates_token_secrets(self.cluster.version("kube-controller-manager"))
+
         def token_ready() -> bool:
-            # Pod admission wants the default ServiceAccount and, on 1.20, its token Secret.
+            # Pod admission wants the default ServiceAccount and, before 1.24, its token Secret.
             try:
                 account = self.core.read_namespaced_service_account("default", name)
             except ApiException:
                 return False
-            return bool(account.secrets)
+            return bool(account.secrets) or not token_secrets
 
         wait_for(token_ready, timeout=30, what=f"the default ServiceAccount token in {name}")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import json
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
-from tests.builders import GPU_COUNT, GPU_MEM, container, on_gpus, pod
+from tests.builders import GPU_COUNT, GPU_MEM, admission_review, container, on_gpus, pod
 from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
@@ -343,7 +345,7 @@ bodies = st.dictionaries(go_keys, json_values | st.fixed_dictionaries({"metadata
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(verb=st.sampled_from(["filter", "prioritize", "bind"]), body=bodies)
+@given(verb=st.sampled_from(["filter", "prioritize", "bind", "mutate"]), body=bodies)
 def test_generated_malformed_bodies_never_crash_the_service(
     extender: Extender, verb: str, body: dict[str, Any]
 ) -> None:
@@ -352,6 +354,36 @@ def test_generated_malformed_bodies_never_crash_the_service(
     assert isinstance(result, dict | list)
     if status == 400:
         assert result["Error"]
+
+
+def test_the_webhook_sends_gpu_pods_to_the_second_scheduler_and_lets_others_be(
+    api: FakeApiServer, spawn: Callable[..., Extender]
+) -> None:
+    """The AdmissionReview round trip over HTTP, served before the cache has synced (the answer depends on
+    the pod alone), with the scheduler name the option gives."""
+    api.inject(Fault(status=503, times=None))  # never synced while the test runs
+    ext = spawn(api, args=["--webhook-scheduler", "gpu-scheduler"])
+    wait_until(lambda: ext.get("/healthz")[0] == 200, timeout=30, message="extender up")
+    assert ext.get("/readyz")[0] == 503
+    status, answer = ext.post("mutate", admission_review(pod("gpu", 4)))
+    assert status == 200, answer
+    patch = json.loads(base64.b64decode(answer["response"]["patch"]))
+    assert patch == [{"op": "add", "path": "/spec/schedulerName", "value": "gpu-scheduler"}]
+    status, answer = ext.post("mutate", admission_review(pod("cpu"), version="admission.k8s.io/v1beta1"))
+    assert (status, answer) == (
+        200,
+        {
+            "apiVersion": "admission.k8s.io/v1beta1",
+            "kind": "AdmissionReview",
+            "response": {"uid": "review-1", "allowed": True},
+        },
+    )
+    status, answer = ext.post("mutate", admission_review(pod("gpu", 4), operation="UPDATE"))
+    assert status == 200 and "patch" not in answer["response"]
+    status, answer = ext.post("mutate", {"kind": "AdmissionReview"})
+    assert status == 400 and "apiVersion" in answer["Error"]
+    assert "new pod default/gpu asks for aliyun.com/gpu-mem: sent to gpu-scheduler" in ext.log()
+    ext.stop()
 
 
 def test_tls(api: FakeApiServer, tmp_path: Path, spawn: Callable[..., Extender]) -> None:

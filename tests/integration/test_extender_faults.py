@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.builders import GPU_MEM, pod
+from tests.builders import GPU_MEM, admission_review, pod
 from tests.extender_harness import Extender, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
@@ -252,6 +252,10 @@ def test_with_a_client_ca_only_the_scheduler_may_use_the_verbs(
     assert status == 403 and "someone-else" in result["Error"]
     assert api.get("pods", "victim", "default")["spec"].get("nodeName") is None  # type: ignore[index]
     assert call("POST", bind, scheduler, args) == (200, {"Error": ""})
+    # The webhook: the API server presents no client certificate, and none is needed for a patch of the
+    # caller's own object.
+    status, review = call("POST", "/gpushare-scheduler/mutate", None, admission_review(pod("w", 4)))
+    assert status == 200 and review["response"]["patchType"] == "JSONPatch"
     # /inspect: amounts for everyone, pod names for the scheduler only
     hidden = call("GET", "/gpushare-scheduler/inspect/n1", None)[1]
     shown = call("GET", "/gpushare-scheduler/inspect/n1", scheduler)[1]
