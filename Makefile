@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench chaos venv test lint protos check-protos clean image image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -37,8 +37,13 @@ check-protos: protos
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
 
-# The extender's container image (buildah; needs root), exported to dist/ for `ctr images import`.
-image: venv
+# The extender's container image (buildah; needs root), exported to dist/ for `ctr images import`. Built
+# again only when what goes into it changed (`make -B image` forces it).
+VERSION := $(shell sed -n 's/^__version__ = "\(.*\)"/\1/p' gpushared/__init__.py)
+IMAGE_ARCHIVE := dist/gpushared-extender_$(VERSION).tar
+image: $(IMAGE_ARCHIVE)
+
+$(IMAGE_ARCHIVE): $(shell git ls-files gpushared extender pyproject.toml scripts/build-image 2>/dev/null) | venv
 	PYTHON=$(BIN)/python scripts/build-image
 
 # Build the image, then run it under containerd (root) and talk to it.
@@ -52,7 +57,8 @@ k8s-testbins:
 
 # The end-to-end suite on a real local cluster (root): apiserver, scheduler + our extender, kubelet,
 # containerd, gpushared on a fake NVML library. Brings the cluster up and tears it down.
-e2e: venv k8s-testbins
+# The extender's image too: the control-plane cases run it as a static pod (tests/e2e/test_control_plane.py).
+e2e: venv k8s-testbins image
 	$(BIN)/python -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
 
 # The same cluster, left running with sample pods on it (root). `make demo-down` removes it.

@@ -136,6 +136,9 @@ class LocalCluster:
         self._ports: Ports | None = None
         self._tokens: dict[str, str] | None = None
         self._versions: dict[str, Version] = {}
+        #: where the extender's and kube-scheduler's certificates are (ca.crt, extender.*, scheduler.*): the
+        #: cluster's own CA, or a directory scripts/extender-certs wrote, as an operator's guide has it
+        self.extender_certs = state / "pki"
 
     # --- layout -------------------------------------------------------------------------------------------
 
@@ -175,6 +178,11 @@ class LocalCluster:
     def gpus_file(self) -> Path:
         """The fake NVML library's GPUs (JSON, re-read by the library on change)."""
         return self.state / "nvml" / "gpus.json"
+
+    @property
+    def static_pods(self) -> Path:
+        """The kubelet's static pod directory (``staticPodPath``; kubeadm's /etc/kubernetes/manifests)."""
+        return self.state / "manifests"
 
     def kubeconfig_for(self, user: str) -> Path:
         return self.state / f"{user}.kubeconfig"
@@ -488,8 +496,11 @@ state = "{base}/state"
             "evictionHard": {"nodefs.available": "1%", "imagefs.available": "1%", "memory.available": "50Mi"},
             "imageGCHighThresholdPercent": 100,
             "imageGCLowThresholdPercent": 99,
+            "staticPodPath": str(self.static_pods),
+            "fileCheckFrequency": "2s",
             **self._kubelet_choice().config,
         }
+        self.static_pods.mkdir(exist_ok=True)
         (self.state / "kubelet.yaml").write_text(yaml.safe_dump(config))
         self._spawn("kubelet", self._kubelet_argv())
         wait_for(lambda: self._node() is not None, timeout=60, what=f"node {NODE} to register")
@@ -522,8 +533,12 @@ state = "{base}/state"
         result = self.kubectl("get", "node", NODE, "-o", "json", check=False)
         return json.loads(result.stdout) if result.returncode == 0 else None
 
+    def import_image(self, archive: Path) -> None:
+        """An image archive (``docker save`` format, as ``make image`` exports) into the kubelet's containerd."""
+        self._ctr("images", "import", archive)
+
     def _start_extender(self, *extra: str) -> None:
-        pki = self.state / "pki"
+        pki = self.extender_certs
         self._spawn(
             "gpushared-extender",
             [
@@ -549,7 +564,7 @@ state = "{base}/state"
 
     def extender_tls(self, *, client: bool = False) -> ssl.SSLContext:
         """Trusting the extender's certificate; with ``client``, presenting one it takes (its own)."""
-        pki = self.state / "pki"
+        pki = self.extender_certs
         context = ssl.create_default_context(cafile=str(pki / "ca.crt"))
         if client:
             context.load_cert_chain(str(pki / "extender.crt"), str(pki / "extender.key"))
@@ -563,16 +578,23 @@ state = "{base}/state"
         except OSError:
             return False
 
-    def restart_extender(self, *, kill: bool = False) -> None:
+    def restart_extender(self, *, kill: bool = False, certs: Path | None = None) -> None:
+        """Stop the extender process and start it again, with the certificates in ``certs`` if given."""
         self.stop("gpushared-extender", sig=signal.SIGKILL if kill else signal.SIGTERM)
+        self.extender_certs = certs or self.extender_certs
         self._start_extender()
 
-    def _start_scheduler(self) -> None:
+    def restart_scheduler(self, *, extenders: bool = True) -> None:
+        """kube-scheduler again; without ``extenders``, as a managed cluster's: stock, knowing no extender."""
+        self.stop("kube-scheduler")
+        self._start_scheduler(extenders=extenders)
+
+    def _start_scheduler(self, *, extenders: bool = True) -> None:
         p = self.ports
         version = self.version("kube-scheduler")
         chosen = versions.scheduler_api(version)
         config = chosen.document(
-            extenders=self._extenders(chosen.shipped),
+            extenders=self._extenders(chosen.shipped) if extenders else [],
             kubeconfig=str(self.kubeconfig_for("admin")),
             health=f"127.0.0.1:{p.scheduler_health}",
         )
@@ -592,7 +614,7 @@ state = "{base}/state"
         """The shipped file's extenders with this cluster's address and certificate paths, and the opt-in
         entry for pods without GPU uncommented (a test scores it)."""
         extenders = scheduler_config(shipped, no_gpu_scoring=True)["extenders"]
-        pki = self.state / "pki"
+        pki = self.extender_certs
         for extender in extenders:
             extender["urlPrefix"] = f"{self.extender_url}/gpushare-scheduler"
             extender["tlsConfig"] = {
@@ -987,6 +1009,13 @@ def build_busybox_image(out: Path, busybox: Path) -> Path:
     files: dict[str, tuple[bytes | str, int]] = {"bin/busybox": (busybox.read_bytes(), 0o755)}
     files.update({f"bin/{applet}": ("busybox", 0o777) for applet in applets if applet != "busybox"})
     return _docker_archive(out / "busybox.tar", BUSYBOX_IMAGE, files, ["sh"])
+
+
+def build_binary_image(out: Path, binary: Path, tag: str) -> Path:
+    """An image of one static binary at /bin, its entry point: upstream's kube-scheduler image, made here
+    from the cached build without a registry."""
+    files: dict[str, tuple[bytes | str, int]] = {f"bin/{binary.name}": (binary.read_bytes(), 0o755)}
+    return _docker_archive(out / f"{binary.name}.tar", tag, files, [f"/bin/{binary.name}"])
 
 
 def main(argv: list[str]) -> int:

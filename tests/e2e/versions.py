@@ -75,7 +75,10 @@ class SchedulerApi:
         body["leaderElection"] = {"leaderElect": False}
         if self.bind_addresses:
             body["healthzBindAddress"] = body["metricsBindAddress"] = health
-        body["extenders"] = extenders
+        if extenders:
+            body["extenders"] = extenders
+        else:  # a stock scheduler, as a managed cluster's
+            body.pop("extenders", None)
         return body
 
 
