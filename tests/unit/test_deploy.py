@@ -129,3 +129,97 @@ def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identi
         "nodes",
         "nodes/status",
     }
+
+
+def images(docs: list[dict[str, Any]]) -> list[str]:
+    found = []
+    for doc in docs:
+        pod = doc["spec"]["template"]["spec"] if doc["kind"] in ("Deployment", "DaemonSet") else doc.get("spec", {})
+        found += [c["image"] for c in pod.get("containers", []) if isinstance(pod, dict)]
+    return found
+
+
+def test_every_manifest_runs_this_release_of_the_extender_image() -> None:
+    """A manifest of release X runs image X: the tag moves with gpushared.__version__ (and the
+    kustomization that lets an operator point at a registry carries the same tag)."""
+    ours = [
+        image
+        for name in ("extender.yaml", "extender-static-pod.yaml")
+        for image in images(documents(name))
+        if "gpushared-extender" in image
+    ]
+    assert ours == [f"localhost/gpushared-extender:{__version__}"] * 2
+    (kustomization,) = documents("kustomization.yaml")
+    (image,) = kustomization["images"]
+    assert (image["name"], image["newTag"]) == ("localhost/gpushared-extender", __version__)
+    assert set(kustomization["resources"]) <= {p.name for p in DEPLOY.iterdir()}
+
+
+def test_the_extender_runs_beside_kube_scheduler() -> None:
+    """The Deployment on control-plane nodes; the static pod on the host network, reached over loopback,
+    as the shipped scheduler configs call it."""
+    (deployment,) = [d for d in documents("extender.yaml") if d["kind"] == "Deployment"]
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"node-role.kubernetes.io/control-plane": ""}
+    assert {t["key"] for t in spec["tolerations"]} == {
+        "node-role.kubernetes.io/control-plane",
+        "node-role.kubernetes.io/master",
+    }
+    (static,) = documents("extender-static-pod.yaml")
+    assert static["kind"] == "Pod" and static["spec"]["hostNetwork"] is True
+    (container,) = static["spec"]["containers"]
+    flags = dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
+    assert flags["--port"] == "39999"
+    files = ("--tls-cert", "--tls-key", "--client-ca", "--kubeconfig")
+    assert all(flags[k].startswith("/etc/kubernetes/gpushared/") for k in files)
+    assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    for name in ("scheduler-config.yaml", "scheduler-config-v1beta1.yaml"):
+        for extender in documents(name)[0]["extenders"]:
+            assert extender["urlPrefix"] == "https://127.0.0.1:39999/gpushare-scheduler"
+
+
+def test_the_second_scheduler_is_wired_to_the_extender_and_the_webhook_never_blocks() -> None:
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in documents("gpushared-scheduler.yaml")}
+    config = yaml.safe_load(docs["ConfigMap", "gpushared-scheduler"]["data"]["config.yaml"])
+    assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
+    assert [p["schedulerName"] for p in config["profiles"]] == ["gpushared-scheduler"]
+    election = config["leaderElection"]
+    assert (election["leaderElect"], election["resourceName"], election["resourceLock"]) == (
+        True,
+        "gpushared-scheduler",
+        "leases",
+    )
+    # The same extender entry as the control plane's config, through the Service (it runs in a pod).
+    (extender,) = config["extenders"]
+    (shipped,) = documents("scheduler-config.yaml")[0]["extenders"]
+    assert {k: v for k, v in extender.items() if k != "urlPrefix"} == {
+        k: v for k, v in shipped.items() if k != "urlPrefix"
+    }
+    assert extender["urlPrefix"] == "https://gpushared-extender.kube-system.svc:39999/gpushare-scheduler"
+    # Its own Lease, and only that one, beyond the built-in scheduler roles.
+    lease = docs["Role", "gpushared-scheduler-lease"]["rules"]
+    assert [r.get("resourceNames") for r in lease] == [None, ["gpushared-scheduler"]]
+    assert {docs["ClusterRoleBinding", n]["roleRef"]["name"] for n in (
+        "gpushared-scheduler-as-kube-scheduler", "gpushared-scheduler-as-volume-scheduler")} == {
+        "system:kube-scheduler", "system:volume-scheduler"}  # fmt: skip
+    (webhook,) = docs["MutatingWebhookConfiguration", "gpushared-scheduler"]["webhooks"]
+    assert webhook["failurePolicy"] == "Ignore" and webhook["sideEffects"] == "None"
+    assert webhook["rules"] == [
+        {
+            "operations": ["CREATE"],
+            "apiGroups": [""],
+            "apiVersions": ["v1"],
+            "resources": ["pods"],
+            "scope": "Namespaced",
+        }
+    ]
+    assert webhook["clientConfig"]["service"]["path"] == "/gpushare-scheduler/mutate"
+    assert "caBundle" not in webhook["clientConfig"]  # written by scripts/extender-certs, kept on re-apply
+    assert {e["key"] for e in webhook["namespaceSelector"]["matchExpressions"]} == {
+        "gpushared.io/scheduler",
+        "kubernetes.io/metadata.name",
+    }
+    # The extender's NetworkPolicy lets this scheduler in.
+    (policy,) = [d for d in documents("extender.yaml") if d["kind"] == "NetworkPolicy"]
+    sources = policy["spec"]["ingress"][0]["from"]
+    assert {"podSelector": {"matchLabels": {"app": "gpushared-scheduler"}}} in sources
