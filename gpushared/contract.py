@@ -33,6 +33,11 @@ class ContractError(ValueError):
         super().__init__(f"{key}: {reason} (got {shown})")
 
 
+class NewerVersion(ContractError):
+    """An annotation a newer gpushared wrote: well formed for it, unreadable here (a rollback, or a reader
+    upgraded after its writer). Readers that have another source for the same fact use that instead."""
+
+
 # ---------------------------------------------------------------------------------------------------------
 # Resources and units
 
@@ -407,7 +412,7 @@ def _versioned_object(key: str, text: str) -> dict[str, Any]:
     if type(version) is not int or version < 1:
         raise ContractError(key=key, value=text, reason="'version' must be a positive integer")
     if version > CONTRACT_VERSION:
-        raise ContractError(
+        raise NewerVersion(
             key=key,
             value=text,
             reason=f"version {version} is newer than this gpushared reads ({CONTRACT_VERSION}); upgrade it",

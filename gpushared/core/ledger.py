@@ -112,8 +112,16 @@ def holding_from_pod(
 
 def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) -> dict[int, int] | None:
     if contract.POD_ALLOCATION in annotations:
-        allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
-        return holds_per_gpu(allocation, unit=unit)
+        try:
+            allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+        except contract.NewerVersion:
+            # Written by a newer extender (a rollback in progress). Its Binding wrote Aliyun's keys too: for
+            # a pod on one GPU they name the same GPU and amount, so the pod keeps its GPU in these books.
+            # A pod on several GPUs (_IDX -1) or without them stays pending, with the reason.
+            if annotations.get(contract.ALIYUN_GPU_MEM_IDX, "-1") == "-1":
+                raise
+        else:
+            return holds_per_gpu(allocation, unit=unit)
     if contract.ALIYUN_FRAMEWORK_ALLOCATION in annotations:
         held: dict[int, int] = {}
         for gpus in contract.parse_framework_allocation(annotations[contract.ALIYUN_FRAMEWORK_ALLOCATION]).values():

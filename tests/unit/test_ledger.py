@@ -69,6 +69,41 @@ def test_allocation_annotation_is_trusted_over_aliyuns_and_converted_to_the_node
     assert holding.gpus == {0: 3}  # max(3000, 2049) MiB, rounded up to GiB
 
 
+def newer_allocation(index: int, amount: int) -> str:
+    """What a later release's extender might write: a version this one cannot read."""
+    gpus = [{"index": index, "uuid": "u", "amount": amount, "somethingNew": True}]
+    return json.dumps(
+        {"version": contract.CONTRACT_VERSION + 1, "unit": "GiB", "containers": [{"name": "c0", "gpus": gpus}]}
+    )
+
+
+def test_an_allocation_from_a_newer_release_is_counted_by_aliyuns_keys_written_with_it() -> None:
+    """A rollback: pods bound by the newer extender keep their GPU in an older reader's books."""
+    annotations = {**aliyun(2, 4), contract.POD_ALLOCATION: newer_allocation(2, 4)}
+    holding = holding_from_pod(pod("a", 4, annotations=annotations), unit=MemoryUnit.GIB)
+    assert holding is not None
+    assert (holding.gpus, holding.pending, holding.problem) == ({2: 4}, 0, None)
+
+
+@pytest.mark.parametrize("aliyun_keys", [{}, aliyun(-1, 8)], ids=["no Aliyun keys", "on several GPUs"])
+def test_without_a_single_gpu_in_aliyuns_keys_a_newer_allocation_is_pending_with_the_reason(
+    aliyun_keys: dict[str, str],
+) -> None:
+    annotations = {**aliyun_keys, contract.POD_ALLOCATION: newer_allocation(0, 8)}
+    holding = holding_from_pod(pod("a", 8, annotations=annotations), unit=MemoryUnit.GIB)
+    assert holding is not None
+    assert (holding.gpus, holding.pending) == ({}, 8)
+    assert holding.problem is not None and "newer than this gpushared reads" in holding.problem
+
+
+def test_a_malformed_allocation_is_never_replaced_by_aliyuns_keys() -> None:
+    """Only a newer version falls back: a broken annotation is a fault to report, not to paper over."""
+    annotations = {**aliyun(1, 4), contract.POD_ALLOCATION: '{"version": 1, "unit": "GiB"'}
+    holding = holding_from_pod(pod("a", 4, annotations=annotations), unit=MemoryUnit.GIB)
+    assert holding is not None
+    assert (holding.gpus, holding.pending) == ({}, 4) and "not valid JSON" in (holding.problem or "")
+
+
 def test_framework_allocation_is_read() -> None:
     annotations = {contract.ALIYUN_FRAMEWORK_ALLOCATION: '{"0":{"2":3},"1":{"2":1}}'}
     holding = holding_from_pod(pod("p", 3, 1, annotations=annotations), unit=MemoryUnit.GIB)
