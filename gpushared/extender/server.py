@@ -31,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from gpushared import __version__
 from gpushared.core.admission import GPUSHARED_SCHEDULER, scheduler_route
+from gpushared.core.bodies import meta_of
 from gpushared.core.report import node_report
 from gpushared.extender import wire
 from gpushared.extender.scheduler import BindError, Scheduler
@@ -381,7 +382,7 @@ class _Routes:
                 )
                 patch = route.patch
                 if patch:
-                    meta = review.pod.get("metadata") or {}
+                    meta = meta_of(review.pod)
                     name = meta.get("name") or meta.get("generateName", "") + "*"
                     log.info("new pod %s/%s %s", review.namespace, name, route.reason)
             return _json(wire.admission_response(review, patch))

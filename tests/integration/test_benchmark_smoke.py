@@ -95,7 +95,8 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
         assert report[where]["bind"]["count"] > 0
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
     assert report["extenderCpus"] == (cpus[:1] if pin else "any")
-    assert report["http"]["extenderCpuMsPerFilterAlone"] > 0
+    # A smoke, not a measurement: in half a second the extender's CPU time may not tick (10 ms) at all.
+    assert report["http"]["filtersAlone"] > 0 and report["http"]["extenderCpuMsPerFilterAlone"] >= 0
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the paired comparison pins the extender to a CPU")
