@@ -22,7 +22,7 @@ ENV = "GPUSHARED_EXTENDER"
 @click.option("--address", default="0.0.0.0", show_default=True, help="Listen address.")
 @click.option("--port", type=click.IntRange(1, 65535), default=39999, show_default=True, help="Listen port.")
 @click.option("--prefix", default="/gpushare-scheduler", show_default=True, help="URL prefix of the verbs.")
-@click.option("--policy", default="binpack", show_default=True, help="GPU placement policy: binpack, spread or fgd.")
+@click.option("--policy", default="binpack", show_default=True, help="binpack, spread, fgd or balanced.")
 @click.option("--resource-domain", default="aliyun.com", show_default=True, help="Domain of gpu-mem / gpu-count.")
 @click.option("--kubeconfig", type=click.Path(path_type=Path), help="Kubeconfig; in-cluster credentials without it.")
 @click.option("--tls-cert", type=click.Path(exists=True, path_type=Path), help="Serve HTTPS with this certificate.")

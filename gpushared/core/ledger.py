@@ -257,6 +257,10 @@ class Ledger:
     def mps_clients(self, index: int) -> int:
         return self._mps.get(index, 0)
 
+    def sharers(self, index: int) -> int:
+        """Pods on GPU ``index``, MPS or not: what the balanced policy evens out."""
+        return self._mps.get(index, 0) + self._shared.get(index, 0)
+
     @property
     def pending(self) -> int:
         return sum(h.pending for h in self._holdings.values())

@@ -230,7 +230,18 @@ FGD: Final = Policy(
     balances=True,
 )
 
-POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD)}
+
+def _balanced_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
+    """Fewest pods first (whole steps), then the most free memory left (a fraction below one step)."""
+    return context.ledger.sharers(verdict.gpu.index) + (need - verdict.free) / (verdict.gpu.memory + 1)
+
+
+#: The GPU shared by the fewest pods, then the one with the most free memory: each pod gets as much of a GPU
+#: to itself as the node allows (interactive and development nodes, where pods come and go and each
+#: wants a GPU as idle as possible). A node's price is its least shared GPU's, so nodes balance too.
+BALANCED: Final = Policy(name="balanced", price=_balanced_price)
+
+POLICIES: Final = {policy.name: policy for policy in (BINPACK, SPREAD, FGD, BALANCED)}
 
 
 def policy_named(name: str) -> Policy:

@@ -61,7 +61,7 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
         timeout=300,
     )
     summary = json.loads((out / "openb.json").read_text())
-    assert set(summary) == {"default"} and set(summary["default"]) == {"binpack", "spread", "fgd"}
+    assert set(summary) == {"default"} and set(summary["default"]) == {"binpack", "spread", "fgd", "balanced"}
     for numbers in summary["default"].values():
         assert set(numbers) == {"100", "130", "frag90"} and 0 < numbers["130"] <= 100
     details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]

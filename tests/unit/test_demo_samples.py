@@ -52,6 +52,8 @@ def place_all(order: list[tuple[str, dict[str, Any]]], policy: str) -> str | Non
     return None
 
 
+# Not balanced: it puts the plain pods on every GPU before any GPU gets a second pod, which leaves no GPU
+# free of plain pods for the samples' MPS pod in most orders (18,060 of 30,240): docs/design.md §5.
 @pytest.mark.parametrize("policy", ["binpack", "spread", "fgd"])
 def test_the_samples_fit_in_every_arrival_order(policy: str) -> None:
     pods = samples()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
@@ -10,6 +12,7 @@ from gpushared.core.binding import bind_annotations
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
 from gpushared.core.policies import (
+    BALANCED,
     BINPACK,
     FGD,
     SPREAD,
@@ -331,3 +334,40 @@ def test_the_filters_reason_for_full_gpus_is_the_same_on_every_node() -> None:
     assert no_room(request(512), unit=contract.MemoryUnit.MIB) == "no usable GPU has 512 MiB free"
     pair = PodRequest(containers=(ContainerRequest("c0", 32, gpus=2),))
     assert no_room(pair, unit=contract.MemoryUnit.GIB) == "fewer than 2 usable GPUs have 16 GiB free each"
+
+
+def test_balanced_takes_the_gpu_with_the_fewest_pods_then_the_most_free() -> None:
+    ledger = Ledger.build(inventory(16, 16, 8))
+    used(ledger, 0, 2)
+    used(ledger, 0, 1)  # GPU 0: two pods, 13 free
+    used(ledger, 1, 10)  # GPU 1: one pod, 6 free
+    used(ledger, 2, 1)  # GPU 2: one pod, 7 free
+    context = PricingContext(ledger)
+    (chosen,) = BALANCED.choose(judge(ledger, request(2)), request(2), context) or ()
+    assert chosen.gpu.index == 2  # one pod like GPU 1, but more free
+    (chosen,) = BALANCED.choose(judge(ledger, request(7)), request(7), context) or ()
+    assert chosen.gpu.index == 2  # still fits there
+    (chosen,) = BALANCED.choose(judge(ledger, request(8)), request(8), context) or ()
+    assert chosen.gpu.index == 0  # only GPU 0 has room, however shared
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    sizes=st.lists(st.integers(4, 48), min_size=1, max_size=8),
+    amount=st.integers(1, 4),
+    count=st.integers(1, 40),
+)
+def test_balanced_keeps_equal_pods_within_one_of_each_other_per_gpu(sizes: list[int], amount: int, count: int) -> None:
+    """Equal pods placed one by one: while every GPU has room, the pods per GPU differ by at most one; no
+    GPU ever goes over its memory."""
+    ledger = Ledger.build(inventory(*sizes))
+    for i in range(count):
+        ask = request(amount)
+        choice = BALANCED.choose(judge(ledger, ask), ask, PricingContext(ledger))
+        if choice is None:
+            break
+        ledger.add(Holding(uid=str(i), namespace="d", name=str(i), gpus={choice[0].gpu.index: amount}))
+        counts = [ledger.sharers(gpu.index) for gpu in ledger.inventory.gpus]
+        if all(ledger.free(gpu) >= amount for gpu in ledger.inventory.gpus):
+            assert max(counts) - min(counts) <= 1, counts
+        assert all(ledger.free(gpu) >= 0 for gpu in ledger.inventory.gpus)
