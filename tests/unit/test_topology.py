@@ -1,0 +1,94 @@
+"""Which N GPUs a container on N GPUs gets (core/topology.py), on the shipped layouts of real machines."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpushared.core.topology import EXHAUSTIVE_LIMIT, Link, LinkKind, Topology, choose_set, set_score
+from tests.fakes.topologies import LAYOUTS, layout
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_layouts_are_read_as_nvidia_smi_prints_them(name: str) -> None:
+    topology = layout(name)
+    gpus = sorted(topology.numa)
+    matrix = topology.matrix(gpus)
+    assert all(matrix[i][i] == "X" for i in gpus)
+    assert topology.known is (name != "unknown")
+
+
+def test_dgx1_is_a_hybrid_cube_mesh() -> None:
+    dgx1 = layout("dgx1")
+    for gpu in range(8):  # six NVLink links each, to four GPUs
+        links = [dgx1.link(gpu, other) for other in range(8) if other != gpu]
+        nvlinked = [link for link in links if link.kind is LinkKind.NVLINK]
+        assert len(nvlinked) == 4 and sum(link.nvlinks for link in nvlinked) == 6
+    assert dgx1.numa == {0: 0, 1: 0, 2: 0, 3: 0, 4: 1, 5: 1, 6: 1, 7: 1}
+
+
+# layout, GPUs with room in policy order, count, the set chosen
+CHOICES = {
+    "dgx1: a pair takes a double link": ("dgx1", [0, 1, 2, 5, 6, 7], 2, (1, 2)),
+    "dgx1: four take a fully linked socket": ("dgx1", list(range(8)), 4, (0, 1, 2, 3)),
+    "dgx1: the policy's order breaks ties between sockets": ("dgx1", [7, 6, 5, 4, 3, 2, 1, 0], 4, (7, 6, 5, 4)),
+    "dgx1: NVLink over the sockets' link": ("dgx1", [5, 3, 0], 2, (3, 0)),
+    "dgx1: of equal pairs, the policy's earliest": ("dgx1", [0, 5, 6, 7], 2, (5, 6)),
+    "dgx-a100: all pairs equal, so the policy decides": ("dgx-a100", [5, 2, 7, 0], 2, (5, 2)),
+    "pcie: one switch beats two and the sockets' link": ("pcie-2-socket", [2, 0, 5, 1, 3], 2, (0, 1)),
+    "pcie: three on one socket before crossing": ("pcie-2-socket", [3, 0, 1, 2, 4], 3, (0, 1, 2)),
+    "pcie: NODE beats SYS": ("pcie-2-socket", [0, 5, 3], 2, (5, 3)),
+    "unknown: the policy's first": ("unknown", [3, 1, 0, 2], 2, (3, 1)),
+    "one GPU never looks at links": ("dgx1", [5, 0, 3], 1, (5,)),
+    "all of them": ("dgx1", [4, 0], 2, (4, 0)),
+}
+
+
+@pytest.mark.parametrize("case", CHOICES)
+def test_choose_set(case: str) -> None:
+    name, ordered, count, expected = CHOICES[case]
+    assert choose_set(ordered, count, layout(name)) == expected
+
+
+def test_more_gpus_than_have_room_is_an_error() -> None:
+    with pytest.raises(ValueError, match="3 GPUs asked of 2 with room"):
+        choose_set([0, 1], 3, layout("dgx1"))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), name=st.sampled_from(sorted(LAYOUTS)))
+def test_the_set_chosen_has_the_best_score_of_all_sets_with_room(data: st.DataObject, name: str) -> None:
+    """Every subset of the GPUs, in every policy order, every count: the chosen set scores the most of all
+    sets of the GPUs with room, comes from them, and of the best sets comes earliest in the policy's order."""
+    topology = layout(name)
+    gpus = sorted(topology.numa)
+    room = data.draw(st.lists(st.sampled_from(gpus), min_size=1, unique=True), label="GPUs with room, in order")
+    count = data.draw(st.integers(1, len(room)), label="count")
+    chosen = choose_set(room, count, topology)
+    assert len(chosen) == count and len(set(chosen)) == count and set(chosen) <= set(room)
+    assert list(chosen) == sorted(chosen, key=room.index)  # returned in the policy's order
+    scores = {combo: set_score(combo, topology) for combo in itertools.combinations(room, count)}
+    best = max(scores.values())
+    assert set_score(chosen, topology) == best or count == 1
+    if count == 1:
+        assert chosen == (room[0],)  # one-GPU pods: the policy's choice, whatever the links
+    else:
+        earliest = min((c for c, s in scores.items() if s == best), key=lambda c: sorted(map(room.index, c)))
+        assert sorted(chosen, key=room.index) == list(earliest)
+
+
+def test_a_large_node_is_chosen_greedily_and_still_well() -> None:
+    """Past the exhaustive limit (32 GPUs, 16 asked): two NVSwitch islands of 16 behind the sockets' link;
+    the greedy growth keeps the set on one island."""
+    island = {frozenset((a, b)): Link(LinkKind.NVLINK, 18) for a, b in itertools.combinations(range(16), 2)}
+    island |= {frozenset((a, b)): Link(LinkKind.NVLINK, 18) for a, b in itertools.combinations(range(16, 32), 2)}
+    cross = {frozenset((a, b)): Link(LinkKind.CROSS_CPU) for a in range(16) for b in range(16, 32)}
+    topology = Topology(links=island | cross)
+    ordered = [x for pair in zip(range(16, 32), range(16), strict=True) for x in pair]  # islands interleaved
+    assert math.comb(32, 16) > EXHAUSTIVE_LIMIT
+    chosen = choose_set(ordered, 16, topology)
+    assert set(chosen) == set(range(16, 32))  # the island of the policy's first GPU
