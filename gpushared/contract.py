@@ -13,6 +13,7 @@ import dataclasses
 import enum
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -214,14 +215,26 @@ class GpuInfo:
     healthy: bool = True
     mps_capable: bool = False
     used_mib: int | None = dataclasses.field(default=None, compare=False)
+    #: the NUMA node the GPU hangs off (None: not known), for the kubelet's Topology Manager
+    numa: int | None = None
+
+
+#: One link of the inventory's ``links``: ``nvidia-smi topo -m``'s words (``NV<n>``: n NVLink links; PIX,
+#: PXB, PHB, NODE, SYS: PCIe paths, best first; PIX-BOARD: one board; ``?``: not known).
+LINK_WORD: Final = re.compile(r"NV[1-9][0-9]{0,2}|PIX-BOARD|PIX|PXB|PHB|NODE|SYS|\?")
 
 
 @dataclass(frozen=True)
 class GpuInventory:
-    """All GPUs of one node. One unit per node: a node advertises one gpu-mem resource."""
+    """All GPUs of one node. One unit per node: a node advertises one gpu-mem resource.
+
+    ``links`` is how the GPUs are connected (``core.topology``): the upper triangle of the link matrix over
+    ``gpus`` in order, row by row (GPU 0 to 1, 2, ...; then 1 to 2, ...), empty when not read. In the
+    annotation it is one string of words (28 for 8 GPUs); readers older than it ignore the key."""
 
     unit: MemoryUnit
     gpus: tuple[GpuInfo, ...]
+    links: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         indices = [gpu.index for gpu in self.gpus]
@@ -230,6 +243,18 @@ class GpuInventory:
         uuids = [gpu.uuid for gpu in self.gpus]
         if len(set(uuids)) != len(uuids):
             raise ContractError(key=NODE_INVENTORY, value=uuids, reason="GPU UUIDs must be unique")
+        pairs = len(self.gpus) * (len(self.gpus) - 1) // 2
+        if self.links and len(self.links) != pairs:
+            raise ContractError(
+                key=NODE_INVENTORY,
+                value=" ".join(self.links),
+                reason=f"'links' must name {pairs} pairs for {len(self.gpus)} GPUs",
+            )
+        for word in self.links:
+            if not LINK_WORD.fullmatch(word):
+                raise ContractError(
+                    key=NODE_INVENTORY, value=word, reason="not a link: NV<n>, PIX, PXB, PHB, NODE, SYS or ?"
+                )
 
     def by_index(self, index: int) -> GpuInfo | None:
         for gpu in self.gpus:
@@ -257,9 +282,11 @@ def format_inventory(inventory: GpuInventory) -> str:
                     "healthy": gpu.healthy,
                     "mps": gpu.mps_capable,
                     **({"usedMiB": gpu.used_mib} if gpu.used_mib is not None else {}),
+                    **({"numa": gpu.numa} if gpu.numa is not None else {}),
                 }
                 for gpu in inventory.gpus
             ],
+            **({"links": " ".join(inventory.links)} if inventory.links else {}),
         },
         separators=(",", ":"),
     )
@@ -287,9 +314,13 @@ def parse_inventory(text: str) -> GpuInventory:
                 healthy=_require_bool(key, f"{where}.healthy", gpu.get("healthy", True)),
                 mps_capable=_require_bool(key, f"{where}.mps", gpu.get("mps", False)),
                 used_mib=_require_int(key, f"{where}.usedMiB", gpu["usedMiB"]) if "usedMiB" in gpu else None,
+                numa=_require_int(key, f"{where}.numa", gpu["numa"]) if "numa" in gpu else None,
             )
         )
-    return GpuInventory(unit=unit, gpus=tuple(parsed))
+    links = body.get("links", "")
+    if not isinstance(links, str):
+        raise ContractError(key=key, value=links, reason="'links' must be a string of link words")
+    return GpuInventory(unit=unit, gpus=tuple(parsed), links=tuple(links.split()))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from gpushared import contract
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.requests import PodRequest
+from gpushared.core.topology import choose_set, topology_of
 from gpushared.core.verdicts import GpuVerdict
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
@@ -102,8 +103,9 @@ class Policy:
     ``price`` prices putting ``need`` units on one fitting GPU (lower is better) in the node's pricing
     context; a node's price is its cheapest GPU's. Equal prices go to the GPU with less free memory, then
     the lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes
-    those that come first in that order, and the node's price is theirs together: ``price_of_several``,
-    or the sum of their prices when a policy's prices add up.
+    the best-linked set of the fitting GPUs (``core.topology.choose_set``; those that come first in that
+    order among equally linked sets, and on a node whose links are not known), and the node's price is
+    theirs together: ``price_of_several``, or the sum of their prices when a policy's prices add up.
     """
 
     name: str
@@ -147,9 +149,17 @@ class Policy:
             order, verdict = min(ordered, key=lambda pair: pair[0])
             return order[0], (verdict,)
         ordered.sort(key=lambda pair: pair[0])
-        chosen = tuple(verdict for _, verdict in ordered[:gpus])
+        # The best-linked set of the GPUs with room, the policy's order breaking ties (core/topology.py);
+        # a node whose links are not known gets the policy's first GPUs.
+        topology = topology_of(context.ledger.inventory)
+        if topology.known:
+            by_index = {verdict.gpu.index: (order, verdict) for order, verdict in ordered}
+            top = [by_index[i] for i in choose_set([v.gpu.index for _, v in ordered], gpus, topology)]
+        else:
+            top = ordered[:gpus]
+        chosen = tuple(verdict for _, verdict in top)
         if self.price_of_several is None:
-            return sum(order[0] for order, _ in ordered[:gpus]), chosen
+            return sum(order[0] for order, _ in top), chosen
         return self.price_of_several(chosen, need, context), chosen
 
 

@@ -16,11 +16,14 @@ Pure: the extender's bind and the daemon's GetPreferredAllocation are to share i
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
+
+from gpushared.contract import GpuInventory
 
 
 class LinkKind(enum.Enum):
@@ -130,3 +133,28 @@ def _grown(ordered: Sequence[int], start: int, count: int, topology: Topology) -
         chosen.append(rest.pop(pick))
     order = {gpu: i for i, gpu in enumerate(ordered)}
     return tuple(sorted(chosen, key=order.__getitem__))
+
+
+_WORDS: Final = {kind.value: kind for kind in LinkKind}
+
+
+@functools.lru_cache(maxsize=4096)
+def topology_of(inventory: GpuInventory) -> Topology:
+    """The links and NUMA nodes an inventory carries (``GpuInventory.links``: the matrix's upper triangle).
+    Kept per inventory: the extender asks for every candidate node of every multi-GPU pod."""
+    indices = [gpu.index for gpu in inventory.gpus]
+    pairs = itertools.combinations(indices, 2)
+    links = {frozenset(pair): parse_link(word) for pair, word in zip(pairs, inventory.links, strict=False)}
+    return Topology(links=links, numa={gpu.index: gpu.numa for gpu in inventory.gpus})
+
+
+def parse_link(word: str) -> Link:
+    """One word of ``nvidia-smi topo -m`` (``contract.LINK_WORD``)."""
+    if word.startswith("NV"):
+        return Link(LinkKind.NVLINK, int(word[2:]))
+    return Link(_WORDS[word])
+
+
+def link_words(topology: Topology, indices: Sequence[int]) -> tuple[str, ...]:
+    """``GpuInventory.links`` for ``indices``: the inverse of :func:`topology_of`."""
+    return tuple(str(topology.link(a, b)) for a, b in itertools.combinations(indices, 2))

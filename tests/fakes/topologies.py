@@ -7,7 +7,7 @@ one PCIe switch, ``PXB`` several, ``PHB`` the host bridge, ``NODE`` one CPU sock
 
 from __future__ import annotations
 
-from gpushared.core.topology import Link, LinkKind, Topology
+from gpushared.core.topology import Link, Topology, parse_link
 
 #: DGX-1 with V100: hybrid cube-mesh. Each GPU has six NVLink links to four others, GPUs 0-3 and 4-7 are
 #: fully linked within their socket, and each GPU links to one GPU of the other socket.
@@ -53,7 +53,6 @@ X ? ? ? -
 """
 
 LAYOUTS = {"dgx1": DGX1, "dgx-a100": DGX_A100, "pcie-2-socket": PCIE_2_SOCKET, "unknown": UNKNOWN}
-_WORDS = {kind.value: kind for kind in LinkKind}
 
 
 def parse(matrix: str) -> Topology:
@@ -68,7 +67,7 @@ def parse(matrix: str) -> Topology:
             if a == b:
                 assert cell == "X"
                 continue
-            link = Link(LinkKind.NVLINK, int(cell[2:])) if cell.startswith("NV") else Link(_WORDS[cell])
+            link = parse_link(cell)
             pair = frozenset((a, b))
             assert links.setdefault(pair, link) == link, f"GPUs {a} and {b}: the matrix is not symmetric"
     return Topology(links=links, numa=numa)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -9,7 +10,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushared.core.topology import EXHAUSTIVE_LIMIT, Link, LinkKind, Topology, choose_set, set_score
+from gpushared import contract
+from gpushared.contract import GpuInventory, MemoryUnit
+from gpushared.core.ledger import Holding, Ledger
+from gpushared.core.policies import POLICIES, PricingContext, policy_named
+from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.core.topology import (
+    EXHAUSTIVE_LIMIT,
+    Link,
+    LinkKind,
+    Topology,
+    choose_set,
+    link_words,
+    set_score,
+    topology_of,
+)
+from gpushared.core.verdicts import judge
+from tests.builders import inventory
 from tests.fakes.topologies import LAYOUTS, layout
 
 
@@ -92,3 +109,67 @@ def test_a_large_node_is_chosen_greedily_and_still_well() -> None:
     assert math.comb(32, 16) > EXHAUSTIVE_LIMIT
     chosen = choose_set(ordered, 16, topology)
     assert set(chosen) == set(range(16, 32))  # the island of the policy's first GPU
+
+
+# --- the inventory carries the links; placement uses them -------------------------------------------------
+
+
+def dgx1_inventory(size: int = 16) -> GpuInventory:
+    plain = inventory(*([size] * 8))
+    topology = layout("dgx1")
+    gpus = tuple(dataclasses.replace(gpu, numa=topology.numa[gpu.index]) for gpu in plain.gpus)
+    return GpuInventory(unit=plain.unit, gpus=gpus, links=link_words(topology, list(range(8))))
+
+
+def test_the_inventory_carries_links_and_numa_and_reads_back_the_same_topology() -> None:
+    carried = dgx1_inventory()
+    text = contract.format_inventory(carried)
+    assert '"links":"NV1 NV1 NV2 NV2 SYS SYS SYS NV2 NV1 SYS NV2 SYS SYS' in text
+    back = contract.parse_inventory(text)
+    assert back == carried
+    assert topology_of(back) == layout("dgx1")
+
+
+def test_an_inventory_without_links_is_written_as_before() -> None:
+    """Older readers ignore keys they do not know; an inventory without topology has none of the new keys."""
+    text = contract.format_inventory(inventory(16, 16))
+    assert "links" not in text and "numa" not in text
+    assert not topology_of(contract.parse_inventory(text)).known
+
+
+@pytest.mark.parametrize(
+    ("links", "reason"),
+    [(("NV2", "SYS"), "'links' must name 1 pairs for 2 GPUs"), (("NVX",), "not a link")],
+)
+def test_links_that_do_not_fit_the_gpus_are_refused(links: tuple[str, ...], reason: str) -> None:
+    with pytest.raises(contract.ContractError, match=reason):
+        GpuInventory(unit=MemoryUnit.GIB, gpus=inventory(16, 16).gpus, links=links)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    held=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 16)), max_size=10),
+    count=st.sampled_from([2, 4]),
+    share=st.integers(1, 8),
+    policy=st.sampled_from(sorted(POLICIES)),
+)
+def test_every_policy_gives_a_pod_on_several_gpus_a_best_linked_set_with_room(
+    held: list[tuple[int, int]], count: int, share: int, policy: str
+) -> None:
+    """On a DGX-1 with random holdings: the set chosen fits, and no set of GPUs with room is better linked."""
+    ledger = Ledger.build(dgx1_inventory())
+    for i, (index, amount) in enumerate(held):
+        gpu = ledger.inventory.gpus[index]
+        if ledger.free(gpu) >= amount:
+            ledger.add(Holding(uid=str(i), namespace="d", name=str(i), gpus={index: amount}))
+    ask = PodRequest(containers=(ContainerRequest("c0", share * count, gpus=count),))
+    verdicts = judge(ledger, ask)
+    choice = policy_named(policy).choose(verdicts, ask, PricingContext(ledger))
+    room = [v.gpu.index for v in verdicts if v.fits]
+    if len(room) < count:
+        assert choice is None
+        return
+    assert choice is not None and all(v.fits for v in choice) and len({v.gpu.index for v in choice}) == count
+    topology = layout("dgx1")
+    best = max(set_score(c, topology) for c in itertools.combinations(room, count))
+    assert set_score([v.gpu.index for v in choice], topology) == best
