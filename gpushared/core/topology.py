@@ -118,21 +118,23 @@ def choose_set(ordered: Sequence[int], count: int, topology: Topology) -> tuple[
     if math.comb(len(ordered), count) <= EXHAUSTIVE_LIMIT:
         candidates: Iterable[tuple[int, ...]] = itertools.combinations(ordered, count)
     else:
-        candidates = (_grown(ordered, start, count, topology) for start in ordered)
+        candidates = (_grown(ordered, position, start, count, topology) for start in ordered)
     best = max(candidates, key=lambda gpus: (set_score(gpus, topology), [-position[g] for g in gpus]))
     return tuple(sorted(best, key=position.__getitem__))
 
 
-def _grown(ordered: Sequence[int], start: int, count: int, topology: Topology) -> tuple[int, ...]:
-    """A set grown from ``start`` by adding, each step, the GPU that adds most (earliest on ties)."""
+def _grown(
+    ordered: Sequence[int], position: Mapping[int, int], start: int, count: int, topology: Topology
+) -> tuple[int, ...]:
+    """A set grown from ``start`` by adding, each step, the GPU that adds most (earliest on ties), in
+    ``ordered``'s order (``position``: each GPU's place there)."""
     chosen = [start]
     rest = [gpu for gpu in ordered if gpu != start]
     while len(chosen) < count:
         gain = [sum(topology.link(gpu, c).score for c in chosen) for gpu in rest]
         pick = max(range(len(rest)), key=lambda i: (gain[i], -i))
         chosen.append(rest.pop(pick))
-    order = {gpu: i for i, gpu in enumerate(ordered)}
-    return tuple(sorted(chosen, key=order.__getitem__))
+    return tuple(sorted(chosen, key=position.__getitem__))
 
 
 _WORDS: Final = {kind.value: kind for kind in LinkKind}

@@ -168,7 +168,7 @@ def build_app(
     app.router.add_post(f"{prefix}/prioritize", routes.verb("prioritize", routes.prioritize))
     app.router.add_post(f"{prefix}/prioritize-no-gpu", routes.verb("prioritize-no-gpu", routes.prioritize_no_gpu))
     app.router.add_post(f"{prefix}/bind", routes.verb("bind", routes.bind))
-    app.router.add_post(f"{prefix}/mutate", routes.mutate)
+    app.router.add_post(f"{prefix}/mutate", routes.verb("mutate", routes.mutate, stateless=True))
     app.router.add_get(f"{prefix}/inspect", routes.inspect_all)
     app.router.add_get(f"{prefix}/inspect/{{node}}", routes.inspect_node)
     app.router.add_get("/healthz", routes.healthz)
@@ -273,21 +273,24 @@ class _Routes:
             return _json({"Error": f"the leader at {leader} did not answer: {exc}"}, status=503)
 
     def verb(
-        self, name: str, handler: Callable[[bytes], Awaitable[web.Response]]
+        self, name: str, handler: Callable[[bytes], Awaitable[web.Response]], *, stateless: bool = False
     ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        """Readiness, body limits and timeouts, 400 for a malformed body, and the latency metric."""
+        """Readiness, body limits and timeouts, 400 for a malformed body, and the latency metric.
+
+        A ``stateless`` verb answers from the request alone (the webhook): every replica serves it, synced
+        or not, leader or not, and it asks for no client certificate."""
 
         seconds, errors = self.metrics.seconds.labels(verb=name), self.metrics.errors.labels(verb=name)  # once
 
         async def serve(request: web.Request) -> web.Response:
             started = time.perf_counter()
             try:
-                refused = self._unauthenticated(request)
+                refused = None if stateless else self._unauthenticated(request)
                 if refused is not None:
                     errors.inc()
                     log.warning("%s from %s refused: %s", name, request.remote, refused[1])
                     return _json({"Error": refused[1]}, status=refused[0])
-                ok, why = self.ready()
+                ok, why = (True, "") if stateless else self.ready()
                 if not ok:
                     errors.inc()
                     return _json({"Error": why}, status=503)
@@ -300,7 +303,7 @@ class _Routes:
                 except TimeoutError:
                     errors.inc()
                     return _json({"Error": f"{name}: request body too slow"}, status=408)
-                leader = self.leader()
+                leader = None if stateless else self.leader()
                 if leader is not None:
                     if request.headers.get(FORWARDED) or not leader:
                         errors.inc()
@@ -355,39 +358,23 @@ class _Routes:
             return _json(wire.binding_result(str(exc)))
         return _json(wire.binding_result())
 
-    async def mutate(self, request: web.Request) -> web.Response:
+    async def mutate(self, raw: bytes) -> web.Response:
         """The mutating admission webhook: the API server calls it for every pod created in the namespaces
-        its configuration selects. Served by every replica, synced or not, leader or not: the answer depends
-        on the pod alone. No client certificate is asked for, because the API server presents none unless
-        configured to; a caller gets only a patch for the object it sent, and nothing changes here."""
-        started = time.perf_counter()
-        try:
-            try:
-                async with asyncio.timeout(self.config.read_timeout):
-                    raw = await request.read()
-                review = wire.parse_admission_review(raw)
-            except web.HTTPRequestEntityTooLarge:
-                self.metrics.errors.labels(verb="mutate").inc()
-                return _json({"Error": f"mutate: body larger than {self.config.max_body_bytes} bytes"}, status=413)
-            except TimeoutError:
-                self.metrics.errors.labels(verb="mutate").inc()
-                return _json({"Error": "mutate: request body too slow"}, status=408)
-            except wire.WireError as exc:
-                self.metrics.errors.labels(verb="mutate").inc()
-                return _json({"Error": str(exc)}, status=400)
-            patch: tuple[dict[str, Any], ...] = ()
-            if review.pod is not None and review.operation == "CREATE":
-                route = scheduler_route(
-                    review.pod, scheduler=self.config.webhook_scheduler, resources=self.scheduler.resources
-                )
-                patch = route.patch
-                if patch:
-                    meta = meta_of(review.pod)
-                    name = meta.get("name") or meta.get("generateName", "") + "*"
-                    log.info("new pod %s/%s %s", review.namespace, name, route.reason)
-            return _json(wire.admission_response(review, patch))
-        finally:
-            self.metrics.seconds.labels(verb="mutate").observe(time.perf_counter() - started)
+        its configuration selects. Stateless (``verb``): the answer depends on the pod alone. No client
+        certificate is asked for, because the API server presents none unless configured to; a caller gets
+        only a patch for the object it sent, and nothing changes here."""
+        review = wire.parse_admission_review(raw)
+        patch: tuple[dict[str, Any], ...] = ()
+        if review.pod is not None and review.operation == "CREATE":
+            route = scheduler_route(
+                review.pod, scheduler=self.config.webhook_scheduler, resources=self.scheduler.resources
+            )
+            patch = route.patch
+            if patch:
+                meta = meta_of(review.pod)
+                name = meta.get("name") or meta.get("generateName", "") + "*"
+                log.info("new pod %s/%s %s", review.namespace, name, route.reason)
+        return _json(wire.admission_response(review, patch))
 
     def _report(self, name: str, request: web.Request) -> dict[str, Any] | None:
         snapshot = self.scheduler.cache.snapshot(name)

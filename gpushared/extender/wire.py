@@ -30,11 +30,16 @@ class WireError(ValueError):
     """A request body that is not what kube-scheduler sends; answered with HTTP 400 and this message."""
 
 
-def _object(body: bytes, what: str) -> dict[str, Any]:
+def _parsed(body: bytes, what: str) -> Any:
     try:
-        value = orjson.loads(body)
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:  # invalid UTF-8 included
         raise WireError(f"{what}: body is not JSON ({exc})") from None
+
+
+def _object(body: bytes, what: str) -> dict[str, Any]:
+    """A Go struct's JSON: keys matched in any case, as Go's decoder matches them."""
+    value = _parsed(body, what)
     if not isinstance(value, dict):
         raise WireError(f"{what}: body must be a JSON object")
     return {str(k).lower(): v for k, v in value.items()}
@@ -156,10 +161,7 @@ class AdmissionRequest:
 
 def parse_admission_review(body: bytes) -> AdmissionRequest:
     """An AdmissionReview from the API server. These keys are camelCase JSON tags, matched exactly."""
-    try:
-        review = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise WireError(f"mutate: body is not JSON ({exc})") from None
+    review = _parsed(body, "mutate")
     if not isinstance(review, dict) or review.get("kind") != "AdmissionReview":
         raise WireError("mutate: body must be an AdmissionReview")
     api_version = review.get("apiVersion")
