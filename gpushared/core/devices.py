@@ -7,7 +7,18 @@ Allocate, which GPU the kubelet gave.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from gpushared.contract import GpuInventory
+
+
+class Device(NamedTuple):
+    """One device of the ListAndWatch list: its ID, its health, and its GPU's NUMA node (None: not known),
+    which the kubelet's Topology Manager aligns with the CPUs it gives the container."""
+
+    id: str
+    healthy: bool
+    numa: int | None = None
 
 
 def device_ids(index: int, units: int) -> list[str]:
@@ -21,8 +32,12 @@ def gpu_of(device_id: str) -> int | None:
     return int(head)
 
 
-def device_list(inventory: GpuInventory, healthy: dict[int, bool]) -> list[tuple[str, bool]]:
-    return [(i, healthy.get(gpu.index, True)) for gpu in inventory.gpus for i in device_ids(gpu.index, gpu.memory)]
+def device_list(inventory: GpuInventory, healthy: dict[int, bool]) -> list[Device]:
+    return [
+        Device(i, healthy.get(gpu.index, True), gpu.numa)
+        for gpu in inventory.gpus
+        for i in device_ids(gpu.index, gpu.memory)
+    ]
 
 
 def natural(device: str) -> tuple[int, int]:

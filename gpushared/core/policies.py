@@ -2,8 +2,9 @@
 
 A policy prices each GPU that fits (``core.verdicts``; lower is better) in the node's pricing context
 (:class:`PricingContext`: the request mix, the node's free GPU memory and CPU, the pod's CPU); a node's
-rank (:data:`NodeRank`) is the price of the GPUs the pod would get there, then how unbalanced its CPU and
-GPU memory would be left. :func:`node_scores` turns ranks into kube-scheduler's 0..10 scores.
+rank (:class:`NodeRank`) is, for a pod on several GPUs, how well the GPUs it would get there are linked,
+then their price, then how unbalanced its CPU and GPU memory would be left. :func:`node_scores` turns
+ranks into kube-scheduler's 0..10 scores.
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 from gpushared import contract
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.requests import PodRequest
-from gpushared.core.topology import choose_set, topology_of
+from gpushared.core.topology import choose_set, set_score, topology_of
 from gpushared.core.verdicts import GpuVerdict
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
@@ -88,8 +89,15 @@ class PricingContext:
         return abs(cpu_left - (sum(frees) - need) / capacity)
 
 
-#: How a policy ranks a node: its price, then, among nodes priced equal, how unbalanced it would be.
-NodeRank = tuple[float, float]
+class NodeRank(NamedTuple):
+    """How a policy ranks a node for a pod: first, for a pod on several GPUs, how well the GPUs it would
+    get there are linked (``links``: minus their ``set_score``, so lower is better as with prices; 0 for
+    one GPU, or where the links are not known); then the policy's price; then, among nodes priced equal,
+    how unbalanced the node would be left (``tiebreak``)."""
+
+    price: float
+    tiebreak: float = 0.0
+    links: float = 0.0
 
 
 #: The GPUs a pod is put on (as many as ``PodRequest.gpus``), in the order the policy ranked them.
@@ -135,7 +143,10 @@ class Policy:
         if best is None:
             return None
         tiebreak = context.imbalance(request.total) if self.balances else 0.0
-        return (best[0], tiebreak), best[1]
+        links = 0.0
+        if request.gpus > 1:
+            links = -float(set_score((v.gpu.index for v in best[1]), topology_of(context.ledger.inventory)))
+        return NodeRank(best[0], tiebreak, links), best[1]
 
     def _best(
         self, verdicts: Sequence[GpuVerdict], request: PodRequest, context: PricingContext
@@ -164,40 +175,56 @@ class Policy:
 
 
 def best_rank(keys: Iterable[NodeRank | None]) -> NodeRank | None:
-    """The best of ``keys``: the lowest price, then among the nodes at that price the least imbalance."""
+    """The best of ``keys``: the best-linked, then among those the lowest price, then among the nodes at that
+    price the least imbalance."""
     known = [k for k in keys if k is not None]
     if not known:
         return None
-    cheapest = min(price for price, _ in known)
-    return cheapest, min(tiebreak for price, tiebreak in known if price <= cheapest + EQUAL_PRICE)
+    links = min(k.links for k in known)
+    linked = [k for k in known if k.links <= links + EQUAL_PRICE]
+    cheapest = min(k.price for k in linked)
+    tiebreak = min(k.tiebreak for k in linked if k.price <= cheapest + EQUAL_PRICE)
+    return NodeRank(cheapest, tiebreak, links)
 
 
 def ties(key: NodeRank, best: NodeRank) -> bool:
     """Whether a node ranked ``key`` is as good as the best (up to float sums): it earns MAX_SCORE."""
-    return key[0] <= best[0] + EQUAL_PRICE and key[1] <= best[1] + EQUAL_PRICE
+    return (
+        key.links <= best.links + EQUAL_PRICE
+        and key.price <= best.price + EQUAL_PRICE
+        and key.tiebreak <= best.tiebreak + EQUAL_PRICE
+    )
 
 
 def node_scores(keys: Sequence[NodeRank | None]) -> list[int]:
     """Extender scores (0..MAX_SCORE) for nodes ranked ``keys``: the best get MAX_SCORE and nobody else
-    does; nodes at the best price but less balanced MAX_SCORE-1; the rest 0..MAX_SCORE-1 by where their
-    price lies between the cheapest and the dearest. Relative, because kube-scheduler only compares, and
-    an extender has 11 levels: absolute buckets would tie nodes that the policy tells apart. Nodes that
-    cannot take the pod get 0."""
+    does; nodes as well linked and at the best price but less balanced MAX_SCORE-1; the rest as well
+    linked 0..MAX_SCORE-1 by where their price lies between the cheapest and the dearest of them; nodes
+    whose GPUs would be less well linked no more than the lowest of those, by how well linked. Relative,
+    because kube-scheduler only compares, and an extender has 11 levels: absolute buckets would tie nodes
+    that the policy tells apart. Nodes that cannot take the pod get 0."""
     best = best_rank(keys)
     if best is None:
         return [0 for _ in keys]
-    worst = max(k[0] for k in keys if k is not None)
-    scores = []
-    for key in keys:
-        if key is None:
-            scores.append(0)
-        elif ties(key, best):
-            scores.append(MAX_SCORE)
-        elif key[0] <= best[0] + EQUAL_PRICE:
-            scores.append(MAX_SCORE - 1)
-        else:
-            scores.append(math.floor((MAX_SCORE - 1) * (worst - key[0]) / (worst - best[0]) + EQUAL_PRICE))
-    return scores
+    linked = {i: key for i, key in enumerate(keys) if key is not None and key.links <= best.links + EQUAL_PRICE}
+    worst = max(key.price for key in linked.values())
+    scores = {i: _price_score(key, best, worst) for i, key in linked.items()}
+    lowest = min(scores.values())
+    worst_links = max(key.links for key in keys if key is not None)
+    for i, key in enumerate(keys):
+        if key is not None and i not in linked:
+            by_links = math.floor((MAX_SCORE - 1) * (worst_links - key.links) / (worst_links - best.links))
+            scores[i] = min(lowest, by_links)
+    return [scores.get(i, 0) for i in range(len(keys))]
+
+
+def _price_score(key: NodeRank, best: NodeRank, worst: float) -> int:
+    """The score of a node as well linked as the best, the dearest of them at ``worst``."""
+    if ties(key, best):
+        return MAX_SCORE
+    if key.price <= best.price + EQUAL_PRICE:
+        return MAX_SCORE - 1
+    return math.floor((MAX_SCORE - 1) * (worst - key.price) / (worst - best.price) + EQUAL_PRICE)
 
 
 #: Prices closer than this are equal (they are sums of float shares).

@@ -12,6 +12,7 @@ import logging
 import os
 import threading
 
+from gpushared.core.topology import Link
 from gpushared.daemon.errors import RestartNeeded
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
@@ -29,6 +30,10 @@ class GpuReader:
         self.ok = False
         #: the GPUs the last reading found usable, by index
         self.devices: list[GpuDevice] = []
+        #: how the usable GPUs are linked, by index pair; read again only when the GPUs change (links do
+        #: not change while the driver runs, and reading them is ~1,000 NVML calls on an 8-GPU node)
+        self.links: dict[frozenset[int], Link] = {}
+        self._links_of: tuple[tuple[int, str], ...] = ()
         #: systemd starts services with INVOCATION_ID; only there does a restart come, and a device allow-list
         self._under_systemd = "INVOCATION_ID" in os.environ
         self._driver_at_start = driver.loaded_device_groups()
@@ -75,6 +80,14 @@ class GpuReader:
                 continue
             usable.append(gpu)
         self.devices = usable
+        self._read_links()
+
+    def _read_links(self) -> None:
+        which = tuple((gpu.index, gpu.uuid) for gpu in self.devices)
+        if which == self._links_of:
+            return
+        self._links_of = which
+        self.links = self.backend.links(self.devices) if len(self.devices) > 1 else {}
 
     def _failed(self, failed: list[GpuReadError]) -> list[GpuDevice]:
         """GPUs NVML failed on this time: each is unhealthy, alone, and keeps its last reading so the node's

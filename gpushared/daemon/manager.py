@@ -15,7 +15,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
@@ -24,9 +24,10 @@ from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core import handshake
 from gpushared.core.allocate import ContainerAllocation, NodeFacts, Refusal, decide, preferred_devices
 from gpushared.core.bodies import PodBody, meta_of, uid_of
-from gpushared.core.devices import device_list
+from gpushared.core.devices import Device, device_list
 from gpushared.core.exposure import CONTROL_DEVICES, ExposurePolicy
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.topology import Link, Topology, link_words
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics, PodShare
@@ -45,7 +46,17 @@ EVENT_EDITED = "GPUAllocationEdited"
 ENVVAR_ONLY = ExposurePolicy()
 
 
-def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health, mps: bool = False) -> GpuInventory:
+def inventory_of(
+    gpus: Sequence[GpuDevice],
+    *,
+    unit: MemoryUnit,
+    health: Health,
+    mps: bool = False,
+    links: Mapping[frozenset[int], Link] | None = None,
+) -> GpuInventory:
+    """What the node publishes of its GPUs. Links go out only when the driver said something of one pair at
+    least: a row of ``?`` tells a reader nothing an absent key does not."""
+    topology = Topology(links=dict(links or {}))
     return GpuInventory(
         unit=unit,
         gpus=tuple(
@@ -57,9 +68,11 @@ def inventory_of(gpus: Sequence[GpuDevice], *, unit: MemoryUnit, health: Health,
                 memory_mib=g.memory_mib,
                 healthy=health.problem(g.uuid) is None,
                 mps_capable=mps,
+                numa=g.numa,
             )
             for g in gpus
         ),
+        links=link_words(topology, [g.index for g in gpus]) if topology.known else (),
     )
 
 
@@ -104,9 +117,10 @@ class Manager:
         self.outbox = Outbox(api, pods, clock=clock)
         self._lock = threading.Condition()
         self._gpus: list[GpuDevice] = []
+        self._links: dict[frozenset[int], Link] = {}
         self._inventory = GpuInventory(unit=unit, gpus=())
         self._version = 0
-        self._devices: list[tuple[str, bool]] = []
+        self._devices: list[Device] = []
         self._allocate_lock = threading.Lock()
         self.served: dict[str, Served] = {}  # pod UID -> what we gave it
         self._holdings: dict[str, tuple[str, Holding | None]] = {}  # pod UID -> (resourceVersion, holding)
@@ -119,13 +133,16 @@ class Manager:
         with self._lock:
             return self._inventory
 
-    def refresh(self, gpus: Sequence[GpuDevice]) -> bool:
-        """Take a GPU reading (or re-read health); True when what kubelet or the cluster sees changed."""
-        inventory = inventory_of(gpus, unit=self.unit, health=self.health, mps=self.mps is not None)
+    def refresh(self, gpus: Sequence[GpuDevice], links: Mapping[frozenset[int], Link] | None = None) -> bool:
+        """Take a GPU reading (or re-read health); True when what kubelet or the cluster sees changed.
+        ``links`` None: as the last reading had them."""
+        links = self._links if links is None else dict(links)
+        inventory = inventory_of(gpus, unit=self.unit, health=self.health, mps=self.mps is not None, links=links)
         with self._lock:
             if inventory == self._inventory:
                 return False
             self._gpus = list(gpus)
+            self._links = links
             self._inventory = inventory
             self._devices = device_list(inventory, {g.index: g.healthy for g in inventory.gpus})
             self._version += 1
@@ -142,7 +159,7 @@ class Manager:
             gpus = list(self._gpus)
         return self.refresh(gpus)
 
-    def devices(self) -> tuple[int, list[tuple[str, bool]]]:
+    def devices(self) -> tuple[int, list[Device]]:
         with self._lock:
             return self._version, list(self._devices)
 

@@ -115,9 +115,8 @@ class NodePublisher:
             return
         usage_now = self._usage_due(inventory, usage)
         shown = self._usage if usage_now is None else usage_now
-        inventory = GpuInventory(
-            unit=inventory.unit,
-            gpus=tuple(dataclasses.replace(gpu, used_mib=shown.get(gpu.index)) for gpu in inventory.gpus),
+        inventory = dataclasses.replace(
+            inventory, gpus=tuple(dataclasses.replace(gpu, used_mib=shown.get(gpu.index)) for gpu in inventory.gpus)
         )
         text = contract.format_inventory(inventory)
         count = len(inventory.gpus)

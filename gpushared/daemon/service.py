@@ -216,7 +216,7 @@ class Service:
             mps=self.mps,
             exposure=self.config.exposure,
         )
-        self.manager.refresh(self.gpus.devices)
+        self.manager.refresh(self.gpus.devices, self.gpus.links)
         self.metrics.watch_pods(self.manager.pod_shares)
         self.memory = self._memory_watcher(self.manager, self.pods)
         if self.mps is not None:
@@ -273,7 +273,7 @@ class Service:
         if self.mps is not None:
             self.mps.sync(self.gpus.devices)
         if self.gpus.ok:
-            self.manager.refresh(self.gpus.devices)
+            self.manager.refresh(self.gpus.devices, self.gpus.links)
         else:
             self.manager.recheck_health()
         assert self.kubelet is not None, "set with the manager"

@@ -18,6 +18,7 @@ from typing import Protocol
 import grpc
 
 from gpushared.core.allocate import ContainerAllocation
+from gpushared.core.devices import Device
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -50,8 +51,8 @@ class AllocationRefused(Exception):
 class DeviceManager(Protocol):
     resource_name: str
 
-    def devices(self) -> tuple[int, list[tuple[str, bool]]]:
-        """(version, [(device ID, healthy)]); the version changes whenever the list does."""
+    def devices(self) -> tuple[int, list[Device]]:
+        """(version, devices); the version changes whenever the list does."""
         ...
 
     def wait_for_change(self, version: int, timeout: float) -> None: ...
@@ -61,9 +62,18 @@ class DeviceManager(Protocol):
     def allocate(self, device_ids: Sequence[str]) -> ContainerAllocation: ...
 
 
-def list_message(devices: Sequence[tuple[str, bool]]) -> api_pb2.ListAndWatchResponse:
+def list_message(devices: Sequence[Device]) -> api_pb2.ListAndWatchResponse:
+    """The device list; a device whose GPU's NUMA node is known carries it (kubelet 1.17+ reads it for the
+    Topology Manager; older kubelets skip the field)."""
     return api_pb2.ListAndWatchResponse(
-        devices=[api_pb2.Device(ID=i, health=HEALTHY if ok else UNHEALTHY) for i, ok in devices]
+        devices=[
+            api_pb2.Device(
+                ID=d.id,
+                health=HEALTHY if d.healthy else UNHEALTHY,
+                topology=api_pb2.TopologyInfo(nodes=[api_pb2.NUMANode(ID=d.numa)]) if d.numa is not None else None,
+            )
+            for d in devices
+        ]
     )
 
 

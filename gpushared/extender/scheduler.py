@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.bodies import PodBody, key_of, node_of, uid_of
-from gpushared.core.policies import Policy, node_scores
+from gpushared.core.policies import NodeRank, Policy, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.reservations import Assumed
@@ -82,7 +82,7 @@ class Scheduler:
             asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
         if asks_gpu:
             return [(name, 0) for name in args.names]
-        keys = [(cost, 0.0) for cost in self.cache.idle_prices(args.names)]
+        keys = [NodeRank(cost) for cost in self.cache.idle_prices(args.names)]
         return list(zip(args.names, node_scores(keys), strict=True))
 
     async def bind(self, args: BindingArgs) -> None:

@@ -1,8 +1,9 @@
 """GPU discovery and health events, behind an interface the daemon can run without a GPU.
 
-The daemon needs four things from the driver: the GPUs (index, UUID, model, memory, MIG mode), whether it
-can serve MPS on them, and critical events (XIDs, ECC). :class:`NvmlBackend` gets them from pynvml; on a
-machine without NVIDIA's library the same code runs against the fake ``libnvidia-ml.so.1`` of the tests.
+The daemon needs five things from the driver: the GPUs (index, UUID, model, memory, MIG mode, PCI address,
+NUMA node), how they are linked, whether it can serve MPS on them, and critical events (XIDs, ECC).
+:class:`NvmlBackend` gets them from pynvml; on a machine without NVIDIA's library the same code runs
+against the fake ``libnvidia-ml.so.1`` of the tests.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ import ctypes
 import os
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import pynvml
 
+from gpushared.core.topology import Link, LinkKind
 from gpushared.nvml import driver
 
 
@@ -33,6 +36,10 @@ class GpuDevice:
     compute_capability: tuple[int, int]
     #: the N of /dev/nvidiaN (deviceNodes); None where the driver does not say.
     minor: int | None = None
+    #: NVML's "domain:bus:device.function" ("00000000:07:00.0"); None where the driver does not say.
+    pci_bus_id: str | None = None
+    #: the NUMA node of the GPU's PCIe root; None where neither NVML nor sysfs says.
+    numa: int | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +78,7 @@ class GpuBackend(Protocol):
     def driver_version(self) -> str: ...
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
     def processes(self, uuid: str) -> list[NvmlProcess]: ...
+    def links(self, gpus: list[GpuDevice]) -> dict[frozenset[int], Link]: ...
 
 
 _EVENT_KINDS = {
@@ -157,6 +165,8 @@ class NvmlBackend:
                         mig_enabled=_mig_enabled(handle),
                         compute_capability=_capability(handle),
                         minor=_minor(handle),
+                        pci_bus_id=(bus := _bus_id(handle)),
+                        numa=_numa(handle, bus),
                     )
                 )
             except pynvml.NVMLError as exc:
@@ -186,6 +196,38 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"reading the processes of {uuid}: {exc}") from exc
         return sorted(found.values(), key=lambda p: p.pid)
+
+    def links(self, gpus: list[GpuDevice]) -> dict[frozenset[int], Link]:
+        """How each pair of ``gpus`` is linked, by NVML index, as ``nvidia-smi topo -m`` shows it: NVLink with
+        its count of active links, else the closest PCIe ancestor they share. Links through NVSwitches join
+        every two GPUs on the fabric, each pair by as many links as the less-linked of the two has to the
+        switches (an A100 in a DGX: 12). A pair the driver says nothing about (older drivers answer
+        NOT_SUPPORTED) is :attr:`LinkKind.UNKNOWN`; a GPU NVML fails on has unknown links, not an error."""
+        with_bus = [gpu for gpu in gpus if gpu.pci_bus_id is not None]
+        by_bus = {_bus_key(gpu.pci_bus_id): gpu.index for gpu in with_bus if gpu.pci_bus_id}
+        direct: dict[tuple[int, int], int] = {}  # (GPU, peer) -> links the GPU says go to the peer
+        to_switch: dict[int, int] = {}
+        handles: dict[int, object] = {}
+        for gpu in with_bus:
+            try:
+                handles[gpu.index] = handle = pynvml.nvmlDeviceGetHandleByUUID(gpu.uuid)
+            except pynvml.NVMLError:
+                continue
+            for remote in _nvlink_remotes(handle):
+                peer = by_bus.get(_bus_key(remote.bus_id))
+                if peer is not None and peer != gpu.index:
+                    direct[gpu.index, peer] = direct.get((gpu.index, peer), 0) + 1
+                elif peer is None and remote.switch:
+                    to_switch[gpu.index] = to_switch.get(gpu.index, 0) + 1
+        links: dict[frozenset[int], Link] = {}
+        indices = sorted(handles)
+        for i, a in enumerate(indices):
+            for b in indices[i + 1 :]:
+                # Both ends see the same links; one end NVML failed on still has them counted by the other.
+                count = max(direct.get((a, b), 0), direct.get((b, a), 0))
+                count += min(to_switch.get(a, 0), to_switch.get(b, 0))
+                links[frozenset((a, b))] = Link(LinkKind.NVLINK, count) if count else _pcie_link(handles[a], handles[b])
+        return links
 
     def wait_event(self, timeout_ms: int) -> GpuEvent | None:
         """The next critical event, or None after ``timeout_ms``. Registers on first use."""
@@ -223,6 +265,88 @@ def _newest(calls: tuple[str, ...], handle: object) -> list[Any]:
         except pynvml.NVMLError_FunctionNotFound:
             continue
     return list(getattr(pynvml, calls[-1])(handle))
+
+
+#: nvmlDeviceGetTopologyCommonAncestor's levels, as nvidia-smi names them.
+_ANCESTORS: dict[int, LinkKind] = {
+    pynvml.NVML_TOPOLOGY_INTERNAL: LinkKind.SAME_BOARD,
+    pynvml.NVML_TOPOLOGY_SINGLE: LinkKind.SINGLE_SWITCH,
+    pynvml.NVML_TOPOLOGY_MULTIPLE: LinkKind.MULTIPLE_SWITCHES,
+    pynvml.NVML_TOPOLOGY_HOSTBRIDGE: LinkKind.HOST_BRIDGE,
+    pynvml.NVML_TOPOLOGY_NODE: LinkKind.SAME_CPU,
+    pynvml.NVML_TOPOLOGY_SYSTEM: LinkKind.CROSS_CPU,
+}
+
+
+@dataclass(frozen=True)
+class _Remote:
+    bus_id: str
+    switch: bool
+
+
+def _nvlink_remotes(handle: object) -> list[_Remote]:
+    """The far end of each active NVLink link of a GPU. A GPU has fewer links than NVML's maximum: the
+    links it lacks answer NOT_SUPPORTED or INVALID_ARGUMENT, and one failing link does not hide the rest."""
+    remotes = []
+    for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+        try:
+            if pynvml.nvmlDeviceGetNvLinkState(handle, link) != pynvml.NVML_FEATURE_ENABLED:
+                continue
+            bus_id = _text(pynvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+        except pynvml.NVMLError:
+            continue
+        try:
+            kind = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
+            switch = kind == pynvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+        except pynvml.NVMLError:  # drivers before r450 do not say; a far end that is no GPU is a switch there
+            switch = True
+        remotes.append(_Remote(bus_id, switch))
+    return remotes
+
+
+def _pcie_link(a: object, b: object) -> Link:
+    try:
+        level = pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b)
+    except pynvml.NVMLError:
+        return Link(LinkKind.UNKNOWN)
+    return Link(_ANCESTORS.get(int(level), LinkKind.UNKNOWN))
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bus_key(bus_id: str) -> str:
+    """A PCI address compared across NVML's spellings: the 8- or 4-digit domain, any case."""
+    domain, _, rest = bus_id.strip().lower().partition(":")
+    return f"{int(domain, 16):04x}:{rest}" if rest else domain
+
+
+def _bus_id(handle: object) -> str | None:
+    try:
+        return _text(pynvml.nvmlDeviceGetPciInfo(handle).busId)
+    except pynvml.NVMLError:
+        return None
+
+
+#: The kernel's view of PCI devices: ``<domain>:<bus>:<device>.<function>/numa_node``.
+SYSFS_PCI = Path("/sys/bus/pci/devices")
+
+
+def _numa(handle: object, bus_id: str | None) -> int | None:
+    """The GPU's NUMA node: NVML's answer (drivers from r520), else the kernel's (``numa_node``, -1 on a
+    machine with one node or firmware that does not say)."""
+    try:
+        return int(pynvml.nvmlDeviceGetNumaNodeId(handle))
+    except pynvml.NVMLError:
+        pass
+    if bus_id is None:
+        return None
+    try:
+        node = int((SYSFS_PCI / _bus_key(bus_id) / "numa_node").read_text())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
 
 
 def _mig_enabled(handle: object) -> bool:

@@ -129,7 +129,7 @@ class SimCluster:
         key: NodeRank | None
         indices: tuple[int, ...]
         if need == 0:  # a pod without GPU: the extender's prioritize-no-gpu
-            key, indices = (float(idle_gpu_mib(node.ledger)), 0.0), ()
+            key, indices = NodeRank(float(idle_gpu_mib(node.ledger))), ()
         else:  # prioritize
             cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
             context = PricingContext(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)

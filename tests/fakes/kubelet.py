@@ -50,6 +50,8 @@ class Endpoint:
     channel: grpc.Channel
     stub: api_pb2_grpc.DevicePluginStub
     devices: dict[str, str] = field(default_factory=dict)  # ID -> health
+    #: ID -> the NUMA nodes its TopologyInfo names (what the Topology Manager would align CPUs with)
+    numa: dict[str, tuple[int, ...]] = field(default_factory=dict)
     updates: int = 0
     connected: bool = True
 
@@ -184,6 +186,7 @@ class FakeKubelet:
             for response in endpoint.stub.ListAndWatch(api_pb2.Empty()):
                 with self._lock:
                     endpoint.devices = {d.ID: d.health for d in response.devices}
+                    endpoint.numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
                     endpoint.updates += 1
                     self._lock.notify_all()
         except grpc.RpcError:
@@ -196,6 +199,11 @@ class FakeKubelet:
         with self._lock:
             endpoint = self.endpoints.get(resource)
             return dict(endpoint.devices) if endpoint else {}
+
+    def numa(self, resource: str) -> dict[str, tuple[int, ...]]:
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            return dict(endpoint.numa) if endpoint else {}
 
     def capacity(self, resource: str) -> int:
         """What the node's allocatable would say: healthy devices of a connected endpoint."""

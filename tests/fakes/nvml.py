@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpushared.core.topology import LinkKind, Topology
+from tests.fakes import topologies
+
 SOURCE = Path(__file__).with_name("nvml") / "fake_nvml.c"
 LIBRARY_NAME = "libnvidia-ml.so.1"
 
@@ -77,9 +80,21 @@ class FakeGpu:
     #: (pid, used MiB) of compute processes, or (pid, used MiB, "graphics"); used -1: the driver cannot say
     processes: list[tuple[int, int] | tuple[int, int, str]] = field(default_factory=list)
     errors: dict[str, str] = field(default_factory=dict)  # NVML function -> error name
+    #: PCI bus number (domain 0); None: 0x10 + index
+    pci_bus: int | None = None
+    #: NUMA node; None: the driver does not say
+    numa: int | None = None
+    #: the PCI bus at the far end of each active NVLink link (another GPU's, or an NVSwitch's)
+    nvlinks: list[int] = field(default_factory=list)
+
+    def bus(self, index: int) -> int:
+        return 0x10 + index if self.pci_bus is None else self.pci_bus
 
     def to_json(self, index: int) -> dict[str, Any]:
         return {
+            "pciBus": self.bus(index),
+            **({"numaNode": self.numa} if self.numa is not None else {}),
+            "nvlinks": self.nvlinks,
             "uuid": self.uuid,
             "name": self.name,
             "memoryMiB": self.memory_mib,
@@ -94,6 +109,33 @@ class FakeGpu:
         }
 
 
+#: NVSwitches sit on PCI buses from here, past the GPUs'; a DGX A100 has six.
+SWITCH_BUS = 0xC0
+NVSWITCHES = 6
+
+#: nvmlGpuTopologyLevel_t of each PCIe link kind (nvml.h).
+_LEVELS = {
+    LinkKind.SAME_BOARD: 0,
+    LinkKind.SINGLE_SWITCH: 10,
+    LinkKind.MULTIPLE_SWITCHES: 20,
+    LinkKind.HOST_BRIDGE: 30,
+    LinkKind.SAME_CPU: 40,
+    LinkKind.CROSS_CPU: 50,
+}
+
+
+def _ancestor(topology: Topology, a: int, b: int) -> int:
+    """The PCIe level between two GPUs. A pair joined by NVLink still meets somewhere on PCIe: on one
+    socket's host bridge, or across sockets."""
+    if a == b:
+        return 0
+    link = topology.link(a, b)
+    if link.kind in _LEVELS:
+        return _LEVELS[link.kind]
+    same = topology.numa.get(a) is not None and topology.numa.get(a) == topology.numa.get(b)
+    return _LEVELS[LinkKind.SAME_CPU if same else LinkKind.CROSS_CPU]
+
+
 class FakeNvml:
     """The GPUs one fake library shows. Change attributes, then :meth:`write`; or use the helpers."""
 
@@ -103,6 +145,10 @@ class FakeNvml:
         self.gpus: list[FakeGpu] = list(gpus or [])
         self.errors: dict[str, str] = {}
         self.driver_version = "535.261.03"
+        #: PCI buses that are NVSwitches
+        self.nvswitch_buses: list[int] = []
+        #: nvmlGpuTopologyLevel_t between each two GPUs; None: the driver does not say (NOT_SUPPORTED)
+        self.ancestors: list[list[int]] | None = None
         self._events: list[dict[str, Any]] = []
         self.write()
 
@@ -115,11 +161,50 @@ class FakeNvml:
         ]
         return cls(config_path, library, gpus)
 
+    @classmethod
+    def with_layout(cls, config_path: Path, library: Path, layout: str, memory_mib: int = 16384) -> FakeNvml:
+        """GPUs linked as a layout of ``tests.fakes.topologies`` ("dgx1", "dgx-a100"...) shows them, through
+        the calls the real driver answers: NVLink links to peers or to NVSwitches, PCIe common ancestors,
+        NUMA nodes."""
+        topology = topologies.layout(layout)
+        fake = cls.with_sizes(config_path, library, *[memory_mib] * len(topology.numa))
+        fake.set_layout(topology)
+        return fake
+
+    def set_layout(self, topology: Topology) -> None:
+        """Wire ``self.gpus`` as ``topology`` says. Pairs that all share one NVLink count (a DGX A100) are
+        wired through NVSwitches, as that machine is: each GPU's links go to the switches, none to a peer."""
+        count = len(self.gpus)
+        pairs = [frozenset((a, b)) for a in range(count) for b in range(a + 1, count)]
+        nvlink = {pair: topology.link(*pair) for pair in pairs if topology.link(*pair).kind is LinkKind.NVLINK}
+        for index, gpu in enumerate(self.gpus):
+            gpu.numa = topology.numa.get(index)
+            gpu.nvlinks = []
+        self.nvswitch_buses = []
+        counts = {link.nvlinks for link in nvlink.values()}
+        if pairs and len(nvlink) == len(pairs) and len(counts) == 1:
+            (per_gpu,) = counts
+            self.nvswitch_buses = [SWITCH_BUS + s for s in range(NVSWITCHES)]
+            for gpu in self.gpus:
+                gpu.nvlinks = [self.nvswitch_buses[link % NVSWITCHES] for link in range(per_gpu)]
+        else:
+            for pair, link in sorted(nvlink.items(), key=lambda item: sorted(item[0])):
+                a, b = sorted(pair)
+                self.gpus[a].nvlinks += [self.gpus[b].bus(b)] * link.nvlinks
+                self.gpus[b].nvlinks += [self.gpus[a].bus(a)] * link.nvlinks
+        known = any(topology.link(*pair).kind is not LinkKind.UNKNOWN for pair in pairs)
+        self.ancestors = None
+        if known:
+            self.ancestors = [[_ancestor(topology, a, b) for b in range(count)] for a in range(count)]
+        self.write()
+
     def write(self) -> None:
         body = {
             "driverVersion": self.driver_version,
             "cudaDriverVersion": 12020,
             "errors": self.errors,
+            "nvswitchBuses": self.nvswitch_buses,
+            **({"ancestors": self.ancestors} if self.ancestors is not None else {}),
             "devices": [gpu.to_json(i) for i, gpu in enumerate(self.gpus)],
             "events": self._events,
         }

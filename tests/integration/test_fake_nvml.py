@@ -12,7 +12,10 @@ from collections.abc import Iterator
 import pynvml
 import pytest
 
+from gpushared.core.topology import Topology
+from gpushared.nvml.backend import NvmlBackend
 from tests.fakes.nvml import FakeNvml
+from tests.fakes.topologies import LAYOUTS, layout
 
 
 @pytest.fixture
@@ -145,3 +148,34 @@ def test_the_backend_reads_compute_and_graphics_processes_live(nvml: FakeNvml) -
     nvml.write()
     with pytest.raises(GpuBackendError, match=r"reading the processes of .*GPU is lost"):
         backend.processes(uuid)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_the_backend_reads_each_layout_as_nvidia_smi_prints_it(nvml: FakeNvml, name: str) -> None:
+    """Links from NVLink state and far ends (to peers on a DGX-1, to NVSwitches on a DGX A100), else the PCIe
+    common ancestor; NUMA nodes from NVML; an older driver's NOT_SUPPORTED as unknown, not as an error."""
+    expected = layout(name)
+    nvml.gpus = FakeNvml.with_layout(nvml.config_path, nvml.library, name).gpus
+    nvml.set_layout(expected)
+    backend = NvmlBackend()
+    gpus, failed = backend.devices()
+    assert not failed and [gpu.numa for gpu in gpus] == [expected.numa[i] for i in range(len(gpus))]
+    assert gpus[1].pci_bus_id == "00000000:11:00.0"
+    read = Topology(links=backend.links(gpus))
+    indices = [gpu.index for gpu in gpus]
+    assert read.matrix(indices) == expected.matrix(indices)
+    if name == "dgx-a100":
+        assert nvml.nvswitch_buses and all(bus in nvml.nvswitch_buses for bus in nvml.gpus[0].nvlinks)
+
+
+def test_nvlink_far_ends_that_are_no_gpu_of_the_set_join_no_pair(nvml: FakeNvml) -> None:
+    """A link whose far end is neither a GPU of the node nor a switch (an IBM NPU, a GPU NVML hides) joins no
+    pair, and GPUs not asked about are no far end either."""
+    nvml.gpus = FakeNvml.with_layout(nvml.config_path, nvml.library, "dgx1").gpus
+    nvml.set_layout(layout("dgx1"))
+    nvml.gpus[0].nvlinks.append(0xEE)  # a bus nothing is on
+    nvml.write()
+    backend = NvmlBackend()
+    gpus, _ = backend.devices()
+    assert str(Topology(links=backend.links(gpus)).link(0, 3)) == "NV2"
+    assert str(Topology(links=backend.links(gpus[:3])).link(0, 1)) == "NV1"  # GPU 3 not asked about

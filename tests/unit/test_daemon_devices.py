@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from gpushared.contract import MemoryUnit
 from gpushared.core.devices import device_ids, device_list, gpu_of
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
+from gpushared.deviceplugin.server import list_message
+from gpushared.deviceplugin.v1beta1 import api_pb2
 from tests.builders import inventory
 
 
@@ -21,7 +25,16 @@ def test_ids_are_short_and_name_their_gpu() -> None:
 
 def test_device_list_carries_health_per_gpu() -> None:
     listed = device_list(inventory(2, 1), {1: False})
-    assert listed == [("0-0", True), ("0-1", True), ("1-0", False)]
+    assert [(d.id, d.healthy) for d in listed] == [("0-0", True), ("0-1", True), ("1-0", False)]
+
+
+def test_devices_carry_their_gpus_numa_node_when_known() -> None:
+    base = inventory(1, 1)
+    placed = dataclasses.replace(base, gpus=(dataclasses.replace(base.gpus[0], numa=1), base.gpus[1]))
+    assert [d.numa for d in device_list(placed, {})] == [1, None]
+    message = list_message(device_list(placed, {}))
+    assert [list(d.topology.nodes) for d in message.devices] == [[api_pb2.NUMANode(ID=1)], []]
+    assert not message.devices[1].HasField("topology")
 
 
 def test_gib_fits_and_mib_on_a_big_node_is_refused_naming_the_unit() -> None:

@@ -116,17 +116,22 @@ def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
     roomy = Ledger.build(inventory(16))
     req = request(4)
     binpack = [appraised(ledger, req) for ledger in (tight, roomy, tight)]
-    assert binpack == [(2.0, 0.0), (12.0, 0.0), (2.0, 0.0)]
+    assert binpack == [NodeRank(2.0), NodeRank(12.0), NodeRank(2.0)]
     assert node_scores(binpack) == [10, 0, 10]
     spread = [appraised(ledger, req, policy=SPREAD) for ledger in (tight, roomy)]
     assert node_scores(spread) == [0, 10]
     assert appraised(tight, request(7)) is None
     costs = [None, 3.0, 4.0, 4.0 + 1e-12, 12.0, None]
-    assert node_scores([None if c is None else (c, 0.0) for c in costs]) == [0, 10, 8, 8, 0, 0]
-    assert node_scores([(1.0, 0.0), (1.0 + 1e-12, 0.0)]) == [10, 10]  # equal, up to float sums
+    assert node_scores([None if c is None else NodeRank(c) for c in costs]) == [0, 10, 8, 8, 0, 0]
+    assert node_scores([NodeRank(1.0), NodeRank(1.0 + 1e-12)]) == [10, 10]  # equal, up to float sums
     assert node_scores([None, None]) == [0, 0]
     # At the best price, the better balanced node alone gets the top score; the others stay below both.
-    assert node_scores([(1.0, 0.5), (1.0, 0.2), (2.0, 0.0), (5.0, 0.0)]) == [9, 10, 6, 0]
+    assert node_scores([NodeRank(1.0, 0.5), NodeRank(1.0, 0.2), NodeRank(2.0), NodeRank(5.0)]) == [9, 10, 6, 0]
+    # Better linked first, whatever the price; the less well linked never above the best-linked's lowest.
+    linked = [NodeRank(5.0, links=-400), NodeRank(1.0, links=-200), NodeRank(2.0, links=-400), NodeRank(1.0, links=-20)]
+    assert node_scores(linked) == [0, 0, 10, 0]
+    assert node_scores([NodeRank(1.0, links=-400), NodeRank(9.0, links=-400), NodeRank(1.0, links=-200)]) == [10, 0, 0]
+    assert node_scores([NodeRank(1.0, links=-400), NodeRank(1.0, links=-300), NodeRank(1.0, links=-100)]) == [10, 6, 0]
 
 
 def mix_of(*kinds: tuple[int, int]) -> RequestMix:
@@ -149,7 +154,7 @@ def test_fgd_leaves_what_the_mix_can_use() -> None:
     # sigmoid is cut to 48 of 100 levels; on GPU 0 by 2 (all of it), 1/8 of a GPU: 46 levels.
     assert setting.growth(judge(ledger, req)[1:2], 4) == pytest.approx(1.0)
     assert setting.growth(judge(ledger, req)[:1], 4) == pytest.approx(2.0)
-    assert appraised(ledger, req, setting, FGD) == (-48.0, 0.0)
+    assert appraised(ledger, req, setting, FGD) == NodeRank(-48.0)
 
 
 def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
@@ -232,7 +237,7 @@ def test_a_pod_without_gpu_is_priced_by_the_gpu_memory_it_would_strand() -> None
     assert idle_gpu_mib(Ledger.build(inventory(3000, unit=MemoryUnit.MIB))) == 3000
     assert idle_gpu_mib(None) == 0  # no GPUs known: nothing to strand
     # The fullest node scores highest: the pod's CPU goes where no GPU waits for it.
-    assert node_scores([(idle_gpu_mib(None), 0.0), (6 * 1024.0, 0.0), (14 * 1024.0, 0.0)]) == [10, 5, 0]
+    assert node_scores([NodeRank(idle_gpu_mib(None)), NodeRank(6 * 1024.0), NodeRank(14 * 1024.0)]) == [10, 5, 0]
 
 
 def gang(per_gpu: int, gpus: int) -> PodRequest:
@@ -249,7 +254,7 @@ def test_a_pod_on_several_gpus_needs_its_share_free_on_each_of_that_many() -> No
     # Best fit takes the two GPUs left tightest, spread the two emptiest; each node price is the sum.
     assert [v.gpu.index for v in BINPACK.choose(verdicts, gang(8, 2), PLAIN) or ()] == [1, 2]
     assert [v.gpu.index for v in SPREAD.choose(verdicts, gang(8, 2), PLAIN) or ()] == [2, 3]
-    assert appraised(ledger, gang(8, 2)) == (2.0 + 8.0, 0.0)
+    assert appraised(ledger, gang(8, 2)) == NodeRank(2.0 + 8.0)  # links not known: none weighed
     # Three of the four have room for 8; none of a pod that needs four of them.
     assert BINPACK.choose(judge(ledger, gang(8, 4)), gang(8, 4), PLAIN) is None
     assert explain(judge(ledger, gang(8, 4)), gpus=4) == (

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from gpushared import contract
 from gpushared.contract import GpuInventory, MemoryUnit
 from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import POLICIES, PricingContext, policy_named
+from gpushared.core.policies import BINPACK, POLICIES, PricingContext, node_scores, policy_named
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import (
     EXHAUSTIVE_LIMIT,
@@ -114,11 +114,17 @@ def test_a_large_node_is_chosen_greedily_and_still_well() -> None:
 # --- the inventory carries the links; placement uses them -------------------------------------------------
 
 
-def dgx1_inventory(size: int = 16) -> GpuInventory:
-    plain = inventory(*([size] * 8))
-    topology = layout("dgx1")
+def layout_inventory(name: str, size: int = 16) -> GpuInventory:
+    """An inventory of ``size`` GiB GPUs linked as layout ``name``, as the daemon publishes it."""
+    topology = layout(name)
+    plain = inventory(*([size] * len(topology.numa)))
     gpus = tuple(dataclasses.replace(gpu, numa=topology.numa[gpu.index]) for gpu in plain.gpus)
-    return GpuInventory(unit=plain.unit, gpus=gpus, links=link_words(topology, list(range(8))))
+    words = link_words(topology, [gpu.index for gpu in gpus]) if topology.known else ()
+    return GpuInventory(unit=plain.unit, gpus=gpus, links=words)
+
+
+def dgx1_inventory(size: int = 16) -> GpuInventory:
+    return layout_inventory("dgx1", size)
 
 
 def test_the_inventory_carries_links_and_numa_and_reads_back_the_same_topology() -> None:
@@ -146,22 +152,30 @@ def test_links_that_do_not_fit_the_gpus_are_refused(links: tuple[str, ...], reas
         GpuInventory(unit=MemoryUnit.GIB, gpus=inventory(16, 16).gpus, links=links)
 
 
-@settings(max_examples=200, deadline=None)
+def held_ledger(name: str, held: list[tuple[int, int]]) -> Ledger:
+    """A node of layout ``name`` with random holdings (GPU, GiB), those that fit."""
+    ledger = Ledger.build(layout_inventory(name))
+    for i, (index, amount) in enumerate(held):
+        gpu = ledger.inventory.gpus[index % len(ledger.inventory.gpus)]
+        if ledger.free(gpu) >= amount:
+            ledger.add(Holding(uid=str(i), namespace="d", name=str(i), gpus={gpu.index: amount}))
+    return ledger
+
+
+HOLDINGS = st.lists(st.tuples(st.integers(0, 7), st.integers(1, 16)), max_size=10)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@settings(max_examples=100, deadline=None)
 @given(
-    held=st.lists(st.tuples(st.integers(0, 7), st.integers(1, 16)), max_size=10),
-    count=st.sampled_from([2, 4]),
-    share=st.integers(1, 8),
-    policy=st.sampled_from(sorted(POLICIES)),
+    held=HOLDINGS, count=st.sampled_from([2, 3, 4]), share=st.integers(1, 8), policy=st.sampled_from(sorted(POLICIES))
 )
 def test_every_policy_gives_a_pod_on_several_gpus_a_best_linked_set_with_room(
-    held: list[tuple[int, int]], count: int, share: int, policy: str
+    name: str, held: list[tuple[int, int]], count: int, share: int, policy: str
 ) -> None:
-    """On a DGX-1 with random holdings: the set chosen fits, and no set of GPUs with room is better linked."""
-    ledger = Ledger.build(dgx1_inventory())
-    for i, (index, amount) in enumerate(held):
-        gpu = ledger.inventory.gpus[index]
-        if ledger.free(gpu) >= amount:
-            ledger.add(Holding(uid=str(i), namespace="d", name=str(i), gpus={index: amount}))
+    """On every layout with random holdings: the set chosen fits (no GPU over capacity), and no set of GPUs
+    with room is better linked."""
+    ledger = held_ledger(name, held)
     ask = PodRequest(containers=(ContainerRequest("c0", share * count, gpus=count),))
     verdicts = judge(ledger, ask)
     choice = policy_named(policy).choose(verdicts, ask, PricingContext(ledger))
@@ -170,6 +184,40 @@ def test_every_policy_gives_a_pod_on_several_gpus_a_best_linked_set_with_room(
         assert choice is None
         return
     assert choice is not None and all(v.fits for v in choice) and len({v.gpu.index for v in choice}) == count
-    topology = layout("dgx1")
+    assert all(ledger.free(v.gpu) >= share for v in choice)
+    topology = layout(name)
     best = max(set_score(c, topology) for c in itertools.combinations(room, count))
     assert set_score([v.gpu.index for v in choice], topology) == best
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+@settings(max_examples=60, deadline=None)
+@given(held=HOLDINGS, amount=st.integers(1, 16), policy=st.sampled_from(sorted(POLICIES)))
+def test_one_gpu_pods_never_look_at_links(name: str, held: list[tuple[int, int]], amount: int, policy: str) -> None:
+    """A one-GPU pod gets the same GPU, at the same rank, whether the node's links are known or not."""
+    linked = held_ledger(name, held)
+    unlinked = Ledger.build(dataclasses.replace(linked.inventory, links=()))
+    for holding in linked.holdings():
+        unlinked.add(holding)
+    ask = PodRequest(containers=(ContainerRequest("c0", amount),))
+    rules = policy_named(policy)
+    ranked = [rules.price_node(judge(ledger, ask), ask, PricingContext(ledger)) for ledger in (linked, unlinked)]
+    assert ranked[0] == ranked[1]
+    assert ranked[0] is None or ranked[0][0].links == 0.0
+
+
+def test_between_nodes_the_better_linked_set_wins_over_a_cheaper_price() -> None:
+    """Binpack would take the node whose GPUs are fuller, but there the pair it gets crosses the sockets;
+    the emptier node has an NVLink pair, and ranks first. On equally linked nodes price decides as before."""
+    req = PodRequest(containers=(ContainerRequest("c0", 16, gpus=2),))
+    crossing = Ledger.build(layout_inventory("dgx1"))
+    for i, index in enumerate((1, 2, 3, 4, 5, 7)):  # room on 0 and 6 only: joined across the sockets
+        crossing.add(Holding(uid=str(i), namespace="d", name=str(i), gpus={index: 16}))
+    for gpu in (0, 6):
+        crossing.add(Holding(uid=f"half-{gpu}", namespace="d", name="half", gpus={gpu: 4}))
+    roomy = Ledger.build(layout_inventory("dgx1"))
+    ranks = [BINPACK.price_node(judge(ledger, req), req, PricingContext(ledger)) for ledger in (crossing, roomy)]
+    assert ranks[0] is not None and ranks[1] is not None
+    assert ranks[0][0].price < ranks[1][0].price  # binpack alone would pick the crossing node
+    assert ranks[0][0].links == -10 and ranks[1][0].links == -200  # SYS against NV2
+    assert node_scores([rank for rank, _ in ranks]) == [0, 10]

@@ -14,8 +14,16 @@
  *    "devices": [{"uuid": "GPU-...", "name": "Tesla T4", "memoryMiB": 15360, "usedMiB": 0, "minor": 0,
  *                 "computeCapability": [7, 5], "migMode": 0, "computeMode": 0, "gpuUtil": 0,
  *                 "processes": [{"pid": 42, "usedMiB": 100}, {"pid": 43, "usedMiB": 5, "kind": "graphics"}],
+ *                 "pciBus": 7, "numaNode": 0, "nvlinks": [8, 8, 9, 129],
  *                 "errors": {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}}],
+ *    "nvswitchBuses": [129, 130], "ancestors": [[0, 40], [40, 0]],
  *    "events": [{"id": 1, "device": 0, "type": "xid", "xid": 79}]}
+ *
+ * Topology: a GPU sits on PCI bus "pciBus" (domain 0, device 0) of NUMA node "numaNode" (absent: the
+ * driver does not say, NOT_SUPPORTED); link i of its "nvlinks" is active and reaches the device on that
+ * bus: another GPU, or an NVSwitch when the bus is one of "nvswitchBuses"; links past the list are not
+ * there (NOT_SUPPORTED). "ancestors" is the matrix of nvmlGpuTopologyLevel_t values between GPUs
+ * (absent: nvmlDeviceGetTopologyCommonAncestor answers NOT_SUPPORTED, as older drivers do).
  *
  * Errors name NVML's return codes without the NVML_ERROR_ prefix. An event is delivered once to every
  * event set that registered its type on its device before the event appeared (as with the real driver,
@@ -212,6 +220,10 @@ struct nvmlDevice_st {
     nvmlProcessInfo_t graphics[MAX_PROCESSES];
     unsigned int error_count;
     injected_error errors[MAX_ERRORS];
+    unsigned int pci_bus;
+    int numa_node; /* -1: not known */
+    unsigned int link_count;
+    unsigned int link_bus[NVML_NVLINK_MAX_LINKS];
 };
 
 typedef struct {
@@ -236,6 +248,10 @@ static unsigned int event_count;
 static struct nvmlEventSet_st sets[MAX_SETS];
 static char driver_version[NVML_SYSTEM_DRIVER_VERSION_BUFFER_SIZE] = "535.261.03";
 static int cuda_driver_version = 12020;
+static unsigned int switch_buses[MAX_DEVICES];
+static unsigned int switch_count;
+static int have_ancestors;
+static nvmlGpuTopologyLevel_t ancestors[MAX_DEVICES][MAX_DEVICES];
 static int initialized;
 static struct stat loaded_stat;
 static int loaded;
@@ -360,6 +376,25 @@ static void reload(void) {
             info->computeInstanceId = 0xFFFFFFFF;
         }
         dev->error_count = read_errors(d, dev->errors);
+        dev->pci_bus = (unsigned int)jnum(d, "pciBus", 0x10 + dev->index);
+        dev->numa_node = (int)jnum(d, "numaNode", -1);
+        const jval *nvlinks = jget(d, "nvlinks");
+        dev->link_count = 0;
+        for (size_t l = 0; nvlinks && nvlinks->type == J_ARR && l < nvlinks->len && l < NVML_NVLINK_MAX_LINKS; l++)
+            dev->link_bus[dev->link_count++] = (unsigned int)nvlinks->items[l]->num;
+    }
+
+    const jval *switches = jget(root, "nvswitchBuses");
+    switch_count = 0;
+    for (size_t i = 0; switches && switches->type == J_ARR && i < switches->len && i < MAX_DEVICES; i++)
+        switch_buses[switch_count++] = (unsigned int)switches->items[i]->num;
+    const jval *matrix = jget(root, "ancestors");
+    have_ancestors = matrix && matrix->type == J_ARR;
+    memset(ancestors, 0, sizeof ancestors);
+    for (size_t a = 0; have_ancestors && a < matrix->len && a < MAX_DEVICES; a++) {
+        const jval *row = matrix->items[a];
+        for (size_t b = 0; row->type == J_ARR && b < row->len && b < MAX_DEVICES; b++)
+            ancestors[a][b] = (nvmlGpuTopologyLevel_t)row->items[b]->num;
     }
 
     const jval *evs = jget(root, "events");
@@ -601,6 +636,83 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
 nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
                                                       nvmlProcessInfo_t *infos) {
     return running_processes(device, count, infos, 1, __func__);
+}
+
+/* ------------------------------------------------------------------------------------------------------ */
+/* Topology                                                                                                */
+
+static void fill_pci(nvmlPciInfo_t *pci, unsigned int bus) {
+    memset(pci, 0, sizeof *pci);
+    pci->bus = bus;
+    pci->pciDeviceId = 0x20B010DE;
+    snprintf(pci->busId, sizeof pci->busId, NVML_DEVICE_PCI_BUS_ID_FMT, 0u, bus, 0u);
+    snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, NVML_DEVICE_PCI_BUS_ID_LEGACY_FMT, 0u, bus, 0u);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+    DEVICE_CALL(device);
+    fill_pci(pci, device->pci_bus);
+    DONE;
+}
+
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    DEVICE_CALL(device);
+    if (device->numa_node < 0) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *node = (unsigned int)device->numa_node;
+    DONE;
+}
+
+/* A link past the ones the GPU has answers NOT_SUPPORTED, as on a real board with fewer than the maximum. */
+#define LINK_CALL(device, link)                                                  \
+    DEVICE_CALL(device);                                                         \
+    if ((link) >= NVML_NVLINK_MAX_LINKS) {                                       \
+        pthread_mutex_unlock(&lock);                                             \
+        return NVML_ERROR_INVALID_ARGUMENT;                                      \
+    }                                                                            \
+    if ((link) >= device->link_count) {                                          \
+        pthread_mutex_unlock(&lock);                                             \
+        return NVML_ERROR_NOT_SUPPORTED;                                         \
+    }
+
+nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t device, unsigned int link, nvmlEnableState_t *active) {
+    LINK_CALL(device, link);
+    *active = NVML_FEATURE_ENABLED;
+    DONE;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t device, unsigned int link, nvmlPciInfo_t *pci) {
+    LINK_CALL(device, link);
+    fill_pci(pci, device->link_bus[link]);
+    DONE;
+}
+
+nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t device, unsigned int link,
+                                                 nvmlIntNvLinkDeviceType_t *type) {
+    LINK_CALL(device, link);
+    *type = NVML_NVLINK_DEVICE_TYPE_UNKNOWN;
+    for (unsigned int d = 0; d < device_count; d++)
+        if (devices[d].pci_bus == device->link_bus[link]) *type = NVML_NVLINK_DEVICE_TYPE_GPU;
+    for (unsigned int s = 0; s < switch_count; s++)
+        if (switch_buses[s] == device->link_bus[link]) *type = NVML_NVLINK_DEVICE_TYPE_SWITCH;
+    DONE;
+}
+
+nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t device1, nvmlDevice_t device2,
+                                                 nvmlGpuTopologyLevel_t *level) {
+    DEVICE_CALL(device1);
+    if (!valid_device(device2)) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (!have_ancestors) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_NOT_SUPPORTED;
+    }
+    *level = ancestors[device1->index][device2->index];
+    DONE;
 }
 
 /* ------------------------------------------------------------------------------------------------------ */
