@@ -13,6 +13,7 @@ import click
 
 from gpushared import __version__
 from gpushared.cli import logs
+from gpushared.core.report import LINK_LEGEND, link_matrix_lines
 from gpushared.daemon import config as config_module
 
 CONFIG_HELP = f"YAML configuration (default {config_module.DEFAULT_PATH}); GPUSHARED_* variables override it."
@@ -171,6 +172,9 @@ def render_status(body: dict[str, Any]) -> str:
         health = "healthy" if gpu["healthy"] else f"UNHEALTHY ({gpu['problem']})"
         used = f"{gpu['used']}/{gpu['memory']}"
         lines.append(f"{gpu['index']:<4}{gpu['uuid']:<42}{gpu['model'][:23]:<24}{used:<20}{health}")
+    if body.get("links"):
+        gpus = [gpu["index"] for gpu in body["gpus"]]
+        lines += ["", *link_matrix_lines(gpus, body["links"], [gpu.get("numa") for gpu in body["gpus"]]), LINK_LEGEND]
     if body["pods"]:
         lines += ["", f"{'POD':<40}{'GPU(' + unit + ')':<16}{'ASSIGNED':<10}CONTAINERS"]
         for pod in body["pods"]:

@@ -7,11 +7,12 @@ on the node without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpushared.contract import GpuInventory
 from gpushared.core.ledger import Holding
+from gpushared.core.topology import topology_of
 
 
 def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: Iterable[Holding]) -> dict[str, Any]:
@@ -32,10 +33,12 @@ def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: I
                 "usedGPU": used,
                 # what its processes use, in MiB, as the daemon last published it (None: not watched)
                 "inUseMiB": gpu.used_mib,
+                "numa": gpu.numa,
                 "pods": [{"name": h.name, "namespace": h.namespace, "usedGPU": h.gpus[gpu.index]} for h in on_gpu],
             }
         )
     pending = [h for h in held if h.pending]
+    topology = topology_of(inventory)
     return {
         "name": name,
         "address": address,
@@ -46,4 +49,33 @@ def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: I
         "pending": [
             {"name": h.name, "namespace": h.namespace, "usedGPU": h.pending, "problem": h.problem} for h in pending
         ],
+        # how the GPUs are linked, as ``nvidia-smi topo -m`` prints it, row by row; absent when not known
+        **({"links": topology.matrix([gpu.index for gpu in inventory.gpus])} if topology.known else {}),
     }
+
+
+#: What the words of a link matrix mean, as nvidia-smi's legend says it.
+LINK_LEGEND = (
+    "NV#: # NVLink links  PIX: one PCIe switch  PXB: several PCIe switches  PHB: a PCIe host bridge  "
+    "NODE: host bridges of one NUMA node  SYS: across NUMA nodes"
+)
+
+
+def link_matrix_lines(gpus: Sequence[int], matrix: Sequence[Sequence[str]], numa: Sequence[int | None]) -> list[str]:
+    """``nvidia-smi topo -m``'s table: a row and a column per GPU, and each GPU's NUMA node."""
+    rows = [["", *[f"GPU{i}" for i in gpus], "NUMA"]]
+    rows += [
+        [f"GPU{i}", *row, "-" if node is None else str(node)] for i, row, node in zip(gpus, matrix, numa, strict=True)
+    ]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    return ["".join(cell.ljust(w + 2) for cell, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+
+
+def set_links(gpus: Sequence[int], on: Sequence[int], matrix: Sequence[Sequence[str]]) -> str:
+    """How the GPUs ``on`` (of the node's ``gpus``, whose links ``matrix`` has) are linked, pair by pair:
+    "0-1 NV1, 0-3 NV2, 1-3 NV1"."""
+    position = {gpu: i for i, gpu in enumerate(gpus)}
+    chosen = sorted(on)
+    return ", ".join(
+        f"{a}-{b} {matrix[position[a]][position[b]]}" for i, a in enumerate(chosen) for b in chosen[i + 1 :]
+    )

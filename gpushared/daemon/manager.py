@@ -27,7 +27,7 @@ from gpushared.core.bodies import PodBody, meta_of, uid_of
 from gpushared.core.devices import Device, device_list
 from gpushared.core.exposure import CONTROL_DEVICES, ExposurePolicy
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
-from gpushared.core.topology import Link, Topology, link_words
+from gpushared.core.topology import Link, Topology, link_words, topology_of
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics, PodShare
@@ -347,6 +347,7 @@ class Manager:
     def status(self) -> dict[str, Any]:
         inventory = self.inventory
         ledger = self.ledger()
+        topology = topology_of(inventory)
         return {
             "node": self.node,
             "resource": self.resource_name,
@@ -360,9 +361,12 @@ class Manager:
                     "used": ledger.used(gpu.index),
                     "healthy": gpu.healthy,
                     "problem": self.health.problem(gpu.uuid),
+                    "numa": gpu.numa,
                 }
                 for gpu in inventory.gpus
             ],
+            # the link matrix, as nvidia-smi topo -m prints it; empty when the driver says nothing of links
+            "links": topology.matrix([gpu.index for gpu in inventory.gpus]) if topology.known else [],
             "pods": [
                 {
                     "namespace": h.namespace,

@@ -13,7 +13,7 @@ from typing import Any
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.bodies import PodBody, node_of
 from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.report import node_report
+from gpushared.core.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
 from gpushared.kube.api import Api
 
 
@@ -99,6 +99,22 @@ def _in_use(dev: dict[str, Any]) -> str:
     return "-" if dev.get("inUseMiB") is None else str(dev["inUseMiB"])
 
 
+def _links(report: dict[str, Any], pods: dict[tuple[str, str], dict[int, int]]) -> list[str]:
+    """The node's link matrix, and how the GPUs of each pod on several are linked; nothing when the node's
+    links are not known (an older driver, or a daemon from before links were published)."""
+    matrix = report.get("links")
+    if not matrix:
+        return []
+    gpus = [d["id"] for d in report["devs"]]
+    lines = ["", "GPU links:", *link_matrix_lines(gpus, matrix, [d.get("numa") for d in report["devs"]]), LINK_LEGEND]
+    several = {key: sorted(held) for key, held in pods.items() if len(held) > 1}
+    if several:
+        lines.append("")
+        for (name, namespace), on in sorted(several.items(), key=lambda item: (item[0][1], item[0][0])):
+            lines.append(f"{namespace}/{name} on GPUs {','.join(map(str, on))}: {set_links(gpus, on, matrix)}")
+    return [*lines, ""]
+
+
 def render_details(reports: Sequence[dict[str, Any]]) -> str:
     if not reports:
         return "No gpushared nodes found."
@@ -121,6 +137,7 @@ def render_details(reports: Sequence[dict[str, Any]]) -> str:
             in_use = ["(in use, MiB)", "", *[_in_use(d) for d in r["devs"]]]
             rows.append(in_use + ([""] if pending else []))
         out += _table(rows)
+        out += _links(r, pods)
         out += [
             f"Allocated :  {r['usedGPU']} ({_percent(r['usedGPU'], r['totalGPU'])})",
             f"Total :      {r['totalGPU']} ({r['unit']})",

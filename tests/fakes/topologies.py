@@ -7,7 +7,11 @@ one PCIe switch, ``PXB`` several, ``PHB`` the host bridge, ``NODE`` one CPU sock
 
 from __future__ import annotations
 
-from gpushared.core.topology import Link, Topology, parse_link
+import dataclasses
+
+from gpushared.contract import GpuInventory
+from gpushared.core.topology import Link, Topology, link_words, parse_link
+from tests.builders import inventory
 
 #: DGX-1 with V100: hybrid cube-mesh. Each GPU has six NVLink links to four others, GPUs 0-3 and 4-7 are
 #: fully linked within their socket, and each GPU links to one GPU of the other socket.
@@ -75,3 +79,13 @@ def parse(matrix: str) -> Topology:
 
 def layout(name: str) -> Topology:
     return parse(LAYOUTS[name])
+
+
+def layout_inventory(name: str, size: int = 16) -> GpuInventory:
+    """An inventory of ``size`` GiB GPUs linked as layout ``name``, as the daemon publishes it (no links
+    where the driver says nothing of any pair)."""
+    topology = layout(name)
+    plain = inventory(*([size] * len(topology.numa)))
+    gpus = tuple(dataclasses.replace(gpu, numa=topology.numa[gpu.index]) for gpu in plain.gpus)
+    words = link_words(topology, [gpu.index for gpu in gpus]) if topology.known else ()
+    return GpuInventory(unit=plain.unit, gpus=gpus, links=words)

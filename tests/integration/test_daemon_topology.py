@@ -9,6 +9,9 @@ NUMA nodes), wired as ``tests.fakes.topologies`` lays out real machines.
 from __future__ import annotations
 
 import itertools
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -124,3 +127,22 @@ def test_a_node_whose_driver_fails_on_links_still_serves(daemon: Daemon, fake_nv
     # GPU 3's own links are unread, but its peers see theirs to it
     assert str(published.link(0, 3)) == "NV2"
     assert str(published.link(3, 7)) == "NV1"
+
+
+def test_status_prints_the_link_matrix_as_nvidia_smi_does(daemon: Daemon) -> None:
+    on_layout(daemon, "pcie-2-socket")
+    env = {**daemon.nvml.env(), "PATH": "/usr/bin:/bin"}
+    run = [sys.executable, "-m", "gpushared.cli.daemon", "status", "--config", str(daemon.config_path)]
+    lines = subprocess.run(run, capture_output=True, text=True, check=True, env=env).stdout.splitlines()
+    start = lines.index("      GPU0  GPU1  GPU2  GPU3  GPU4  GPU5  NUMA")
+    assert lines[start + 1 : start + 7] == [
+        "GPU0  X     PIX   PXB   SYS   SYS   SYS   0",
+        "GPU1  PIX   X     PXB   SYS   SYS   SYS   0",
+        "GPU2  PXB   PXB   X     SYS   SYS   SYS   0",
+        "GPU3  SYS   SYS   SYS   X     PIX   NODE  1",
+        "GPU4  SYS   SYS   SYS   PIX   X     NODE  1",
+        "GPU5  SYS   SYS   SYS   NODE  NODE  X     1",
+    ]
+    assert lines[start + 7].startswith("NV#: # NVLink links")
+    body = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True, env=env).stdout)
+    assert body["links"][3][5] == "NODE" and [gpu["numa"] for gpu in body["gpus"]] == [0, 0, 0, 1, 1, 1]

@@ -14,9 +14,10 @@ import yaml
 from gpushared import contract
 from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
-from tests.builders import inventory, pod
-from tests.extender_harness import gpushared_cluster
+from tests.builders import inventory, on_gpus, pod
+from tests.extender_harness import gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.topologies import layout_inventory
 
 
 @pytest.fixture
@@ -111,3 +112,33 @@ def test_errors_are_clear(api: FakeApiServer, tmp_path: Path) -> None:
     result = inspect(api, tmp_path, "--context", "nope")
     assert result.returncode == 1
     assert "nope" in result.stderr
+
+
+def test_details_show_the_link_matrix_and_how_each_multi_gpu_pod_is_linked(api: FakeApiServer, tmp_path: Path) -> None:
+    """A DGX-1 node: its links as ``nvidia-smi topo -m`` prints them, and the pairs of a pod on four GPUs."""
+    dgx = layout_inventory("dgx1")
+    api.create(gpu_node("dgx", inv=dgx, address="10.0.0.9"))
+    quad = pod("allreduce", 32, namespace="ml", node="dgx")
+    on_gpus(quad, 4)
+    quad["metadata"]["annotations"] = bind_annotations(
+        pod_request(quad), [dgx.gpus[i] for i in (0, 1, 2, 3)], unit=contract.MemoryUnit.GIB, now_ns=1
+    )
+    api.create(quad)
+    result = inspect(api, tmp_path, "-d", "dgx")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    start = lines.index("GPU links:")
+    assert lines[start + 1 : start + 3] == [
+        "      GPU0  GPU1  GPU2  GPU3  GPU4  GPU5  GPU6  GPU7  NUMA",
+        "GPU0  X     NV1   NV1   NV2   NV2   SYS   SYS   SYS   0",
+    ]
+    assert lines[start + 9] == "GPU7  SYS   SYS   SYS   NV1   NV2   NV1   NV2   X     1"
+    assert lines[start + 10].startswith("NV#: # NVLink links")
+    assert "ml/allreduce on GPUs 0,1,2,3: 0-1 NV1, 0-2 NV1, 0-3 NV2, 1-2 NV2, 1-3 NV1, 2-3 NV2" in lines
+    body = json.loads(inspect(api, tmp_path, "-o", "json", "dgx").stdout)
+    assert body["nodes"][0]["links"][0] == ["X", "NV1", "NV1", "NV2", "NV2", "SYS", "SYS", "SYS"]
+    assert [d["numa"] for d in body["nodes"][0]["devs"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_details_of_a_node_without_links_show_no_matrix(api: FakeApiServer, tmp_path: Path) -> None:
+    assert "GPU links:" not in inspect(api, tmp_path, "-d").stdout

@@ -21,13 +21,12 @@ from gpushared.core.topology import (
     LinkKind,
     Topology,
     choose_set,
-    link_words,
     set_score,
     topology_of,
 )
 from gpushared.core.verdicts import judge
 from tests.builders import inventory
-from tests.fakes.topologies import LAYOUTS, layout
+from tests.fakes.topologies import LAYOUTS, layout, layout_inventory
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
@@ -112,15 +111,6 @@ def test_a_large_node_is_chosen_greedily_and_still_well() -> None:
 
 
 # --- the inventory carries the links; placement uses them -------------------------------------------------
-
-
-def layout_inventory(name: str, size: int = 16) -> GpuInventory:
-    """An inventory of ``size`` GiB GPUs linked as layout ``name``, as the daemon publishes it."""
-    topology = layout(name)
-    plain = inventory(*([size] * len(topology.numa)))
-    gpus = tuple(dataclasses.replace(gpu, numa=topology.numa[gpu.index]) for gpu in plain.gpus)
-    words = link_words(topology, [gpu.index for gpu in gpus]) if topology.known else ()
-    return GpuInventory(unit=plain.unit, gpus=gpus, links=words)
 
 
 def dgx1_inventory(size: int = 16) -> GpuInventory:
