@@ -173,8 +173,9 @@ def render_status(body: dict[str, Any]) -> str:
         used = f"{gpu['used']}/{gpu['memory']}"
         lines.append(f"{gpu['index']:<4}{gpu['uuid']:<42}{gpu['model'][:23]:<24}{used:<20}{health}")
     if body.get("links"):
-        gpus = [gpu["index"] for gpu in body["gpus"]]
-        lines += ["", *link_matrix_lines(gpus, body["links"], [gpu.get("numa") for gpu in body["gpus"]]), LINK_LEGEND]
+        indices = [gpu["index"] for gpu in body["gpus"]]
+        numa = [gpu.get("numa") for gpu in body["gpus"]]
+        lines += ["", *link_matrix_lines(indices, body["links"], numa), LINK_LEGEND]
     if body["pods"]:
         lines += ["", f"{'POD':<40}{'GPU(' + unit + ')':<16}{'ASSIGNED':<10}CONTAINERS"]
         for pod in body["pods"]:
