@@ -111,8 +111,8 @@ class Policy:
     ``price`` prices putting ``need`` units on one fitting GPU (lower is better) in the node's pricing
     context; a node's price is its cheapest GPU's. Equal prices go to the GPU with less free memory, then
     the lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes
-    the best-linked set of the fitting GPUs (``core.topology.choose_set``; those that come first in that
-    order among equally linked sets, and on a node whose links are not known), and the node's price is
+    the best-linked set of the fitting GPUs (``core.topology.choose_set``; among equally linked sets the one
+    priced lowest in all, then first in that order; on a node whose links are not known, the first), and the node's price is
     theirs together: ``price_of_several``, or the sum of their prices when a policy's prices add up.
     """
 
@@ -165,7 +165,8 @@ class Policy:
         topology = topology_of(context.ledger.inventory)
         if topology.known:
             by_index = {verdict.gpu.index: (order, verdict) for order, verdict in ordered}
-            top = [by_index[i] for i in choose_set([v.gpu.index for _, v in ordered], gpus, topology)]
+            prices = {index: order[0] for index, (order, _) in by_index.items()}
+            top = [by_index[i] for i in choose_set([v.gpu.index for _, v in ordered], gpus, topology, prices)]
         else:
             top = ordered[:gpus]
         chosen = tuple(verdict for _, verdict in top)

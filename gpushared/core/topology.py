@@ -8,8 +8,9 @@ matrix (``NV<n>``, ``PIX``, ``PXB``, ``PHB``, ``NODE``, ``SYS``). Older drivers 
 is :attr:`LinkKind.UNKNOWN` here.
 
 A set of GPUs is worth the sum of the scores of its pairs (:func:`set_score`); :func:`choose_set` picks the
-best set among the GPUs with room, and among equally good sets the one the placement policy ranks first,
-so that a node without topology information places exactly as before. One-GPU pods never look at it.
+best set among the GPUs with room, and among equally good sets the one the placement policy prices lowest
+(a balanced node's idle GPUs, a packed node's fullest), so that a node without topology information places
+exactly as before. One-GPU pods never look at it.
 Pure: the extender's bind and the daemon's GetPreferredAllocation are to share it (issue #24).
 """
 
@@ -104,9 +105,12 @@ def set_score(gpus: Iterable[int], topology: Topology) -> int:
 EXHAUSTIVE_LIMIT: Final = 13_000
 
 
-def choose_set(ordered: Sequence[int], count: int, topology: Topology) -> tuple[int, ...]:
+def choose_set(
+    ordered: Sequence[int], count: int, topology: Topology, prices: Mapping[int, float] | None = None
+) -> tuple[int, ...]:
     """The ``count`` GPUs, among ``ordered`` (the GPUs with room, best first by the placement policy), whose
-    links are worth most together; among sets worth the same, the one whose GPUs come earliest in
+    links are worth most together; among sets worth the same, the one the policy prices lowest in all
+    (``prices``: each GPU's price, as the policy's order has them), then the one whose GPUs come earliest in
     ``ordered``. Returned in ``ordered``'s order. With one GPU, too few candidates or no known link it is
     the policy's own choice, the first ``count``."""
     if count <= 0 or count > len(ordered):
@@ -115,11 +119,19 @@ def choose_set(ordered: Sequence[int], count: int, topology: Topology) -> tuple[
     if count == 1 or count == len(ordered) or not topology.known:
         return first
     position = {gpu: i for i, gpu in enumerate(ordered)}
+    price = prices or {}
     if math.comb(len(ordered), count) <= EXHAUSTIVE_LIMIT:
         candidates: Iterable[tuple[int, ...]] = itertools.combinations(ordered, count)
     else:
         candidates = (_grown(ordered, position, start, count, topology) for start in ordered)
-    best = max(candidates, key=lambda gpus: (set_score(gpus, topology), [-position[g] for g in gpus]))
+    best = max(
+        candidates,
+        key=lambda gpus: (
+            set_score(gpus, topology),
+            -round(sum(price.get(g, 0.0) for g in gpus), 9),  # sums of equal prices, equal
+            [-position[g] for g in gpus],
+        ),
+    )
     return tuple(sorted(best, key=position.__getitem__))
 
 

@@ -578,11 +578,12 @@ state = "{base}/state"
         except OSError:
             return False
 
-    def restart_extender(self, *, kill: bool = False, certs: Path | None = None) -> None:
-        """Stop the extender process and start it again, with the certificates in ``certs`` if given."""
+    def restart_extender(self, *args: str, kill: bool = False, certs: Path | None = None) -> None:
+        """Stop the extender process and start it again, with the certificates in ``certs`` if given, and
+        ``args`` added to its command line (``--policy balanced``) until it restarts again."""
         self.stop("gpushared-extender", sig=signal.SIGKILL if kill else signal.SIGTERM)
         self.extender_certs = certs or self.extender_certs
-        self._start_extender()
+        self._start_extender(*args)
 
     def restart_scheduler(self, *, extenders: bool = True) -> None:
         """kube-scheduler again; without ``extenders``, as a managed cluster's: stock, knowing no extender."""
@@ -629,6 +630,14 @@ state = "{base}/state"
     def write_gpus(self, sizes_mib: Sequence[int]) -> FakeNvml:
         return FakeNvml.with_sizes(self.gpus_file, build_library(self.gpus_file.parent), *sizes_mib)
 
+    def write_layout(self, layout: str, size_mib: int) -> FakeNvml:
+        """GPUs of ``size_mib`` linked as a layout of ``tests.fakes.topologies`` ("dgx1"...)."""
+        return FakeNvml.with_layout(self.gpus_file, build_library(self.gpus_file.parent), layout, size_mib)
+
+    def gpu_count(self) -> int:
+        """How many GPUs the fake NVML shows now."""
+        return len(json.loads(self.gpus_file.read_text())["devices"])
+
     def set_gpu_processes(self, index: int, processes: Sequence[tuple[int, int]]) -> None:
         """What the fake NVML lists on GPU ``index``: (host PID, MiB); the daemon reads it on its next poll."""
         body = json.loads(self.gpus_file.read_text())
@@ -638,7 +647,7 @@ state = "{base}/state"
         scratch.replace(self.gpus_file)
 
     def clear_gpu_processes(self) -> None:
-        for index in range(len(json.loads(self.gpus_file.read_text())["devices"])):
+        for index in range(self.gpu_count()):
             self.set_gpu_processes(index, [])
 
     @staticmethod
@@ -675,7 +684,7 @@ state = "{base}/state"
                 os.mknod(dev / name, stat.S_IFCHR | 0o666, os.makedev(1, 3))
 
     def start_daemon(self, *, memory_unit: str = "GiB") -> None:
-        self.make_device_nodes(len(GPU_SIZES_MIB))
+        self.make_device_nodes(self.gpu_count())
         config = {
             "nodeName": NODE,
             "kubeconfig": str(self.kubeconfig_for("gpushared-node")),

@@ -211,3 +211,18 @@ def test_between_nodes_the_better_linked_set_wins_over_a_cheaper_price() -> None
     assert ranks[0][0].price < ranks[1][0].price  # binpack alone would pick the crossing node
     assert ranks[0][0].links == -10 and ranks[1][0].links == -200  # SYS against NV2
     assert node_scores([rank for rank, _ in ranks]) == [0, 10]
+
+
+def test_among_equally_linked_sets_the_policy_prices_decide() -> None:
+    """A DGX-1 with a pair on GPUs 0 and 3: both sockets' quads are linked alike. Balanced takes the idle
+    socket; best fit the socket already in use, which it packs."""
+    ledger = Ledger.build(dgx1_inventory())
+    ledger.add(Holding(uid="pair", namespace="d", name="pair", gpus={0: 8, 3: 8}))
+    quad = PodRequest(containers=(ContainerRequest("c0", 16, gpus=4),))
+    chosen = {
+        name: sorted(
+            v.gpu.index for v in policy_named(name).choose(judge(ledger, quad), quad, PricingContext(ledger)) or ()
+        )
+        for name in ("balanced", "binpack", "spread")
+    }
+    assert chosen == {"balanced": [4, 5, 6, 7], "binpack": [0, 1, 2, 3], "spread": [4, 5, 6, 7]}
