@@ -112,8 +112,9 @@ class Policy:
     context; a node's price is its cheapest GPU's. Equal prices go to the GPU with less free memory, then
     the lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes
     the best-linked set of the fitting GPUs (``core.topology.choose_set``; among equally linked sets the one
-    priced lowest in all, then first in that order; on a node whose links are not known, the first), and the node's price is
-    theirs together: ``price_of_several``, or the sum of their prices when a policy's prices add up.
+    priced lowest in all, then first in that order; on a node whose links are not known, the first), and
+    the node's price is theirs together: ``price_of_several``, or the sum of their prices when a policy's
+    prices add up.
     """
 
     name: str
