@@ -77,8 +77,10 @@ deb-test: venv
 	WORLD_PYTHON=$(BIN)/python scripts/deb-test
 
 # Placement quality on the Alibaba trace (needs the trace: GPUSHARED_TRACE_DIR, default ../shared/data/...).
+# Then how well linked multi-GPU tasks' GPUs are, on a model of each node's links (docs/benchmarks.md).
 bench: venv
 	$(BIN)/python scripts/bench_openb.py
+	$(BIN)/python scripts/bench_links.py
 
 # The fault suite (docs/reliability.md): the extender under load while the API server stalls, loses
 # answers and lands Bindings late, replicas are killed and callers are hostile. CHAOS_ARGS sizes it.

@@ -18,6 +18,8 @@ one node, not of the cluster.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,7 +30,9 @@ from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.core.topology import LinkKind, link_words, set_score
 from gpushared.core.verdicts import fitting, idle_gpu_mib
+from gpushared.replay.layouts import model_layout
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
 
@@ -59,19 +63,62 @@ class SimNode:
         return not pod.models or self.trace.model in pod.models
 
 
-def inventory_of(node: TraceNode) -> GpuInventory:
+def inventory_of(node: TraceNode, *, links: bool = False) -> GpuInventory:
+    """The node's inventory; with ``links``, carrying the links its model is given (``model_layout``)."""
+    topology = model_layout(node.model, node.gpus)
     return GpuInventory(
         unit=MemoryUnit.MIB,
         gpus=tuple(
-            GpuInfo(index=i, uuid=f"{node.name}-gpu{i}", model=node.model, memory=GPU_MIB, memory_mib=GPU_MIB)
+            GpuInfo(
+                index=i,
+                uuid=f"{node.name}-gpu{i}",
+                model=node.model,
+                memory=GPU_MIB,
+                memory_mib=GPU_MIB,
+                numa=topology.numa.get(i) if links else None,
+            )
             for i in range(node.gpus)
         ),
+        links=link_words(topology, list(range(node.gpus))) if links and topology.known else (),
     )
 
 
+@dataclass
+class LinkTally:
+    """How well linked the GPU sets of placed multi-GPU tasks are on the links each node's model is given,
+    whether or not placement saw them: the sum of their scores, the sum of the best scores a set of that size
+    has on an empty node of that model, and how many of the tasks on NVLink nodes got only NVLink pairs."""
+
+    tasks: int = 0
+    score: int = 0
+    best: int = 0
+    on_nvlink_nodes: int = 0
+    all_nvlink: int = 0
+
+    def add(self, node: TraceNode, gpus: Sequence[int]) -> None:
+        topology = model_layout(node.model, node.gpus)
+        self.tasks += 1
+        self.score += set_score(gpus, topology)
+        self.best += _best_score(node.model, node.gpus, len(gpus))
+        if any(link.kind is LinkKind.NVLINK for link in topology.links.values()):
+            self.on_nvlink_nodes += 1
+            pairs = itertools.combinations(gpus, 2)
+            self.all_nvlink += all(topology.link(a, b).kind is LinkKind.NVLINK for a, b in pairs)
+
+
+@functools.cache
+def _best_score(model: str, gpus: int, count: int) -> int:
+    topology = model_layout(model, gpus)
+    return max(set_score(chosen, topology) for chosen in itertools.combinations(range(gpus), count))
+
+
 class SimCluster:
-    def __init__(self, nodes: Sequence[TraceNode], *, policy: Policy, mix: RequestMix, rng: random.Random) -> None:
-        self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n))) for n in nodes]
+    def __init__(
+        self, nodes: Sequence[TraceNode], *, policy: Policy, mix: RequestMix, rng: random.Random, links: bool = False
+    ) -> None:
+        self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
+        #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
+        self.links = LinkTally()
         self.policy = policy
         self.mix = mix
         self.rng = rng
@@ -107,6 +154,8 @@ class SimCluster:
         if need:
             self._serial += 1
             chosen = [node.ledger.inventory.gpus[index] for index in indices]
+            if len(indices) > 1:
+                self.links.add(node.trace, indices)
             node.ledger.add(holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name))
             node.gpu_free -= need
             self.allocated_mib += need

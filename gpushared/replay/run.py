@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.policies import policy_named
-from gpushared.replay.cluster import SimCluster
+from gpushared.replay.cluster import LinkTally, SimCluster
 from gpushared.replay.trace import TraceNode, TracePod
 
 #: The paper's workload inflation ("tune") and seeds.
@@ -42,6 +42,9 @@ class Replay:
     #: GPU tasks not placed, and of them those with GPUs that had room on a node short of CPU or memory
     gpu_failed: int = 0
     gpu_failed_with_room: int = 0
+    #: whether placement saw the nodes' model links, and how well linked the multi-GPU tasks' sets were
+    links_seen: bool = False
+    links: LinkTally | None = None
 
 
 def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: random.Random) -> list[TracePod]:
@@ -59,13 +62,17 @@ def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: r
     return workload
 
 
-def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str, seed: int) -> Replay:
+def replay(
+    nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str, seed: int, links: bool = False
+) -> Replay:
+    """``links``: the nodes carry the links of their model (``replay.layouts.model_layout``) and placement
+    weighs them; without, placement sees none. Either way the sets chosen are scored on them."""
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     # What an extender that has watched this workload would have counted: the kinds of its tasks.
     mix = RequestMix((p.cpu_milli, p.memory_per_gpu, p.num_gpu) for p in workload)
-    cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng)
+    cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng, links=links)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0
@@ -102,6 +109,8 @@ def replay(nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str,
         stranded_gpus=stranded,
         gpu_failed=cluster.gpu_failed,
         gpu_failed_with_room=cluster.gpu_failed_with_room,
+        links_seen=links,
+        links=cluster.links,
     )
 
 

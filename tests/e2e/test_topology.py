@@ -20,6 +20,8 @@ from tests.e2e.cluster import GPU_SIZES_MIB, LocalCluster, wait_for
 from tests.e2e.kube import Kube, gpu_pod
 from tests.fakes.topologies import layout
 
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
+
 GIB = 16
 DGX1 = layout("dgx1")
 

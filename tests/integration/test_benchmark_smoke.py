@@ -38,12 +38,12 @@ def test_bench_allocate_runs_and_reports() -> None:
     assert report["idle"]["rss_mib"] > 0 and report["idle"]["cpu_percent_of_one_core"] >= 0
 
 
-def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: Path) -> None:
-    data = tmp_path / "trace"
+def small_trace(data: Path, *, models: tuple[str, ...] = ("G2", "T4")) -> Path:
+    """Twelve nodes of 2 and 4 GPUs (the models alternating), and five kinds of task, one on two GPUs."""
     data.mkdir()
     (data / "openb_node_list_gpu_node.csv").write_text(
         "sn,cpu_milli,memory_mib,gpu,model\n"
-        + "".join(f"n{i},32000,131072,{2 + 2 * (i % 2)},{'T4' if i % 2 else 'G2'}\n" for i in range(12))
+        + "".join(f"n{i},32000,131072,{2 + 2 * (i % 2)},{models[i % len(models)]}\n" for i in range(12))
     )
     header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time"
     header += ",scheduled_time\n"
@@ -51,6 +51,11 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
     (data / "openb_pod_list_default.csv").write_text(
         header + "".join(f"p{i},{c},4096,{n},{g},{m},LS,Running,0,1,0\n" for i, (c, n, g, m) in enumerate(rows))
     )
+    return data
+
+
+def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: Path) -> None:
+    data = small_trace(tmp_path / "trace")
     out = tmp_path / "results"
     script = str(ROOT / "scripts" / "bench_openb.py")
     subprocess.run(
@@ -67,6 +72,27 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
     details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]
     assert len(details["allocation"]) == 131 and details["multiGpuTasks"] > 0
     assert (out / "openb-default.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_links_replays_blind_and_seeing_and_scores_the_sets(tmp_path: Path) -> None:
+    data = small_trace(tmp_path / "trace", models=("T4", "V100M16"))
+    out = tmp_path / "results"
+    script = str(ROOT / "scripts" / "bench_links.py")
+    argv = ["--data", str(data), "--traces", "default", "--policies", "binpack", "balanced", "--seeds", "42"]
+    printed = subprocess.run(
+        [sys.executable, script, *argv, "--jobs", "2", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    summary = json.loads((out / "links.json").read_text())["traces"]["default"]
+    assert set(summary) == {"binpack", "balanced"}
+    for modes in summary.values():
+        assert set(modes) == {"blind", "seen"}
+        assert modes["seen"]["scorePctOfBest"] == 100.0  # every set the best its node has
+        assert modes["seen"]["multiGpuPlaced"] > 0 and 0 <= modes["blind"]["scorePctOfBest"] <= 100
+    assert "| default | binpack | seen |" in printed
 
 
 def test_bench_extender_runs_in_process_and_over_http() -> None:
