@@ -172,3 +172,35 @@ def parse_link(word: str) -> Link:
 def link_words(topology: Topology, indices: Sequence[int]) -> tuple[str, ...]:
     """``GpuInventory.links`` for ``indices``: the inverse of :func:`topology_of`."""
     return tuple(str(topology.link(a, b)) for a, b in itertools.combinations(indices, 2))
+
+
+def parse_topo_matrix(text: str) -> tuple[Topology, dict[int, str]]:
+    """``nvidia-smi topo -m``'s printout read back: the links between its GPUs, each GPU's NUMA affinity as
+    printed (``"3"``, ``"0-1"``, ``"N/A"``) by GPU number. Columns are tab-separated; NIC rows and columns and
+    the legend are skipped. Words this module does not know are :attr:`LinkKind.UNKNOWN`."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    header = next((line.split("\t") for line in lines if line.split("\t")[0].strip() == "" and "GPU0" in line), None)
+    if header is None:
+        raise ValueError("no GPU0 column: not the output of nvidia-smi topo -m")
+    columns = [cell.strip() for cell in header]
+    gpu_columns = {i: int(name[3:]) for i, name in enumerate(columns) if name.startswith("GPU") and name[3:].isdigit()}
+    affinity_column = columns.index("NUMA Affinity") if "NUMA Affinity" in columns else None
+    links: dict[frozenset[int], Link] = {}
+    affinity: dict[int, str] = {}
+    for line in lines:
+        cells = [cell.strip() for cell in line.split("\t")]
+        name = cells[0]
+        if not (name.startswith("GPU") and name[3:].isdigit()):
+            continue
+        gpu = int(name[3:])
+        for column, other in gpu_columns.items():
+            if other != gpu and column < len(cells):
+                word = cells[column]
+                links[frozenset((gpu, other))] = parse_link(word) if _known_word(word) else UNKNOWN_LINK
+        if affinity_column is not None and affinity_column < len(cells):
+            affinity[gpu] = cells[affinity_column]
+    return Topology(links=links), affinity
+
+
+def _known_word(word: str) -> bool:
+    return word in _WORDS or (word.startswith("NV") and word[2:].isdigit() and int(word[2:]) > 0)

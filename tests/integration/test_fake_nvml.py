@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -179,3 +180,42 @@ def test_nvlink_far_ends_that_are_no_gpu_of_the_set_join_no_pair(nvml: FakeNvml)
     gpus, _ = backend.devices()
     assert str(Topology(links=backend.links(gpus)).link(0, 3)) == "NV2"
     assert str(Topology(links=backend.links(gpus[:3])).link(0, 1)) == "NV1"  # GPU 3 not asked about
+
+
+def test_gpu_check_compares_the_daemons_matrix_with_nvidia_smis(fake_nvml: FakeNvml, tmp_path: Path) -> None:
+    """scripts/gpu-check --topology on the fake NVML wired as a DGX-1, beside an ``nvidia-smi`` that prints
+    the DGX-1's matrix as nvidia-smi 535 lays it out; then one that disagrees on a pair."""
+    if os.geteuid() != 0:
+        pytest.skip("gpu-check runs as root")
+    fake_nvml.gpus = FakeNvml.with_layout(fake_nvml.config_path, fake_nvml.library, "dgx1").gpus
+    fake_nvml.set_layout(layout("dgx1"))
+    matrix = layout("dgx1").matrix(list(range(8)))
+
+    def printed(rows: list[list[str]]) -> str:
+        head = "\t" + "\t".join(f"GPU{i}" for i in range(8)) + "\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+        body = "".join(
+            f"GPU{i}\t" + "\t".join(" X " if c == "X" else c for c in row) + f"\t0-7\t{i // 4}\t\tN/A\n"
+            for i, row in enumerate(rows)
+        )
+        return head + body + "\nLegend:\n\n  X    = Self\n"
+
+    def run(rows: list[list[str]]) -> dict[str, object]:
+        tool = tmp_path / "bin" / "nvidia-smi"
+        tool.parent.mkdir(exist_ok=True)
+        (tmp_path / "topo.txt").write_text(printed(rows))
+        tool.write_text(f"#!/bin/sh\ncat {tmp_path / 'topo.txt'}\n")
+        tool.chmod(0o755)
+        env = {**os.environ, **fake_nvml.env(), "PATH": f"{tool.parent}:{os.environ['PATH']}"}
+        script = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
+        done = subprocess.run(
+            [sys.executable, str(script), "--topology"], capture_output=True, text=True, env=env, check=False
+        )
+        return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+    agreed = run(matrix)
+    assert agreed["verdict"] == "matrices agree" and agreed["pairs"] == 28, agreed
+    wrong = [list(row) for row in matrix]
+    wrong[0][1] = wrong[1][0] = "NV2"
+    differ = run(wrong)
+    assert differ["verdict"] == "matrices differ"
+    assert differ["differ"] == [{"pair": [0, 1], "gpushared": "NV1", "nvidia-smi": "NV2"}]

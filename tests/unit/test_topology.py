@@ -21,6 +21,7 @@ from gpushared.core.topology import (
     LinkKind,
     Topology,
     choose_set,
+    parse_topo_matrix,
     set_score,
     topology_of,
 )
@@ -226,3 +227,24 @@ def test_among_equally_linked_sets_the_policy_prices_decide() -> None:
         for name in ("balanced", "binpack", "spread")
     }
     assert chosen == {"balanced": [4, 5, 6, 7], "binpack": [0, 1, 2, 3], "spread": [4, 5, 6, 7]}
+
+
+#: As nvidia-smi 535 prints it on a DGX A100 (cut to four GPUs and one NIC).
+TOPO_M = (
+    "\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID\n"
+    "GPU0\t X \tNV12\tNV12\tNV12\tPXB\t48-63,176-191\t3\t\tN/A\n"
+    "GPU1\tNV12\t X \tNV12\tNV12\tPXB\t48-63,176-191\t3\t\tN/A\n"
+    "GPU2\tNV12\tNV12\t X \tNV12\tSYS\t16-31,144-159\t1\t\tN/A\n"
+    "GPU3\tNV12\tNV12\tNV12\t X \tSYS\t16-31,144-159\t1\t\tN/A\n"
+    "NIC0\tPXB\tPXB\tSYS\tSYS\t X \t\t\t\t\n"
+    "\n"
+    "Legend:\n\n  X    = Self\n  SYS  = Connection traversing PCIe as well as the SMP interconnect\n"
+)
+
+
+def test_nvidia_smi_topo_m_is_read_back() -> None:
+    topology, affinity = parse_topo_matrix(TOPO_M)
+    assert topology.matrix([0, 1, 2, 3]) == layout("dgx-a100").matrix([0, 1, 2, 3])
+    assert affinity == {0: "3", 1: "3", 2: "1", 3: "1"}
+    with pytest.raises(ValueError, match="not the output of nvidia-smi topo -m"):
+        parse_topo_matrix("No devices were found")
