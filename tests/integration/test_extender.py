@@ -14,9 +14,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
+from gpushared.core.binding import bind_annotations
+from gpushared.core.requests import pod_request
 from tests.builders import GPU_COUNT, GPU_MEM, admission_review, container, on_gpus, pod
 from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
+from tests.fakes.topologies import layout_inventory
 from tests.harness import wait_until
 
 
@@ -94,6 +97,43 @@ def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: Fak
         result["NodeNames"] == []
         and "GPUs are given with GPU memory: ask for aliyun.com/gpu-mem too" in result["Error"]
     )
+
+
+def test_a_pod_on_several_gpus_goes_to_the_better_linked_node_and_its_best_linked_gpus(
+    api: FakeApiServer, extender: Extender
+) -> None:
+    """Two nodes whose daemons published links: a DGX-1 with GPUs 1, 2, 5 and 6 full, and a 2-socket PCIe
+    server with four GPUs at 12 of 16 GiB. Best fit alone would take the PCIe node, whose best pair meets at
+    a PCIe switch (PIX); on the DGX-1 an NVLink pair is left (0-3: NV2), so prioritize puts the DGX-1 first
+    and bind gives the pair GPUs 0 and 3."""
+    dgx = layout_inventory("dgx1")
+    api.create(gpu_node("dgx", inv=dgx, address="10.0.0.8"))
+    pcie = layout_inventory("pcie-2-socket")
+    api.create(gpu_node("pcie", inv=pcie, address="10.0.0.9"))
+    for i, gpu in enumerate((1, 2, 5, 6)):
+        held = pod(f"full-{i}", 16, node="dgx")
+        held["metadata"]["annotations"] = bind_annotations(
+            pod_request(held), [dgx.gpus[gpu]], unit=contract.MemoryUnit.GIB, now_ns=1
+        )
+        api.create(held)
+    for i, gpu in enumerate((0, 2, 3, 4)):  # the PCIe node fuller still: 12 of 16 GiB on four GPUs
+        held = pod(f"pcie-{i}", 12, node="pcie")
+        held["metadata"]["annotations"] = bind_annotations(
+            pod_request(held), [pcie.gpus[gpu]], unit=contract.MemoryUnit.GIB, now_ns=1
+        )
+        api.create(held)
+    pair = api.create(on_gpus(pod("pair", 8), 2))  # 4 GiB on each of two GPUs
+    wait_until(lambda: extender.filter(pair, "dgx", "pcie")[1]["NodeNames"] == ["dgx", "pcie"], message="watched")
+    _, scores = extender.post("prioritize", {"Pod": pair, "NodeNames": ["dgx", "pcie"]})
+    assert scores == [{"Host": "dgx", "Score": 10}, {"Host": "pcie", "Score": 0}]
+    assert extender.bind(pair, "dgx") == (200, {"Error": ""})
+    annotations = api.get("pods", "pair", "default")["metadata"]["annotations"]  # type: ignore[index]
+    allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
+    assert sorted(s.index for s in allocation.containers[0].gpus) == [0, 3]
+    # A one-GPU pod is placed by best fit alone, links or not: the PCIe node's 4 GiB left fits it exactly.
+    one = api.create(pod("one", 4))
+    _, scores = extender.post("prioritize", {"Pod": one, "NodeNames": ["dgx", "pcie"]})
+    assert scores == [{"Host": "dgx", "Score": 0}, {"Host": "pcie", "Score": 10}]
 
 
 def test_keys_in_any_case_and_full_nodes_come_back_as_nodes(api: FakeApiServer, extender: Extender) -> None:
