@@ -68,10 +68,20 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
     summary = json.loads((out / "openb.json").read_text())
     assert set(summary) == {"default"} and set(summary["default"]) == {"binpack", "spread", "fgd", "balanced"}
     for numbers in summary["default"].values():
-        assert set(numbers) == {"100", "130", "frag90"} and 0 < numbers["130"] <= 100
+        assert set(numbers) == {"100", "130", "frag90", "curve"} and 0 < numbers["130"] <= 100
+        assert list(numbers["curve"]) == ["50", "60", "70", "80", "90", "100", "110", "120", "130"]
+        assert numbers["curve"]["130"] == numbers["130"]
     details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]
     assert len(details["allocation"]) == 131 and details["multiGpuTasks"] > 0
     assert (out / "openb-default.png").read_bytes()[:4] == b"\x89PNG"
+    table = subprocess.run(
+        [sys.executable, script, "--data", str(data), "--out", str(out), "--table"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "fgd worst vs binpack" in table.splitlines()[0] and table.splitlines()[2].startswith("| default |")
 
 
 def test_bench_links_replays_blind_and_seeing_and_scores_the_sets(tmp_path: Path) -> None:

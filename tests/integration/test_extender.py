@@ -150,15 +150,16 @@ def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> 
     body = created(api, "p", 8)
     status, result = extender.post("prioritize", {"Pod": body, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})
     assert status == 200
+    # binpack prices a node by what it would have left: aliyun-node (2 x 8 GiB) 8 GiB, one of its GPUs;
+    # n1 (16 + 8 GiB) 16 GiB, more than one of its GPUs. The fuller node is the cheapest.
     assert result == [
-        {"Host": "n1", "Score": 10},
+        {"Host": "n1", "Score": 0},
         {"Host": "aliyun-node", "Score": 10},
         {"Host": "cpu-node", "Score": 0},
     ]
-    # binpack prices a node by what its best GPU has left: 4 GiB on both nodes, so both are the cheapest.
     small = created(api, "q", 4)
     _, result = extender.post("prioritize", {"Pod": small, "NodeNames": ["n1", "aliyun-node"]})
-    assert result == [{"Host": "n1", "Score": 10}, {"Host": "aliyun-node", "Score": 10}]
+    assert result == [{"Host": "n1", "Score": 0}, {"Host": "aliyun-node", "Score": 10}]
     # 12 GiB fit only n1's 16 GiB GPU: n1 is the cheapest, nodes it does not fit get 0.
     big = created(api, "r", 12)
     _, result = extender.post("prioritize", {"Pod": big, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})

@@ -16,6 +16,7 @@ from gpushared.core.policies import (
     BINPACK,
     FGD,
     SPREAD,
+    TIEBREAK,
     NodeCpu,
     NodeRank,
     Policy,
@@ -104,9 +105,9 @@ def test_mps_needs_an_mps_server_and_room_for_a_client() -> None:
 
 
 def appraised(
-    ledger: Ledger, req: PodRequest, setting: PricingContext = PLAIN, policy: Policy = BINPACK
+    ledger: Ledger, req: PodRequest, setting: PricingContext | None = None, policy: Policy = BINPACK
 ) -> NodeRank | None:
-    found = policy.price_node(judge(ledger, req), req, setting)
+    found = policy.price_node(judge(ledger, req), req, setting or PricingContext(ledger))
     return None if found is None else found[0]
 
 
@@ -116,7 +117,8 @@ def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
     roomy = Ledger.build(inventory(16))
     req = request(4)
     binpack = [appraised(ledger, req) for ledger in (tight, roomy, tight)]
-    assert binpack == [NodeRank(2.0), NodeRank(12.0), NodeRank(2.0)]
+    # What the node has left in GPUs (its CPU not known here), then a hair of the GPU's own leftover.
+    assert binpack == [NodeRank(2 / 16 + TIEBREAK * 2 / 17), NodeRank(12 / 16 + TIEBREAK * 12 / 17), binpack[0]]
     assert node_scores(binpack) == [10, 0, 10]
     spread = [appraised(ledger, req, policy=SPREAD) for ledger in (tight, roomy)]
     assert node_scores(spread) == [0, 10]
@@ -159,7 +161,8 @@ def test_fgd_leaves_what_the_mix_can_use() -> None:
 
 def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
     """Two nodes with the same GPU memory free; on the first the pod would leave too little CPU for any pod
-    of the mix, stranding the 4 GiB left beside it. Best fit cannot tell the nodes apart; fgd can."""
+    of the mix, stranding the 4 GiB left beside it. Best fit packs the node with less left, CPU counted:
+    the short one; fgd sees what that strands."""
     mix = mix_of((4000, 4), (4000, 4), (4000, 2), (0, 0))
     short, ample = Ledger.build(inventory(16)), Ledger.build(inventory(16))
     used(short, 0, 8)
@@ -169,7 +172,7 @@ def test_fgd_keeps_cpu_where_free_gpu_memory_needs_it() -> None:
         PricingContext(short, mix=mix, cpu=NodeCpu(allocatable=8000, requested=3000), pod_cpu=2000),
         PricingContext(ample, mix=mix, cpu=NodeCpu(allocatable=32000, requested=0), pod_cpu=2000),
     ]
-    assert node_scores([appraised(s.ledger, req, s) for s in settings]) == [10, 10]
+    assert node_scores([appraised(s.ledger, req, s) for s in settings]) == [10, 0]
     fgd = [appraised(s.ledger, req, s, FGD) for s in settings]
     assert node_scores(fgd) == [0, 10]
     # Before, on both: the quarter of the mix without GPU cannot use the 8 free. After, on the short node
@@ -251,10 +254,11 @@ def test_a_pod_on_several_gpus_needs_its_share_free_on_each_of_that_many() -> No
     verdicts = judge(ledger, gang(8, 2))
     assert [v.fits for v in verdicts] == [False, True, True, True]
     assert verdicts[0].reason == "GPU 0 has 4 GiB free, pod needs 8 GiB on each of 2 GPUs"
-    # Best fit takes the two GPUs left tightest, spread the two emptiest; each node price is the sum.
+    # Best fit takes the two GPUs left tightest, spread the two emptiest.
     assert [v.gpu.index for v in BINPACK.choose(verdicts, gang(8, 2), PLAIN) or ()] == [1, 2]
     assert [v.gpu.index for v in SPREAD.choose(verdicts, gang(8, 2), PLAIN) or ()] == [2, 3]
-    assert appraised(ledger, gang(8, 2)) == NodeRank(2.0 + 8.0)  # links not known: none weighed
+    # The node's price: its 46 GiB free less 16, in GPUs of 16, then a hair of the two GPUs' 2 + 8 left.
+    assert appraised(ledger, gang(8, 2)) == NodeRank(30 / 16 + TIEBREAK * (2 + 8) / (2 * 65))
     # Three of the four have room for 8; none of a pod that needs four of them.
     assert BINPACK.choose(judge(ledger, gang(8, 4)), gang(8, 4), PLAIN) is None
     assert explain(judge(ledger, gang(8, 4)), gpus=4) == (
@@ -376,3 +380,21 @@ def test_balanced_keeps_equal_pods_within_one_of_each_other_per_gpu(sizes: list[
         if all(ledger.free(gpu) >= amount for gpu in ledger.inventory.gpus):
             assert max(counts) - min(counts) <= 1, counts
         assert all(ledger.free(gpu) >= 0 for gpu in ledger.inventory.gpus)
+
+
+def test_binpack_fills_a_partly_used_node_before_opening_an_empty_one() -> None:
+    """A one-GPU pod that takes a whole GPU fits every empty GPU exactly: fitting the GPU alone ties an empty
+    8-GPU node with a 2-GPU node half used, and kube-scheduler's own scores (least allocated) then open the
+    empty node, whose eight GPUs an 8-GPU pod needed. Best fit of the node keeps it whole."""
+    empty_eight = Ledger.build(inventory(*[16] * 8))
+    half_two = Ledger.build(inventory(16, 16))
+    used(half_two, 0, 16)
+    whole = request(16)
+    ranks = [appraised(ledger, whole) for ledger in (empty_eight, half_two)]
+    assert node_scores(ranks) == [0, 10]
+    # On the node taken, the GPU is still the tightest that fits: best fit of the GPU within the node.
+    partly = Ledger.build(inventory(16, 16, 16))
+    used(partly, 1, 10)
+    assert BINPACK.choose(judge(partly, request(4)), request(4), PricingContext(partly))[0].gpu.index == 1  # type: ignore[index]
+    # and an 8-GPU pod still finds the empty node.
+    assert appraised(empty_eight, gang(16, 8)) is not None and appraised(half_two, gang(16, 8)) is None
