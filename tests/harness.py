@@ -71,6 +71,8 @@ class Daemon:
             "logLevel": "debug",
             "metrics": {"address": "127.0.0.1", "port": self.metrics_port},
             "health": {"recoverAfterSeconds": 2},
+            # GPUs changed by a test are seen within half a second, not the default five
+            "gpuPollSeconds": 0.5,
         }
         body.update(self.config)
         body.update(overrides)

@@ -56,6 +56,7 @@ class Config:
     mps_exclusive_process: bool
     mps_shm_size: str
     mps_probe_seconds: float
+    gpu_poll_seconds: float
     memory_poll_seconds: float
     memory_enforcement: Enforcement
     memory_grace_seconds: float
@@ -226,6 +227,7 @@ OPTIONS = (
     Option("mps_exclusive_process", "mps.exclusiveProcess", _boolean, lambda: False),
     Option("mps_shm_size", "mps.shmSize", _shm_size, lambda: "50%"),
     Option("mps_probe_seconds", "mps.probeSeconds", _positive_seconds, lambda: 5.0),
+    Option("gpu_poll_seconds", "gpuPollSeconds", _positive_seconds, lambda: 5.0),
     Option("memory_poll_seconds", "memoryPollSeconds", _positive_seconds, lambda: 2.0),
     Option("memory_enforcement", "memoryEnforcement", _enforcement, lambda: Enforcement.REPORT),
     Option("memory_grace_seconds", "memoryGraceSeconds", _seconds, lambda: 10.0),

@@ -118,6 +118,7 @@ class Manager:
         self._lock = threading.Condition()
         self._gpus: list[GpuDevice] = []
         self._links: dict[frozenset[int], Link] = {}
+        self._reading: tuple[tuple[GpuDevice, ...], tuple[str | None, ...]] = ((), ())
         self._inventory = GpuInventory(unit=unit, gpus=())
         self._version = 0
         self._devices: list[Device] = []
@@ -137,9 +138,16 @@ class Manager:
         """Take a GPU reading (or re-read health); True when what kubelet or the cluster sees changed.
         ``links`` None: as the last reading had them."""
         links = self._links if links is None else dict(links)
+        # Every half second at idle: the same GPUs in the same health are answered before any inventory is built.
+        reading = (tuple(gpus), tuple(self.health.problem(g.uuid) for g in gpus))
+        with self._lock:
+            if reading == self._reading and links == self._links:
+                return False
         inventory = inventory_of(gpus, unit=self.unit, health=self.health, mps=self.mps is not None, links=links)
         with self._lock:
+            self._reading = reading
             if inventory == self._inventory:
+                self._links = links
                 return False
             self._gpus = list(gpus)
             self._links = links

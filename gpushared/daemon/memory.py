@@ -188,12 +188,14 @@ class MemoryWatcher:
         gpus = self.gpus()
         pods = {uid_of(pod): pod for pod in self.pods()}
         allowances = self._allowances(pods, gpus)
-        allowances.update(self._given(pods, allowances))
+        listed = {gpu.index: self._processes(gpu) for gpu in gpus}
+        if any(listed.values()):  # the kubelet's PodResources list is asked only when there is use to attribute
+            allowances.update(self._given(pods, allowances))
         with process_table(self.proc) as table:
             processes = []
             pinned: dict[int, Pinned] = {}
             for gpu in gpus:
-                for process in self._processes(gpu):
+                for process in listed[gpu.index]:
                     found = table.pin(process.pid)
                     if found is None:
                         continue  # exited since NVML listed it

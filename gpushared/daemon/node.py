@@ -87,6 +87,8 @@ class NodePublisher:
         #: the use that went out last, GPU index -> MiB, and when
         self._usage: dict[int, int] = {}
         self._usage_at: float | None = None
+        #: the last inventory and use written out, and their annotation text
+        self._formatted: tuple[tuple[GpuInventory, tuple[tuple[int, int], ...]] | None, str] = (None, "")
 
     @property
     def published(self) -> bool:
@@ -115,10 +117,14 @@ class NodePublisher:
             return
         usage_now = self._usage_due(inventory, usage)
         shown = self._usage if usage_now is None else usage_now
-        inventory = dataclasses.replace(
-            inventory, gpus=tuple(dataclasses.replace(gpu, used_mib=shown.get(gpu.index)) for gpu in inventory.gpus)
-        )
-        text = contract.format_inventory(inventory)
+        key = (inventory, tuple(sorted(shown.items())))
+        if key != self._formatted[0]:  # written out only when the GPUs or the use shown changed
+            published = dataclasses.replace(
+                inventory,
+                gpus=tuple(dataclasses.replace(gpu, used_mib=shown.get(gpu.index)) for gpu in inventory.gpus),
+            )
+            self._formatted = (key, contract.format_inventory(published))
+        text = self._formatted[1]
         count = len(inventory.gpus)
         patch: dict[str, Any] = {}
         if text != self._published:

@@ -106,6 +106,7 @@ class Service:
         self.node: NodePublisher | None = None
         self._http: ThreadingHTTPServer | None = None
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
+        self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -269,9 +270,12 @@ class Service:
             self._reload.clear()
             self._apply_reload()
         assert self.manager is not None
-        self.gpus.read()
-        if self.mps is not None:
-            self.mps.sync(self.gpus.devices)
+        now = time.monotonic()
+        if now >= self._gpus_due:  # NVML is asked again every gpuPollSeconds; events come in between
+            self._gpus_due = now + self.config.gpu_poll_seconds
+            self.gpus.read()
+            if self.mps is not None:
+                self.mps.sync(self.gpus.devices)
         if self.gpus.ok:
             self.manager.refresh(self.gpus.devices, self.gpus.links)
         else:

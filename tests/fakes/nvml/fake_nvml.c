@@ -38,8 +38,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <poll.h>
+#include <sys/inotify.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #define MAX_DEVICES 64
 #define MAX_PROCESSES 64
@@ -783,9 +786,25 @@ static int take_event(nvmlEventSet_t set, nvmlEventData_t *data) {
     return 0;
 }
 
+/* Blocks as the real driver does: the thread sleeps until the config file is replaced (inotify on its
+ * directory, since a writer renames a new file over it) or the timeout passes, never polling. */
+static int watch_config(void) {
+    const char *path = getenv("FAKE_NVML_CONFIG");
+    if (!path) return -1;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", path);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0; else snprintf(dir, sizeof dir, ".");
+    int fd = inotify_init1(IN_CLOEXEC | IN_NONBLOCK);
+    if (fd < 0) return -1;
+    if (inotify_add_watch(fd, dir[0] ? dir : "/", IN_MOVED_TO | IN_CLOSE_WRITE) < 0) { close(fd); return -1; }
+    return fd;
+}
+
 nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsigned int timeoutms) {
     struct timespec start, now;
     clock_gettime(CLOCK_MONOTONIC, &start);
+    int fd = watch_config();  /* before the first look: a change after it still wakes us */
     for (;;) {
         pthread_mutex_lock(&lock);
         reload();
@@ -794,15 +813,26 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
                         : injected(__func__, NULL);
         if (rc == NVML_SUCCESS && take_event(set, data)) {
             pthread_mutex_unlock(&lock);
+            if (fd >= 0) close(fd);
             return NVML_SUCCESS;
         }
         pthread_mutex_unlock(&lock);
-        if (rc != NVML_SUCCESS) return rc;
         clock_gettime(CLOCK_MONOTONIC, &now);
         long long waited = (now.tv_sec - start.tv_sec) * 1000LL + (now.tv_nsec - start.tv_nsec) / 1000000;
-        if (waited >= timeoutms) return NVML_ERROR_TIMEOUT;
-        struct timespec pause = {0, 10 * 1000 * 1000};
-        nanosleep(&pause, NULL);
+        if (rc != NVML_SUCCESS || waited >= timeoutms) {
+            if (fd >= 0) close(fd);
+            return rc != NVML_SUCCESS ? rc : NVML_ERROR_TIMEOUT;
+        }
+        if (fd < 0) {  /* no inotify: look again every 10 ms */
+            struct timespec pause = {0, 10 * 1000 * 1000};
+            nanosleep(&pause, NULL);
+            continue;
+        }
+        struct pollfd wake = {fd, POLLIN, 0};
+        if (poll(&wake, 1, (int)(timeoutms - waited)) > 0) {
+            char drained[4096];
+            while (read(fd, drained, sizeof drained) > 0) {}
+        }
     }
 }
 
