@@ -21,6 +21,9 @@ from collections.abc import Iterable, Mapping
 #: A kind of pod: (milli-CPU requested, GPU memory units on each of its GPUs, GPUs); (CPU, 0, 0) for a pod
 #: that uses no GPU.
 Kind = tuple[int, int, int]
+#: A kind of pod and the GPU models it may run on (its node affinity on the cluster's GPU-model label; None:
+#: any model).
+ModelKind = tuple[int, int, int, frozenset[str] | None]
 
 
 class RequestMix:
@@ -35,17 +38,44 @@ class RequestMix:
     see one half-counted.
     """
 
-    def __init__(self, kinds: Iterable[Kind] = ()) -> None:
+    def __init__(self, kinds: Iterable[Kind | ModelKind] = ()) -> None:
         self._count(Counter(kinds))
 
     @classmethod
-    def of_counts(cls, counts: Mapping[Kind, int]) -> RequestMix:
+    def of_counts(cls, counts: Mapping[Kind | ModelKind, int] | Mapping[Kind, int]) -> RequestMix:
         """The mix of ``counts[kind]`` pods of each kind: what a cache that keeps counts hands over."""
         mix = cls()
         mix._count(counts)
         return mix
 
-    def _count(self, given: Mapping[Kind, int]) -> None:
+    def for_model(self, model: str | None) -> RequestMix:
+        """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
+        of the node's GPU memory, like a pod without GPU, so all of it is fragment to that kind. The same
+        mix when no kind names models (or the node's model is not known)."""
+        if model is None or not self._pinned:
+            return self
+        view = self._views.get(model)
+        if view is None:
+            counts: Counter[Kind] = Counter()
+            for (cpu, size, gpus, models), n in self._kinds.items():
+                counts[(cpu, size, gpus) if models is None or model in models else (cpu, 0, 0)] += n
+            view = self._views[model] = RequestMix.of_counts(counts)
+        return view
+
+    def _count(self, given: Mapping[Kind | ModelKind, int] | Mapping[Kind, int]) -> None:
+        #: every kind with the models it may use, and whether any names models
+        self._kinds: dict[ModelKind, int] = {}
+        for kind, n in given.items():
+            full: ModelKind = (kind[0], kind[1], kind[2], kind[3] if len(kind) == 4 else None)
+            self._kinds[full] = self._kinds.get(full, 0) + n
+        self._pinned = any(models is not None for *_, models in self._kinds)
+        self._views: dict[str, RequestMix] = {}
+        merged: Counter[Kind] = Counter()
+        for (cpu, size, gpus, _), n in self._kinds.items():
+            merged[(cpu, size, gpus)] += n
+        self._count_kinds(merged)
+
+    def _count_kinds(self, given: Mapping[Kind, int]) -> None:
         counts = {kind: n for kind, n in given.items() if n > 0}
         total = sum(counts.values())
         self._total = total

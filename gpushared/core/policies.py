@@ -46,9 +46,19 @@ class PricingContext:
     per call.
     """
 
-    def __init__(self, ledger: Ledger, *, mix: RequestMix = _NO_MIX, cpu: NodeCpu | None = None, pod_cpu: int = 0):
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        mix: RequestMix = _NO_MIX,
+        cpu: NodeCpu | None = None,
+        pod_cpu: int = 0,
+        model: str | None = None,
+    ):
         self.ledger = ledger
-        self.mix = mix
+        #: the mix as this node sees it: kinds that may not run on its GPU model (``model``, the value of the
+        #: cluster's GPU-model label; None: not known) can use none of its GPU memory
+        self.mix = mix.for_model(model)
         self.cpu = cpu
         self.pod_cpu = pod_cpu
 

@@ -181,7 +181,7 @@ class SimCluster:
             key, indices = NodeRank(float(idle_gpu_mib(node.ledger))), ()
         else:  # prioritize
             cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
-            context = PricingContext(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli)
+            context = PricingContext(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli, model=node.trace.model)
             appraised = self.policy.price_node(fitting(node.ledger, request), request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
         node.prices[slot] = (node.version, key, indices)

@@ -70,8 +70,9 @@ def replay(
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
-    # What an extender that has watched this workload would have counted: the kinds of its tasks.
-    mix = RequestMix((p.cpu_milli, p.memory_per_gpu, p.num_gpu) for p in workload)
+    # What an extender that has watched this workload would have counted: the kinds of its tasks, each with
+    # the GPU models its node affinity allows (gpu_spec).
+    mix = RequestMix((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload)
     cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng, links=links)
     typical = _typical(workload)
     allocation: list[float] = []
