@@ -24,6 +24,12 @@ ENV = "GPUSHARED_EXTENDER"
 @click.option("--prefix", default="/gpushare-scheduler", show_default=True, help="URL prefix of the verbs.")
 @click.option("--policy", default="binpack", show_default=True, help="binpack, spread, fgd or balanced.")
 @click.option("--resource-domain", default="aliyun.com", show_default=True, help="Domain of gpu-mem / gpu-count.")
+@click.option(
+    "--gpu-model-label",
+    default="nvidia.com/gpu.product",
+    show_default=True,
+    help="Node label naming the GPU model; fgd weighs which models pods' node affinity on it allows ('' ignores it).",
+)
 @click.option("--kubeconfig", type=click.Path(path_type=Path), help="Kubeconfig; in-cluster credentials without it.")
 @click.option("--tls-cert", type=click.Path(exists=True, path_type=Path), help="Serve HTTPS with this certificate.")
 @click.option("--tls-key", type=click.Path(exists=True, path_type=Path), help="The certificate's private key.")
@@ -95,6 +101,7 @@ def main(
     prefix: str,
     policy: str,
     resource_domain: str,
+    gpu_model_label: str,
     kubeconfig: Path | None,
     tls_cert: Path | None,
     tls_key: Path | None,
@@ -155,6 +162,7 @@ def main(
         advertise_address=advertise_address,
         watch_seconds=watch_seconds,
         binding_landing_seconds=binding_landing_seconds,
+        model_label=gpu_model_label,
     )
     app.run(settings, api=api, binder=binder)
 

@@ -244,6 +244,15 @@ def slim_pod(pod: PodBody) -> PodBody:
     overhead = (spec.get("overhead") or {}).get("cpu")
     if overhead is not None:
         slim_spec["overhead"] = {"cpu": overhead}
+    # Where the pod may run: the GPU models its kind may use in the request mix (gpu_models)
+    selector = spec.get("nodeSelector")
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    if selector:
+        slim_spec["nodeSelector"] = selector
+    if required:
+        slim_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     # The containers are shared already, so their identity stands for their content (and stays alive with
     # the spec that holds them).
     spec_key = (
@@ -253,7 +262,10 @@ def slim_pod(pod: PodBody) -> PodBody:
         id(slim_spec.get("containers")),
         overhead,
     )
-    slim: dict[str, Any] = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
+    if selector or required:  # pods that choose nodes keep a spec of their own
+        slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}
+    else:
+        slim = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
     slim_status: dict[str, Any] = {}
     if "phase" in status:
         slim_status["phase"] = sys.intern(status["phase"])
@@ -267,6 +279,38 @@ def slim_pod(pod: PodBody) -> PodBody:
     elif slim_status:
         slim["status"] = slim_status
     return cast(PodBody, slim)
+
+
+def gpu_models(pod: PodBody, label: str) -> frozenset[str] | None:
+    """The GPU models a pod may run on: the values its ``nodeSelector`` or its required node affinity allow
+    for the node label ``label`` (the cluster's GPU-model label, "nvidia.com/gpu.product" where NVIDIA's GPU
+    Feature Discovery runs); None when it names none, or when one of its affinity terms leaves the model
+    free (terms are alternatives) or excludes models (``NotIn``: what it allows depends on the cluster)."""
+    if not label:
+        return None
+    spec: Any = pod.get("spec") or {}
+    selected = (spec.get("nodeSelector") or {}).get(label)
+    node_affinity = (spec.get("affinity") or {}).get("nodeAffinity") or {}
+    required = node_affinity.get("requiredDuringSchedulingIgnoredDuringExecution") or {}
+    terms = required.get("nodeSelectorTerms") or []
+    allowed: set[str] | None = None
+    for term in terms:
+        in_term: set[str] | None = None
+        for expression in (term or {}).get("matchExpressions") or []:
+            if expression.get("key") != label:
+                continue
+            if expression.get("operator") != "In":
+                in_term = None
+                break
+            values = set(expression.get("values") or [])
+            in_term = values if in_term is None else in_term & values
+        if in_term is None:
+            allowed = None
+            break
+        allowed = in_term if allowed is None else allowed | in_term
+    if selected is not None:
+        allowed = {selected} if allowed is None else allowed & {selected}
+    return frozenset(allowed) if allowed is not None else None
 
 
 def pod_shape_problem(pod: Any) -> str | None:

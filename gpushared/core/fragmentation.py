@@ -24,6 +24,8 @@ Kind = tuple[int, int, int]
 #: A kind of pod and the GPU models it may run on (its node affinity on the cluster's GPU-model label; None:
 #: any model).
 ModelKind = tuple[int, int, int, frozenset[str] | None]
+#: Pods of each kind, with or without models.
+Counts = Mapping[Kind, int] | Mapping[ModelKind, int] | Mapping[Kind | ModelKind, int]
 
 
 class RequestMix:
@@ -42,7 +44,7 @@ class RequestMix:
         self._count(Counter(kinds))
 
     @classmethod
-    def of_counts(cls, counts: Mapping[Kind | ModelKind, int] | Mapping[Kind, int]) -> RequestMix:
+    def of_counts(cls, counts: Counts) -> RequestMix:
         """The mix of ``counts[kind]`` pods of each kind: what a cache that keeps counts hands over."""
         mix = cls()
         mix._count(counts)
@@ -62,7 +64,7 @@ class RequestMix:
             view = self._views[model] = RequestMix.of_counts(counts)
         return view
 
-    def _count(self, given: Mapping[Kind | ModelKind, int] | Mapping[Kind, int]) -> None:
+    def _count(self, given: Counts) -> None:
         #: every kind with the models it may use, and whether any names models
         self._kinds: dict[ModelKind, int] = {}
         for kind, n in given.items():

@@ -49,6 +49,8 @@ class ExtenderSettings:
     advertise_address: str | None
     watch_seconds: int
     binding_landing_seconds: float
+    #: the node label naming GPU models, for fgd's model-aware request mix ("": not weighed)
+    model_label: str = ""
 
     @property
     def own_url(self) -> str:
@@ -67,6 +69,7 @@ class Extender:
             resources=settings.resources,
             watch_seconds=settings.watch_seconds,
             landing_seconds=settings.binding_landing_seconds,
+            model_label=settings.model_label,
         )
         lease = settings.lease
         self.elector = (

@@ -42,8 +42,9 @@ class ClusterCache:
         clock: Callable[[], float] = time.monotonic,
         watch_seconds: int = 60,
         landing_seconds: float = LANDING_SECONDS,
+        model_label: str = "",
     ) -> None:
-        self.state = ClusterState(resources=resources, clock=clock)
+        self.state = ClusterState(resources=resources, clock=clock, model_label=model_label)
         self.index = FilterIndex(self.state)
         self.state.changed = self.index.changed
         # Short watches: a watch that neither delivers nor ends within watch_seconds + its grace is dead,

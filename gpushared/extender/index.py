@@ -43,7 +43,9 @@ class FilterIndex:
             if isinstance(usable, Rejected):
                 return usable
             node, ledger = usable
-            context = PricingContext(ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod))
+            context = PricingContext(
+                ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod), model=node.model
+            )
             return judge(ledger, request), context
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
@@ -98,7 +100,7 @@ class FilterIndex:
                 version = (ledger.version, node.cpu_version if policy.reads_cpu else 0)
                 known = node.memo.get(slot)
                 if known is None or known[0] != version:
-                    context = PricingContext(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu)
+                    context = PricingContext(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model)
                     appraised = policy.price_node(fitting(ledger, request), request, context)
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])

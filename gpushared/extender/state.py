@@ -22,9 +22,9 @@ from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of, node_of, uid_of
+from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
-from gpushared.core.fragmentation import Kind, RequestMix
+from gpushared.core.fragmentation import ModelKind, RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.policies import NodeCpu
 
@@ -53,6 +53,8 @@ class NodeState:
     #: annotation); Aliyun's, whose nodes only advertise capacity, gives a container one GPU
     several_gpus: bool = False
     address: str = ""
+    #: the value of the cluster's GPU-model label on the node (None: no such label)
+    model: str | None = None
     pods: dict[str, PodBody] = field(default_factory=dict)  # uid -> pod bound here
     ledger: Ledger | None = None
     #: milli-CPU pods may request here (None: the node does not say) and that the pods bound here request
@@ -81,8 +83,12 @@ class ClusterState:
         resources: ResourceNames,
         clock: Callable[[], float] = time.monotonic,
         changed: Callable[[str], None] = lambda name: None,
+        model_label: str = "",
     ) -> None:
         self.resources = resources
+        #: the node label naming each node's GPU model; pods' node affinity on it says which models a kind of
+        #: pod may use (fgd's request mix). Empty: models are not weighed.
+        self.model_label = model_label
         self.clock = clock
         #: told the name of every node whose ledger changed
         self.changed = changed
@@ -93,8 +99,8 @@ class ClusterState:
         #: bound pods whose annotations were edited to name other GPUs, kept on theirs (``_choice_kept``)
         self.allocation_edits = 0
         self._mix = RequestMix()
-        #: (milli-CPU, GPU memory units) -> running pods of that kind on gpushared nodes
-        self._kinds: Counter[Kind] = Counter()
+        #: (milli-CPU, GPU memory units, GPUs, models allowed) -> running pods of that kind on gpushared nodes
+        self._kinds: Counter[ModelKind] = Counter()
         #: counts the mixes taken: a rank that reads the mix is kept per mix
         self.mix_generation = 0
         self._mix_counted = -MIX_SECONDS
@@ -154,6 +160,10 @@ class ClusterState:
             state = self.nodes.setdefault(name, NodeState(name=name))
             addresses = (new.get("status") or {}).get("addresses") or []
             state.address = next((a.get("address", "") for a in addresses if a.get("type") == "InternalIP"), "")
+            model = (meta_of(new).get("labels") or {}).get(self.model_label) if self.model_label else None
+            if model != state.model:
+                state.model = model
+                state.memo.clear()  # fgd's ranks read the mix as this model sees it
             cpu = allocatable_cpu(new)
             if cpu != state.cpu_allocatable:
                 state.cpu_allocatable = cpu
@@ -258,7 +268,7 @@ class ClusterState:
             holding = self._holding(pod, state)
             if holding is not None:
                 state.ledger.add(holding)
-            self._kinds[_kind(cpu, holding)] += 1
+            self._kinds[_kind(cpu, holding, gpu_models(pod, self.model_label))] += 1
 
     def _uncount(self, state: NodeState, uid: str) -> None:
         """Take back what ``_count`` counted for the pod ``state.pods`` holds under ``uid``, if any."""
@@ -270,7 +280,7 @@ class ClusterState:
         state.cpu_version += 1
         if state.ledger is not None:
             self.changed(state.name)
-            kind = _kind(cpu, state.ledger.remove(uid))
+            kind = _kind(cpu, state.ledger.remove(uid), gpu_models(pod, self.model_label))
             self._kinds[kind] -= 1
             if not self._kinds[kind]:
                 del self._kinds[kind]
@@ -290,14 +300,15 @@ class ClusterState:
         return holding_from_pod(pod, unit=state.inventory.unit, resources=self.resources)
 
 
-def _kind(cpu: int, holding: Holding | None) -> Kind:
-    """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, and its GPUs."""
+def _kind(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> ModelKind:
+    """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, its GPUs, and the
+    GPU models it may use (None: any)."""
     if holding is None:
-        return cpu, 0, 0
+        return cpu, 0, 0, None
     if len(holding.gpus) > 1:
-        return cpu, max(holding.gpus.values()), len(holding.gpus)
+        return cpu, max(holding.gpus.values()), len(holding.gpus), models
     size = sum(holding.gpus.values()) + holding.pending
-    return cpu, size, 1 if size else 0
+    return cpu, size, 1 if size else 0, models if size else None
 
 
 def cpu_of(pod: PodBody) -> int:

@@ -1,0 +1,123 @@
+"""Which GPU models a kind of pod may use, and fgd weighing that (issue #25): the tasks pinned to a scarce
+model must find it free of tasks that could have run anywhere."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpushared import contract
+from gpushared.core.bodies import gpu_models, slim_pod
+from gpushared.core.fragmentation import RequestMix
+from gpushared.core.ledger import Ledger
+from gpushared.core.policies import FGD, NodeCpu, PricingContext, node_scores
+from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.core.verdicts import judge
+from gpushared.extender.cache import ClusterCache
+from tests.builders import inventory, pod
+from tests.extender_harness import gpu_node
+
+LABEL = "nvidia.com/gpu.product"
+
+
+def affinity(*terms: list[dict[str, Any]]) -> dict[str, Any]:
+    return {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [{"matchExpressions": list(term)} for term in terms]
+            }
+        }
+    }
+
+
+def expression(key: str, operator: str, *values: str) -> dict[str, Any]:
+    return {"key": key, "operator": operator, "values": list(values)}
+
+
+# spec fields -> the models allowed
+CASES: dict[str, tuple[dict[str, Any], frozenset[str] | None]] = {
+    "nothing said": ({}, None),
+    "nodeSelector": ({"nodeSelector": {LABEL: "Tesla-T4"}}, frozenset({"Tesla-T4"})),
+    "another label only": ({"nodeSelector": {"zone": "a"}}, None),
+    "affinity In": ({"affinity": affinity([expression(LABEL, "In", "A100", "V100")])}, frozenset({"A100", "V100"})),
+    "terms are alternatives": (
+        {"affinity": affinity([expression(LABEL, "In", "A100")], [expression(LABEL, "In", "T4")])},
+        frozenset({"A100", "T4"}),
+    ),
+    "a term free of the label frees all": (
+        {"affinity": affinity([expression(LABEL, "In", "A100")], [expression("zone", "In", "a")])},
+        None,
+    ),
+    "expressions of one term all hold": (
+        {"affinity": affinity([expression(LABEL, "In", "A100", "T4"), expression(LABEL, "In", "T4", "V100")])},
+        frozenset({"T4"}),
+    ),
+    "NotIn depends on the cluster": ({"affinity": affinity([expression(LABEL, "NotIn", "T4")])}, None),
+    "selector and affinity both hold": (
+        {"nodeSelector": {LABEL: "T4"}, "affinity": affinity([expression(LABEL, "In", "A100", "T4")])},
+        frozenset({"T4"}),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_models(case: str) -> None:
+    spec, expected = CASES[case]
+    body = pod("p", 4)
+    body["spec"].update(spec)
+    assert gpu_models(body, LABEL) == expected
+    assert gpu_models(slim_pod(body), LABEL) == expected  # the extender's cache keeps what it needs
+    assert gpu_models(body, "") is None
+
+
+def test_a_kind_pinned_elsewhere_uses_none_of_a_nodes_memory() -> None:
+    mix = RequestMix([(1000, 16, 1, frozenset({"T4"})), (1000, 4, 1, None)])
+    assert mix.for_model(None) is mix and RequestMix([(1000, 4, 1)]).for_model("T4").fragment([16]) == 0.0
+    # On a G2 node the T4-pinned half of the mix can use nothing: all 16 free are fragment to it.
+    assert mix.for_model("G2").fragment([16]) == pytest.approx(8.0)
+    assert mix.for_model("T4").fragment([16]) == pytest.approx(0.0)
+
+
+def test_fgd_keeps_a_scarce_model_for_the_pods_pinned_to_it() -> None:
+    """A flexible 4 GiB pod, a T4 node and a G2 node with the same free memory and CPU; half the pods seen
+    must have a whole T4. Model-blind, the nodes are equal; weighed, fgd sends the pod to the G2 node."""
+    mix = RequestMix([(1000, 16, 1, frozenset({"T4"})), (1000, 4, 1, None)])
+    req = PodRequest(containers=(ContainerRequest("c0", 4),))
+    ranks = {}
+    for model in (None, "with"):
+        ranks[model] = []
+        for node_model in ("T4", "G2"):
+            ledger = Ledger.build(inventory(16, 16))
+            context = PricingContext(
+                ledger,
+                mix=mix,
+                cpu=NodeCpu(allocatable=32000, requested=0),
+                pod_cpu=1000,
+                model=node_model if model else None,
+            )
+            found = FGD.price_node(judge(ledger, req), req, context)
+            assert found is not None
+            ranks[model].append(found[0])
+    assert node_scores(ranks[None]) == [10, 10]
+    assert node_scores(ranks["with"]) == [0, 10]
+
+
+def test_the_extender_counts_kinds_with_their_models_and_nodes_with_theirs() -> None:
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        model_label=LABEL,
+    )
+    t4 = gpu_node("t4", 16)
+    t4["metadata"]["labels"] = {LABEL: "T4"}
+    cache.nodes.handler(None, t4)  # type: ignore[misc]
+    pinned = pod("pinned", 16, node="t4")
+    pinned["spec"]["nodeSelector"] = {LABEL: "T4"}
+    cache.pods.handler(None, pinned)  # type: ignore[misc]
+    assert cache.state.nodes["t4"].model == "T4"
+    mix = cache.state.request_mix()
+    # The only kind seen may use T4s alone: to a G2 node all its memory is fragment, to a T4 none of it.
+    assert mix.for_model("G2").fragment([16]) == pytest.approx(16.0)
+    assert mix.for_model("T4").fragment([16]) == pytest.approx(0.0)
