@@ -44,6 +44,8 @@ from gpushared.nvml.backend import GpuBackend
 log = logging.getLogger(__name__)
 
 TICK = 0.5
+#: How often what was served to departed pods is dropped (a scan of the node's pods).
+FORGET_SECONDS = 10.0
 ENDPOINT = "gpushared.sock"
 
 
@@ -107,6 +109,7 @@ class Service:
         self._http: ThreadingHTTPServer | None = None
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
         self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
+        self._forget_due = 0.0  # and of the next dropping of what was served to pods now gone
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -284,7 +287,9 @@ class Service:
         assert self.node is not None, "set with the API client"
         self.kubelet.keep()
         self.node.check()
-        self.manager.forget_departed()
+        if now >= self._forget_due:  # a scan of every pod on the node: departed pods need not go at once
+            self._forget_due = now + FORGET_SECONDS
+            self.manager.forget_departed()
         # Every tick: the publisher writes only what changed, and the GPUs' use at its own pace.
         self.node.publish(self.manager.inventory, usage=self.memory.gpu_usage() if self.memory else None)
         self._report()
