@@ -17,14 +17,12 @@ allocation at 100 and 130 % arrived, so that the price of weighing links shows. 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import statistics
 import sys
 import time
 from collections import defaultdict
-from multiprocessing import Pool
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +30,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared.core.policies import POLICIES
 from gpushared.replay.run import SEEDS, Replay, replay
-from gpushared.replay.trace import read_nodes, read_pods
+from scripts.bench_openb import DEFAULT_DATA, NODE_LIST, ROOT, inputs, run_all
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = Path(os.environ.get("GPUSHARED_TRACE_DIR", ROOT.parent / "shared" / "data" / "alibaba-gpu-v2023"))
-NODE_LIST = "openb_node_list_gpu_node.csv"
-POD_LIST = "openb_pod_list_{}.csv"
 #: The traces whose tasks are most often on several GPUs, and the default one.
 TRACES = ("default", "multigpu20", "multigpu30")
 
 
-@functools.cache
-def _inputs(data: str, trace: str) -> tuple[Any, Any]:
-    return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
-
-
 def _run(job: tuple[str, str, str, int, bool]) -> tuple[str, Replay]:
     data, trace, policy, seed, links = job
-    nodes, pods = _inputs(data, trace)
+    nodes, pods = inputs(data, trace)
     return trace, replay(nodes, pods, policy=policy, seed=seed, links=links)
 
 
@@ -122,13 +111,7 @@ def main() -> None:
         for links in (False, True)
     ]
     started = time.monotonic()
-    with Pool(min(args.jobs, len(jobs))) as pool:
-        results = []
-        for done, result in enumerate(pool.imap_unordered(_run, jobs), 1):
-            results.append(result)
-            print(f"\r{done}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
-    summary = summarize(results)
+    summary = summarize(run_all(_run, jobs, workers=args.jobs))
     args.out.mkdir(parents=True, exist_ok=True)
     body = {
         "command": " ".join(["scripts/bench_links.py", *sys.argv[1:]]),

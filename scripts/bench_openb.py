@@ -26,10 +26,10 @@ import statistics
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing import Pool
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,15 +53,30 @@ def traces_in(data: Path) -> list[str]:
     return sorted(p.name[len("openb_pod_list_") : -len(".csv")] for p in data.glob(POD_LIST.format("*")))
 
 
+Job = TypeVar("Job")
+Result = TypeVar("Result")
+
+
 @functools.cache
-def _inputs(data: str, trace: str) -> tuple[Any, Any]:
+def inputs(data: str, trace: str) -> tuple[Any, Any]:
     return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
 
 
 def _run(job: tuple[str, str, str, int]) -> tuple[str, Replay]:
     data, trace, policy, seed = job
-    nodes, pods = _inputs(data, trace)
+    nodes, pods = inputs(data, trace)
     return trace, replay(nodes, pods, policy=policy, seed=seed)
+
+
+def run_all(run: Callable[[Job], Result], jobs: list[Job], *, workers: int) -> list[Result]:
+    """``run`` over ``jobs`` in ``workers`` processes, in the order they finish, the count shown on stderr."""
+    results = []
+    with Pool(min(workers, len(jobs))) as pool:
+        for done, result in enumerate(pool.imap_unordered(run, jobs), 1):
+            results.append(result)
+            print(f"\r{done}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return results
 
 
 def paper_curves(data: Path) -> dict[str, dict[str, list[float]]]:
@@ -212,12 +227,7 @@ def main() -> None:
     traces = args.traces or traces_in(args.data)
     jobs = [(str(args.data), t, p, s) for t in traces for p in args.policies for s in args.seeds]
     started = time.monotonic()
-    with Pool(min(args.jobs, len(jobs))) as pool:
-        results = []
-        for done, result in enumerate(pool.imap_unordered(_run, jobs), 1):
-            results.append(result)
-            print(f"\r{done}/{len(jobs)} runs", end="", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+    results = run_all(_run, jobs, workers=args.jobs)
     summary, details = summarize(results)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "openb.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -9,6 +9,8 @@ replay gives trace nodes their links from :func:`model_layout`.
 
 from __future__ import annotations
 
+import functools
+
 from gpushared.core.topology import Link, LinkKind, Topology, parse_link
 
 #: DGX-1 with V100: hybrid cube-mesh. Each GPU has six NVLink links to four others, GPUs 0-3 and 4-7 are
@@ -75,10 +77,12 @@ def parse(matrix: str) -> Topology:
     return Topology(links=links, numa=numa)
 
 
+@functools.cache
 def layout(name: str) -> Topology:
     return parse(LAYOUTS[name])
 
 
+@functools.cache
 def model_layout(model: str, gpus: int) -> Topology:
     """The links a trace node of GPU ``model`` with ``gpus`` GPUs is given in the benchmarks: V100 servers as
     NVIDIA's DGX-1 (eight GPUs in a hybrid cube mesh; four: one socket of it), A100 servers as a DGX A100
