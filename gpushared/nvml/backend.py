@@ -334,10 +334,20 @@ SYSFS_PCI = Path("/sys/bus/pci/devices")
 
 
 def _numa(handle: object, bus_id: str | None) -> int | None:
-    """The GPU's NUMA node: NVML's answer (drivers from r520), else the kernel's (``numa_node``, -1 on a
-    machine with one node or firmware that does not say)."""
+    """The NUMA node closest to the GPU, as ``nvidia-smi topo -m`` prints it under "NUMA Affinity".
+
+    NVML's memory affinity at node scope first: the nodes whose memory is nearest the GPU, one bit each; a
+    single node is the answer, several (a GPU equally near all of them) say nothing. Then the kernel's
+    ``numa_node`` for the GPU's PCI address, which is -1 in most VMs and on one-node machines.
+    ``nvmlDeviceGetNumaNodeId`` is not it: that is the NUMA node *of the GPU's own memory* on platforms where
+    the GPU is one (Grace Hopper), and NOT_SUPPORTED elsewhere (an H100 on PCIe, driver 580, answered so while
+    its memory affinity named node 0; docs/gpu-checks.md).
+    """
     try:
-        return int(pynvml.nvmlDeviceGetNumaNodeId(handle))
+        mask = pynvml.nvmlDeviceGetMemoryAffinity(handle, 1, pynvml.NVML_AFFINITY_SCOPE_NODE)
+        nodes = [64 * word + bit for word, bits in enumerate(mask) for bit in range(64) if bits >> bit & 1]
+        if len(nodes) == 1:
+            return nodes[0]
     except pynvml.NVMLError:
         pass
     if bus_id is None:

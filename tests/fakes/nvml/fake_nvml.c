@@ -658,14 +658,32 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
     DONE;
 }
 
-nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+/* NUMA node "numaNode" is the GPU's nearest memory: one bit of the node set, at node and socket scope alike.
+ * nvmlDeviceGetNumaNodeId (the node *of* the GPU's memory, Grace Hopper) answers NOT_SUPPORTED, as an H100 on
+ * PCIe does. */
+nvmlReturn_t nvmlDeviceGetMemoryAffinity(nvmlDevice_t device, unsigned int nodeSetSize, unsigned long *nodeSet,
+                                         nvmlAffinityScope_t scope) {
+    (void)scope;
     DEVICE_CALL(device);
     if (device->numa_node < 0) {
         pthread_mutex_unlock(&lock);
         return NVML_ERROR_NOT_SUPPORTED;
     }
-    *node = (unsigned int)device->numa_node;
+    unsigned int bits = 8 * sizeof(unsigned long);
+    if (nodeSetSize * bits <= (unsigned int)device->numa_node) {
+        pthread_mutex_unlock(&lock);
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    memset(nodeSet, 0, nodeSetSize * sizeof(unsigned long));
+    nodeSet[device->numa_node / bits] = 1UL << (device->numa_node % bits);
     DONE;
+}
+
+nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t device, unsigned int *node) {
+    (void)node;
+    DEVICE_CALL(device);
+    pthread_mutex_unlock(&lock);
+    return NVML_ERROR_NOT_SUPPORTED;
 }
 
 /* A link past the ones the GPU has answers NOT_SUPPORTED, as on a real board with fewer than the maximum. */
