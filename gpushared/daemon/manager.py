@@ -175,6 +175,11 @@ class Manager:
         with self._lock:
             self._lock.wait_for(lambda: self._version != version, timeout)
 
+    def ledger_key(self) -> tuple[object, ...]:
+        """What :meth:`ledger` is built from, cheap to compare: the inventory and the pods' mirror (its count
+        of changes). What Allocate served is not in it: whoever caches by this key refreshes now and then."""
+        return self.inventory, self.pods.changes if self.pods is not None else 0
+
     def ledger(self) -> Ledger:
         """This node's accounting from the pods the watch has seen."""
         ledger = Ledger.build(self.inventory)

@@ -110,6 +110,7 @@ class Service:
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
         self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
         self._forget_due = 0.0  # and of the next dropping of what was served to pods now gone
+        self._reported: tuple[object, ...] | None = None  # the ledger the GPU-use gauges were last set from
 
     # --- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -290,6 +291,7 @@ class Service:
         if now >= self._forget_due:  # a scan of every pod on the node: departed pods need not go at once
             self._forget_due = now + FORGET_SECONDS
             self.manager.forget_departed()
+            self._reported = None  # and the gauges set again, whatever the key says
         # Every tick: the publisher writes only what changed, and the GPUs' use at its own pace.
         self.node.publish(self.manager.inventory, usage=self.memory.gpu_usage() if self.memory else None)
         self._report()
@@ -309,6 +311,12 @@ class Service:
             if unhealthy:
                 text += f"; unhealthy: {', '.join(map(str, unhealthy))}"
         self.notifier.status(text)
+        # Building the ledger reads every pod of the node: twice a second for a gauge that changes only with
+        # the pods or the GPUs was most of what an idle daemon spent (docs/benchmarks.md, "Idle, again").
+        key = self.manager.ledger_key()
+        if key == self._reported:
+            return
+        self._reported = key
         ledger = self.manager.ledger()
         for gpu in inventory.gpus:
             used = self.config.memory_unit.to_bytes(ledger.used(gpu.index))

@@ -81,6 +81,8 @@ class Informer(Generic[B]):
         #: watches taken for dead, and relists asked for by a consumer: what the metrics count
         self.silent_watches = 0
         self.lag_relists = 0
+        #: objects added, changed or removed so far: equal counts, the same mirror (cheaper than comparing it)
+        self.changes = 0
 
     # --- lifecycle ---------------------------------------------------------------------------------------
 
@@ -278,6 +280,7 @@ class Informer(Generic[B]):
         self._notify(old, obj)
 
     def _notify(self, old: B | None, new: B | None) -> None:
+        self.changes += 1
         if self.handler is None:
             return
         try:

@@ -585,12 +585,26 @@ state = "{base}/state"
         self.extender_certs = certs or self.extender_certs
         self._start_extender(*args)
 
-    def restart_scheduler(self, *, extenders: bool = True) -> None:
-        """kube-scheduler again; without ``extenders``, as a managed cluster's: stock, knowing no extender."""
+    def restart_scheduler(
+        self, *, extenders: bool = True, adjust: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
+        """kube-scheduler again; without ``extenders``, as a managed cluster's: stock, knowing no extender.
+        ``adjust`` may change the KubeSchedulerConfiguration document before it is written (a benchmark's
+        variant: no prioritize, another ``percentageOfNodesToScore``)."""
         self.stop("kube-scheduler")
-        self._start_scheduler(extenders=extenders)
+        self._start_scheduler(extenders=extenders, adjust=adjust)
 
-    def _start_scheduler(self, *, extenders: bool = True) -> None:
+    @property
+    def scheduler_metrics_url(self) -> str:
+        """Where kube-scheduler serves /metrics: the plain-HTTP metrics address while its configuration has
+        one (v1beta1, 1.20), else its secure port (which wants a token)."""
+        if versions.scheduler_api(self.version("kube-scheduler")).bind_addresses:
+            return f"http://127.0.0.1:{self.ports.scheduler_health}/metrics"
+        return f"https://127.0.0.1:{self.ports.scheduler}/metrics"
+
+    def _start_scheduler(
+        self, *, extenders: bool = True, adjust: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         p = self.ports
         version = self.version("kube-scheduler")
         chosen = versions.scheduler_api(version)
@@ -599,6 +613,8 @@ state = "{base}/state"
             kubeconfig=str(self.kubeconfig_for("admin")),
             health=f"127.0.0.1:{p.scheduler_health}",
         )
+        if adjust is not None:
+            adjust(config)
         (self.state / "scheduler.yaml").write_text(yaml.safe_dump(config))
         self._spawn(
             "kube-scheduler",

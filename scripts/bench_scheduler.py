@@ -1,0 +1,427 @@
+#!/usr/bin/env python3
+"""Pods scheduled per second by the real kube-scheduler, with the extender as deploy/ wires it and without.
+
+What users feel of the extender is how much slower their scheduler gets. This measures it the way
+kube-scheduler's own scheduler_perf does: a real API server (tests/e2e's local cluster, API only: etcd and
+kube-apiserver, no controllers, no kubelets), ``--nodes`` Nodes created directly with the status a gpushared
+node has (8 GPUs of 16 GiB: gpu-mem and gpu-count capacity, the inventory annotation; 96 CPUs, 110 pods),
+then, per mode, ``--pods`` pending pods (1-8 GiB of gpu-mem, 100m CPU) created before kube-scheduler starts,
+and the time from the first pod bound to the last, seen through a watch. Modes, each with a fresh
+kube-scheduler (and extender) and the previous mode's pods deleted, in one run on the same machine:
+
+- ``without``: kube-scheduler with no extender; gpu-mem is then a plain extended resource it counts itself;
+- ``with``: the extender wired as deploy/scheduler-config*.yaml ships it (filter, prioritize and bind over
+  HTTPS with mutual TLS, ``nodeCacheCapable``, weight 100), the extender started as tests/e2e starts it;
+- ``no-prioritize``: the same without ``prioritizeVerb`` (in-tree scores alone pick among the filtered);
+- ``pct-<N>``: the shipped wiring with ``percentageOfNodesToScore: N``;
+- ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod).
+
+Both schedulers get scheduler_perf's client settings (QPS and burst 5,000, ``--qps``): at 1.20's default (50)
+the scheduler's own API calls, one Binding and one Event per pod, cap it near 25-50 pods/s and the
+comparison would measure the rate limiter (with the extender, the extender posts the Binding).
+
+With ``--pin`` the extender gets a core of its own and everything else (kube-scheduler, kube-apiserver,
+etcd, this process) shares the others, in every mode: the extender as a Deployment with its own CPU request,
+on a cluster whose control plane it does not share. Without it, everything shares the machine's cores, and
+what the extender adds is mostly CPU the others then lack.
+
+Where the time goes comes from the processes themselves: kube-scheduler's metrics (scheduling algorithm,
+framework extension points, binding), the extender's per-verb histogram, the API server's request durations
+per verb and resource (over the mode), and each process's CPU seconds (psutil).
+
+    sudo .venv/bin/python scripts/bench_scheduler.py --nodes 1000 5000 --pods 1000
+    sudo .venv/bin/python scripts/bench_scheduler.py --nodes 1000 --pods 1000 --modes without with no-prioritize pct-10
+
+Root: the local cluster's API server runs from /var/cache/gpushared (``make k8s-testbins``). Writes the
+report as JSON to stdout and, with ``--out``, to that file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import random
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import psutil
+import urllib3
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from gpushared import contract
+from tests.builders import inventory, pod
+from tests.e2e.cluster import LocalCluster, wait_for
+
+GPUS, GPU_GIB = 8, 16
+#: Concurrent requests while creating and deleting objects.
+CREATORS = 16
+MERGE = {"Content-Type": "application/merge-patch+json"}
+#: The processes whose CPU is counted, by the name LocalCluster spawns them under.
+PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd")
+
+
+UNTAINT = {"spec": {"taints": None}}
+
+
+def node_body(name: str) -> dict[str, Any]:
+    """A Node as a gpushared node's kubelet and daemon leave it, Ready, with room for far more than the run."""
+    inv = inventory(*[GPU_GIB] * GPUS)
+    capacity = {
+        "cpu": "96",
+        "memory": "768Gi",
+        "pods": "110",
+        "ephemeral-storage": "1Ti",
+        contract.DEFAULT_RESOURCES.gpu_mem: str(inv.total),
+        contract.DEFAULT_RESOURCES.gpu_count: str(GPUS),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "labels": {"kubernetes.io/hostname": name, "nvidia.com/gpu.product": "Tesla-V100-SXM2-16GB"},
+            "annotations": {contract.NODE_INVENTORY: contract.format_inventory(inv)},
+        },
+        "status": {
+            "capacity": capacity,
+            "allocatable": capacity,
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady"}],
+            "addresses": [{"type": "InternalIP", "address": "10.0.0.1"}],
+        },
+    }
+
+
+def pod_body(name: str, mode: str, rng: random.Random) -> dict[str, Any]:
+    body = pod(name, rng.randint(1, 8), uid=None, cpu="100m")
+    del body["metadata"]["uid"]  # the API server's to give
+    body["metadata"]["labels"] = {"bench": mode}
+    body["spec"]["automountServiceAccountToken"] = False
+    body.pop("status", None)
+    return body
+
+
+class Api:
+    """Just what the benchmark asks of the API server, as the cluster's admin, on a pooled connection."""
+
+    def __init__(self, cluster: LocalCluster) -> None:
+        self.server = cluster.server
+        self.http = urllib3.PoolManager(maxsize=CREATORS, ca_certs=str(cluster.state / "pki" / "ca.crt"))
+        self.headers = {"Authorization": f"Bearer {cluster.tokens['admin']}", "Content-Type": "application/json"}
+
+    def request(
+        self, method: str, path: str, body: Any = None, *, headers: dict[str, str] | None = None, **kw: Any
+    ) -> Any:
+        data = None if body is None else json.dumps(body)
+        headers = {**self.headers, **(headers or {})}
+        answer = self.http.request(method, self.server + path, body=data, headers=headers, **kw)
+        if answer.status >= 300:
+            raise RuntimeError(f"{method} {path}: {answer.status} {answer.data[:300]!r}")
+        return answer
+
+    def json(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        return json.loads(self.request(method, path, body).data)  # type: ignore[no-any-return]
+
+    def each(self, call: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        with ThreadPoolExecutor(CREATORS) as pool:
+            return list(pool.map(call, items))
+
+    def metrics(self) -> str:
+        return str(self.request("GET", "/metrics").data.decode())
+
+
+class Bound:
+    """When each pod of a mode was first seen bound, from one watch opened before the scheduler starts."""
+
+    def __init__(self, api: Api, mode: str, resource_version: str) -> None:
+        self.times: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(api, mode, resource_version), daemon=True)
+        self._thread.start()
+
+    def _watch(self, api: Api, mode: str, resource_version: str) -> None:
+        path = (
+            f"/api/v1/namespaces/default/pods?watch=1&labelSelector=bench%3D{mode}"
+            f"&resourceVersion={resource_version}&allowWatchBookmarks=false"
+        )
+        answer = api.request("GET", path, preload_content=False, timeout=urllib3.Timeout(connect=5, read=None))
+        buffer = b""
+        for chunk in answer.stream(65536):
+            buffer += chunk
+            *lines, buffer = buffer.split(b"\n")
+            now = time.monotonic()
+            for line in lines:
+                event = json.loads(line)
+                body = event["object"]
+                if event["type"] in ("ADDED", "MODIFIED") and body["spec"].get("nodeName"):
+                    self.times.setdefault(body["metadata"]["name"], now)
+            if self._stop.is_set():
+                break
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def families(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A Prometheus text page as {(sample name, labels): value}."""
+    found: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            found[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return found
+
+
+def summed(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, by: str) -> dict[str, Any]:
+    """``<name>_sum`` and ``_count`` per value of the label ``by``: seconds in all, calls, mean ms."""
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, float] = defaultdict(float)
+    for (sample, labels), value in samples.items():
+        key = dict(labels).get(by, "")
+        if sample == f"{name}_sum":
+            sums[key] += value
+        elif sample == f"{name}_count":
+            counts[key] += value
+    return {
+        key: {"seconds": round(sums[key], 3), "calls": int(counts[key]),
+              "meanMs": round(1000 * sums[key] / counts[key], 3) if counts[key] else None}
+        for key in sorted(sums)
+    }  # fmt: skip
+
+
+def apiserver_time(before: str, after: str) -> dict[str, Any]:
+    """The API server's request seconds during the mode, per verb and resource (the largest first)."""
+    name = "apiserver_request_duration_seconds"
+    first, last = families(before), families(after)
+    spent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for (sample, labels), value in last.items():
+        if sample not in (f"{name}_sum", f"{name}_count"):
+            continue
+        label = dict(labels)
+        if label.get("verb") == "WATCH":
+            continue  # a watch lasts as long as its client: its seconds are not work
+        key = f"{label.get('verb')} {label.get('resource')}" + (
+            f"/{label['subresource']}" if label.get("subresource") else ""
+        )
+        delta = value - first.get((sample, labels), 0.0)
+        spent[key][0 if sample.endswith("_sum") else 1] += delta
+    top = sorted(spent.items(), key=lambda item: -item[1][0])[:8]
+    return {key: {"seconds": round(s, 2), "calls": int(c)} for key, (s, c) in top if c}
+
+
+def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
+    found = {}
+    for name, process in cluster._recorded():
+        if name in PROCESSES:
+            times = process.cpu_times()
+            found[name] = times.user + times.system
+    return found
+
+
+def scheduler_breakdown(text: str) -> dict[str, Any]:
+    samples = families(text)
+    out: dict[str, Any] = {}
+    for metric in (
+        "scheduler_e2e_scheduling_duration_seconds",
+        "scheduler_scheduling_algorithm_duration_seconds",
+        "scheduler_binding_duration_seconds",
+    ):
+        out[metric.removeprefix("scheduler_").removesuffix("_seconds")] = summed(samples, metric, by="result")
+    out["extensionPoints"] = summed(samples, "scheduler_framework_extension_point_duration_seconds", "extension_point")
+    return out
+
+
+def adjust_for(mode: str, qps: int) -> tuple[bool, Callable[[dict[str, Any]], None]]:
+    """Whether the mode wires the extender, and what it changes in the KubeSchedulerConfiguration."""
+
+    def adjust(config: dict[str, Any]) -> None:
+        config["clientConnection"].update(qps=qps, burst=qps)
+        if mode != "no-gpu-scoring":  # the shipped files leave that second entry commented out
+            extenders = config.get("extenders", [])
+            extenders[:] = [e for e in extenders if e.get("prioritizeVerb") != "prioritize-no-gpu"]
+        if mode == "no-prioritize":
+            for extender in config.get("extenders", []):
+                extender.pop("prioritizeVerb", None)
+        if mode.startswith("pct-"):
+            config["percentageOfNodesToScore"] = int(mode.removeprefix("pct-"))
+
+    if mode not in ("without", "with", "no-prioritize", "no-gpu-scoring") and not mode.startswith("pct-"):
+        raise SystemExit(f"unknown mode {mode!r}")
+    return mode != "without", adjust
+
+
+def throughput(times: list[float]) -> dict[str, Any]:
+    """scheduler_perf's figures: pods per second from the first bind to the last, and per 1-second window."""
+    times = sorted(times)
+    if len(times) < 2:
+        return {"bound": len(times)}
+    span = times[-1] - times[0]
+    windows: dict[int, int] = defaultdict(int)
+    for t in times:
+        windows[int(t - times[0])] += 1
+    per_second = [windows.get(i, 0) for i in range(int(span) + 1)]
+    full = per_second[:-1] or per_second  # the last window is cut short
+    return {
+        "bound": len(times),
+        "seconds": round(span, 2),
+        "podsPerSecond": round((len(times) - 1) / span, 1) if span else None,
+        "perSecond": {"p50": statistics.median(full), "max": max(full), "min": min(full)},
+    }
+
+
+def run_mode(
+    cluster: LocalCluster, api: Api, mode: str, args: argparse.Namespace, rng: random.Random
+) -> dict[str, Any]:
+    uses_extender, adjust = adjust_for(mode, args.qps)
+    label = mode.replace("-", "")
+    if uses_extender:
+        cluster.restart_extender()
+        if args.extender_cpus:
+            pin_process(cluster, "gpushared-extender", args.extender_cpus)
+    bodies = [pod_body(f"{label}-{i:05d}", label, rng) for i in range(args.pods)]
+    listed = api.json("GET", "/api/v1/namespaces/default/pods?limit=1")
+    bound = Bound(api, label, listed["metadata"]["resourceVersion"])
+    api.each(lambda body: api.json("POST", "/api/v1/namespaces/default/pods", body), bodies)
+    time.sleep(2 if uses_extender else 0)  # the extender's watch has every pending pod before the first filter
+    api_before = api.metrics()
+    cpu_before = cpu_seconds(cluster)
+    started = time.monotonic()
+    cluster.restart_scheduler(extenders=uses_extender, adjust=adjust)
+    try:
+        wait_for(lambda: len(bound.times) >= args.pods, timeout=args.timeout, what=f"{args.pods} pods bound ({mode})")
+    except Exception as exc:  # a mode that stalls is a result, not the end of the run
+        error: str | None = str(exc)
+    else:
+        error = None
+    cpu_after = cpu_seconds(cluster)
+    report: dict[str, Any] = {"mode": mode, **throughput(list(bound.times.values()))}
+    if bound.times:
+        report["startToFirstBindSeconds"] = round(min(bound.times.values()) - started, 2)
+    if error:
+        report["error"] = error
+        events = api.json("GET", "/api/v1/namespaces/default/events?fieldSelector=reason%3DFailedScheduling&limit=1")
+        report["lastFailedScheduling"] = [e.get("message") for e in events["items"]]
+    report["cpuSeconds"] = {
+        name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in PROCESSES if name in cpu_after
+    }
+    report["scheduler"] = scheduler_breakdown(
+        urllib.request.urlopen(cluster.scheduler_metrics_url, timeout=10).read().decode()
+    )
+    if uses_extender:
+        context = cluster.extender_tls(client=True)
+        text = urllib.request.urlopen(f"{cluster.extender_url}/metrics", timeout=10, context=context).read().decode()
+        report["extender"] = summed(families(text), "gpushared_extender_request_seconds", by="verb")
+    report["apiserver"] = apiserver_time(api_before, api.metrics())
+    bound.stop()
+    cluster.stop("kube-scheduler")
+    cluster.stop("gpushared-extender")
+    clear_pods(api, label)
+    return report
+
+
+def clear_pods(api: Api, label: str) -> None:
+    """Every pod of the mode gone at once (grace 0: no kubelet would ever confirm a graceful deletion)."""
+    api.request("DELETE", f"/api/v1/namespaces/default/pods?labelSelector=bench%3D{label}&gracePeriodSeconds=0")
+    wait_for(
+        lambda: not api.json("GET", f"/api/v1/namespaces/default/pods?labelSelector=bench%3D{label}")["items"],
+        timeout=120,
+        what=f"the {label} pods deleted",
+    )
+
+
+def pin(wanted: bool) -> set[int] | None:
+    """With ``wanted``: this process (and so all it starts from now on) off the first CPU, which is returned
+    for the extender."""
+    if not wanted:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        raise SystemExit("--pin needs at least 2 CPUs")
+    os.sched_setaffinity(0, cpus[1:])
+    return {cpus[0]}
+
+
+def pin_process(cluster: LocalCluster, name: str, cpus: set[int]) -> None:
+    """Every thread of the named process onto ``cpus`` (threads it starts later inherit it)."""
+    for recorded, process in cluster._recorded():
+        if recorded == name:
+            for thread in process.threads():
+                os.sched_setaffinity(thread.id, cpus)
+
+
+@contextlib.contextmanager
+def cluster_of(nodes: int) -> Iterator[tuple[LocalCluster, Api]]:
+    cluster = LocalCluster(state=Path(tempfile.mkdtemp(prefix="gps-bench-scheduler-")))
+    with cluster.api_only():
+        api = Api(cluster)
+        # Pod admission wants the namespace's default ServiceAccount, which no controller creates here.
+        api.json("POST", "/api/v1/namespaces/default/serviceaccounts", {"metadata": {"name": "default"}})
+        api.each(lambda i: api.json("POST", "/api/v1/nodes", node_body(f"node-{i:05d}")), list(range(nodes)))
+        # The TaintNodesByCondition admission plugin taints every new Node not-ready; with no node lifecycle
+        # controller here to see it Ready, the taint is lifted as that controller would.
+        api.each(lambda i: api.request("PATCH", f"/api/v1/nodes/node-{i:05d}", UNTAINT, headers=MERGE), range(nodes))
+        try:
+            yield cluster, api
+        finally:
+            cluster.stop("kube-scheduler")
+            cluster.stop("gpushared-extender")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1000, 5000])
+    parser.add_argument("--pods", type=int, default=1000, help="pods scheduled per mode")
+    parser.add_argument("--modes", nargs="+", default=["without", "with"])
+    parser.add_argument("--qps", type=int, default=5000, help="kube-scheduler's client QPS and burst")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds a mode may take to bind every pod")
+    parser.add_argument(
+        "--pin", action="store_true", help="the extender alone on the first CPU, the rest on the others"
+    )
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.extender_cpus = pin(args.pin)
+    for mode in args.modes:
+        adjust_for(mode, args.qps)  # an unknown mode fails before any cluster starts
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds like Ctrl-C: the API server stops too
+    report: dict[str, Any] = {
+        "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, Python {platform.python_version()}",
+        "pods": args.pods,
+        "qps": args.qps,
+        "extenderCpus": sorted(args.extender_cpus) if args.extender_cpus else "shared",
+        "runs": [],
+    }
+    for nodes in args.nodes:
+        with cluster_of(nodes) as (cluster, api):
+            report["kubernetes"] = str(cluster.version("kube-scheduler"))
+            run: dict[str, Any] = {"nodes": nodes, "modes": []}
+            for mode in args.modes:
+                rng = random.Random(42)  # the same pods in every mode
+                run["modes"].append(run_mode(cluster, api, mode, args, rng))
+                print(json.dumps(run["modes"][-1]), file=sys.stderr)
+            base = next((m for m in run["modes"] if m["mode"] == "without" and m.get("podsPerSecond")), None)
+            if base:
+                for m in run["modes"]:
+                    if m.get("podsPerSecond"):
+                        m["ratio"] = round(m["podsPerSecond"] / base["podsPerSecond"], 3)
+            report["runs"].append(run)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
