@@ -13,6 +13,8 @@ kube-scheduler (and extender) and the previous mode's pods deleted, in one run o
 - ``with``: the extender wired as deploy/scheduler-config*.yaml ships it (filter, prioritize and bind over
   HTTPS with mutual TLS, ``nodeCacheCapable``, weight 100), the extender started as tests/e2e starts it;
 - ``no-prioritize``: the same without ``prioritizeVerb`` (in-tree scores alone pick among the filtered);
+- ``rank-in-filter``: the extender started with ``--rank-in-filter`` (its filter keeps only the nodes its
+  policy ranks best) and wired without ``prioritizeVerb``: the same choice as ``with``, one call fewer;
 - ``pct-<N>``: the shipped wiring with ``percentageOfNodesToScore: N``;
 - ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod).
 
@@ -70,6 +72,8 @@ from tests.e2e.cluster import LocalCluster, wait_for
 GPUS, GPU_GIB = 8, 16
 #: Concurrent requests while creating and deleting objects.
 CREATORS = 16
+#: What a mode adds to the extender's command line.
+EXTENDER_ARGS = {"rank-in-filter": ["--rank-in-filter"]}
 MERGE = {"Content-Type": "application/merge-patch+json"}
 #: The processes whose CPU is counted, by the name LocalCluster spawns them under.
 PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd")
@@ -245,20 +249,23 @@ def scheduler_breakdown(text: str) -> dict[str, Any]:
 
 
 def adjust_for(mode: str, qps: int) -> tuple[bool, Callable[[dict[str, Any]], None]]:
-    """Whether the mode wires the extender, and what it changes in the KubeSchedulerConfiguration."""
+    """Whether the mode wires the extender, and what it changes in the KubeSchedulerConfiguration (and
+    :data:`EXTENDER_ARGS`, on the extender's command line)."""
 
     def adjust(config: dict[str, Any]) -> None:
         config["clientConnection"].update(qps=qps, burst=qps)
         if mode != "no-gpu-scoring":  # the shipped files leave that second entry commented out
             extenders = config.get("extenders", [])
             extenders[:] = [e for e in extenders if e.get("prioritizeVerb") != "prioritize-no-gpu"]
-        if mode == "no-prioritize":
+        if mode in ("no-prioritize", "rank-in-filter"):
             for extender in config.get("extenders", []):
                 extender.pop("prioritizeVerb", None)
         if mode.startswith("pct-"):
             config["percentageOfNodesToScore"] = int(mode.removeprefix("pct-"))
 
-    if mode not in ("without", "with", "no-prioritize", "no-gpu-scoring") and not mode.startswith("pct-"):
+    if mode not in ("without", "with", "no-prioritize", "rank-in-filter", "no-gpu-scoring") and not mode.startswith(
+        "pct-"
+    ):
         raise SystemExit(f"unknown mode {mode!r}")
     return mode != "without", adjust
 
@@ -288,7 +295,7 @@ def run_mode(
     uses_extender, adjust = adjust_for(mode, args.qps)
     label = mode.replace("-", "")
     if uses_extender:
-        cluster.restart_extender()
+        cluster.restart_extender(*EXTENDER_ARGS.get(mode, []))
         if args.extender_cpus:
             pin_process(cluster, "gpushared-extender", args.extender_cpus)
     bodies = [pod_body(f"{label}-{i:05d}", label, rng) for i in range(args.pods)]

@@ -92,6 +92,12 @@ ENV = "GPUSHARED_EXTENDER"
     help="How long a Binding whose answer was lost may still land: its memory stays reserved that long.",
 )
 @click.option(
+    "--rank-in-filter",
+    is_flag=True,
+    help="Filter keeps only the nodes the policy ranks best, for a kube-scheduler wired without prioritizeVerb "
+    "(docs/install.md): one call per pod fewer and few nodes for kube-scheduler to score, the same choice.",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def main(
@@ -119,6 +125,7 @@ def main(
     advertise_address: str | None,
     watch_seconds: int,
     binding_landing_seconds: float,
+    rank_in_filter: bool,
     log_level: str,
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
@@ -163,6 +170,7 @@ def main(
         watch_seconds=watch_seconds,
         binding_landing_seconds=binding_landing_seconds,
         model_label=gpu_model_label,
+        rank_in_filter=rank_in_filter,
     )
     app.run(settings, api=api, binder=binder)
 

@@ -199,6 +199,9 @@ class Ledger:
     _mps: dict[int, int] = field(default_factory=dict)
     _shared: dict[int, int] = field(default_factory=dict)
     _version: int = 0
+    #: what pricing derives from the ledger as it is, kept with the version it was derived at (by whoever
+    #: derives it: core/verdicts.py, core/policies.py); a pure cache, never compared or shown
+    derived: dict[object, tuple[int, object]] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def build(cls, inventory: GpuInventory, holdings: Iterable[Holding] = ()) -> Ledger:

@@ -61,13 +61,22 @@ class PricingContext:
         self.mix = mix.for_model(model)
         self.cpu = cpu
         self.pod_cpu = pod_cpu
+        #: ``_node_left`` per units taken: best fit prices every fitting GPU of the node with it
+        self.left_after: dict[int, float] = {}
 
     @functools.cached_property
     def _gpus(self) -> tuple[dict[int, int], list[int], int]:
-        """(GPU index -> position, free units per position, units in all) of the healthy GPUs."""
-        healthy = [gpu for gpu in self.ledger.inventory.gpus if gpu.healthy]
-        frees = [max(self.ledger.free(gpu), 0) for gpu in healthy]
-        return {gpu.index: i for i, gpu in enumerate(healthy)}, frees, sum(gpu.memory for gpu in healthy)
+        """(GPU index -> position, free units per position, units in all) of the healthy GPUs; kept on the
+        ledger until it changes (every pod size priced on the node reads the same)."""
+        ledger = self.ledger
+        known = ledger.derived.get("healthy")
+        if known is not None and known[0] == ledger.version:
+            return known[1]  # type: ignore[return-value]
+        healthy = [gpu for gpu in ledger.inventory.gpus if gpu.healthy]
+        frees = [max(ledger.free(gpu), 0) for gpu in healthy]
+        gpus = {gpu.index: i for i, gpu in enumerate(healthy)}, frees, sum(gpu.memory for gpu in healthy)
+        ledger.derived["healthy"] = (ledger.version, gpus)
+        return gpus
 
     @functools.cached_property
     def free_total(self) -> int:
@@ -218,6 +227,18 @@ def ties(key: NodeRank, best: NodeRank) -> bool:
     )
 
 
+def best_nodes(keys: Sequence[NodeRank | None]) -> list[int]:
+    """The positions of the nodes ranked as good as the best: those :func:`node_scores` gives MAX_SCORE.
+
+    With the extender's weight (100, deploy/), one step of its score outweighs every in-tree score together,
+    so kube-scheduler's choice always falls among these; a filter that keeps only them leaves it the same
+    choice without a prioritize call (``--rank-in-filter``)."""
+    best = best_rank(keys)
+    if best is None:
+        return []
+    return [i for i, key in enumerate(keys) if key is not None and ties(key, best)]
+
+
 def node_scores(keys: Sequence[NodeRank | None]) -> list[int]:
     """Extender scores (0..MAX_SCORE) for nodes ranked ``keys``: the best get MAX_SCORE and nobody else
     does; nodes as well linked and at the best price but less balanced MAX_SCORE-1; the rest as well
@@ -280,13 +301,17 @@ def _node_left(context: PricingContext, taken: int) -> float:
     """What the node would have left, in GPUs: its free GPU memory after ``taken`` units, plus, where its CPU
     is known, its CPU left counted in the node's CPU per GPU, the two weighed alike (the FGD paper's
     BestFit: half CPU, half GPU)."""
+    known = context.left_after.get(taken)
+    if known is not None:
+        return known
     gpus = len(context.ledger.inventory.gpus) or 1
     per_gpu = context.capacity / gpus or 1
-    gpu_left = (context.free_total - taken) / per_gpu
+    left = (context.free_total - taken) / per_gpu
     cpu, cpu_free = context.cpu, context.cpu_free
-    if cpu is None or cpu_free is None or cpu.allocatable <= 0:
-        return gpu_left
-    return 0.5 * gpu_left + 0.5 * (cpu_free - context.pod_cpu) / (cpu.allocatable / gpus)
+    if cpu is not None and cpu_free is not None and cpu.allocatable > 0:
+        left = 0.5 * left + 0.5 * (cpu_free - context.pod_cpu) / (cpu.allocatable / gpus)
+    context.left_after[taken] = left
+    return left
 
 
 def _binpack_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:

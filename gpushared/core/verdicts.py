@@ -73,12 +73,24 @@ def fitting(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_M
     need = request.per_gpu
     if need <= 0:
         return []
-    fits = []
-    for gpu in ledger.inventory.gpus:
-        free = ledger.free(gpu)
-        if free >= need and _refusal(ledger, gpu, mps=request.mps, max_mps_clients=max_mps_clients) is None:
-            fits.append(GpuVerdict(gpu=gpu, free=free, reason=None))
-    return fits
+    return [v for v in usable(ledger, mps=request.mps, max_mps_clients=max_mps_clients) if v.free >= need]
+
+
+def usable(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS) -> tuple[GpuVerdict, ...]:
+    """A fitting verdict for every GPU a pod of this kind (MPS or not) may use, with its free units; kept on
+    the ledger until it changes. Pricing a node for a pod size it has not been priced for is the cold path of
+    prioritize, and building these verdicts was half of it (docs/benchmarks.md)."""
+    key = ("usable", mps, max_mps_clients)
+    known = ledger.derived.get(key)
+    if known is not None and known[0] == ledger.version:
+        return known[1]  # type: ignore[return-value]
+    verdicts = tuple(
+        GpuVerdict(gpu=gpu, free=ledger.free(gpu), reason=None)
+        for gpu in ledger.inventory.gpus
+        if _refusal(ledger, gpu, mps=mps, max_mps_clients=max_mps_clients) is None
+    )
+    ledger.derived[key] = (ledger.version, verdicts)
+    return verdicts
 
 
 def most_free(ledger: Ledger, *, mps: bool, gpus: int = 1, max_mps_clients: int = MAX_MPS_CLIENTS) -> int:

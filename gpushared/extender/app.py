@@ -51,6 +51,8 @@ class ExtenderSettings:
     binding_landing_seconds: float
     #: the node label naming GPU models, for fgd's model-aware request mix ("": not weighed)
     model_label: str = ""
+    #: filter keeps only the best-ranked nodes (kube-scheduler wired without prioritizeVerb)
+    rank_in_filter: bool = False
 
     @property
     def own_url(self) -> str:
@@ -86,7 +88,13 @@ class Extender:
             else None
         )
         self.prepared = threading.Event()
-        scheduler = Scheduler(cache=self.cache, api=binder, policy=settings.policy, resources=settings.resources)
+        scheduler = Scheduler(
+            cache=self.cache,
+            api=binder,
+            policy=settings.policy,
+            resources=settings.resources,
+            rank_in_filter=settings.rank_in_filter,
+        )
         self.app = build_app(scheduler, settings.server, ready=self.ready, leader=self.leader)
 
     def ready(self) -> tuple[bool, str]:

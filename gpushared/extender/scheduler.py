@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.bodies import PodBody, key_of, node_of, uid_of
-from gpushared.core.policies import NodeRank, Policy, node_scores
+from gpushared.core.policies import NodeRank, Policy, best_nodes, node_scores
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.reservations import Assumed
@@ -45,12 +45,17 @@ class Scheduler:
         policy: Policy,
         resources: ResourceNames,
         clock: Callable[[], int] = time.time_ns,
+        rank_in_filter: bool = False,
     ) -> None:
         self.cache = cache
         self.api = api
         self.policy = policy
         self.resources = resources
         self.clock = clock
+        #: filter keeps only the nodes the policy ranks best (``best_nodes``), for a kube-scheduler wired
+        #: without prioritizeVerb: one HTTP call per pod fewer, and kube-scheduler scores a few nodes, not
+        #: hundreds (docs/benchmarks.md, "The scheduler with the extender")
+        self.rank_in_filter = rank_in_filter
 
     async def close(self) -> None:
         await self.api.close()
@@ -62,6 +67,14 @@ class Scheduler:
         except ContractError as exc:
             return [], {}, f"pod {_pod_name(args.pod)}: {exc}"
         passed, failed = self.cache.filter(args.names, request)
+        if self.rank_in_filter and len(passed) > 1:
+            keys = self.cache.node_ranks(passed, args.pod, request, self.policy)
+            best = best_nodes(keys)
+            if best:  # none: every node filled since the filter above; prioritize would score them all 0
+                kept = set(best)
+                reason = f"fits, but the {self.policy.name} policy ranks other nodes higher"
+                failed = {**failed, **{name: reason for i, name in enumerate(passed) if i not in kept}}
+                passed = [passed[i] for i in best]
         return passed, failed, ""
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:

@@ -166,6 +166,34 @@ def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> 
     assert [r["Score"] for r in result] == [10, 0, 0]
 
 
+@pytest.mark.parametrize("policy", ["binpack", "fgd", "spread"])
+def test_rank_in_filter_keeps_exactly_the_nodes_prioritize_scores_highest(
+    spawn: Callable[..., Extender], policy: str
+) -> None:
+    """With --rank-in-filter the filter keeps the nodes prioritize would give the top score, and only
+    those, so a kube-scheduler wired without prioritizeVerb makes the same choice with one call fewer."""
+    with FakeApiServer() as api:
+        gpushared_cluster(api)
+        api.create(gpu_node("n2", 16, 16))
+        api.create(gpu_node("n3", 8, 8, 8, 8))
+        api.create(pod("running", 12, node="n2", phase="Running"))
+        extender = spawn(api, args=["--rank-in-filter", "--policy", policy])
+        extender.wait_ready()
+        names = ["n1", "n2", "n3", "aliyun-node", "cpu-node", "ghost"]
+        for i, amount in enumerate((2, 4, 8, 12, 16)):
+            body = created(api, f"p{i}", amount)
+            status, result = extender.filter(body, *names)
+            assert status == 200
+            kept = result["NodeNames"]
+            ranked_out = [n for n, why in result["FailedNodes"].items() if "ranks other nodes higher" in why]
+            assert kept, (amount, result)
+            fitting = kept + ranked_out
+            _, scores = extender.post("prioritize", {"Pod": body, "NodeNames": fitting})
+            assert sorted(kept) == sorted(s["Host"] for s in scores if s["Score"] == 10), (amount, scores)
+            assert result["FailedNodes"]["cpu-node"].startswith("node cpu-node is not a gpushared node")
+            assert result["FailedNodes"]["ghost"].startswith("node ghost is not in the extender's cache")
+
+
 def test_fgd_weighs_the_cpu_the_watch_shows_on_each_node(spawn: Callable[..., Extender]) -> None:
     """Two nodes where a 12 GiB pod leaves the same 4 GiB free; on "short" it also leaves too little CPU for
     the pods that run in this cluster (3 CPUs, 4 GiB), stranding those 4 GiB. The extender learns both

@@ -15,12 +15,14 @@ from gpushared.core.policies import (
     BALANCED,
     BINPACK,
     FGD,
+    MAX_SCORE,
     SPREAD,
     TIEBREAK,
     NodeCpu,
     NodeRank,
     Policy,
     PricingContext,
+    best_nodes,
     node_scores,
     policy_named,
 )
@@ -109,6 +111,23 @@ def appraised(
 ) -> NodeRank | None:
     found = policy.price_node(judge(ledger, req), req, setting or PricingContext(ledger))
     return None if found is None else found[0]
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        [None, NodeRank(3.0), NodeRank(4.0), NodeRank(3.0 + 1e-12), None],
+        [NodeRank(1.0, 0.5), NodeRank(1.0, 0.2), NodeRank(2.0), NodeRank(1.0, 0.2)],
+        [NodeRank(5.0, links=-400), NodeRank(1.0, links=-200), NodeRank(2.0, links=-400)],
+        [None, None],
+        [],
+        [NodeRank(7.0)],
+    ],
+)
+def test_best_nodes_are_the_ones_scored_highest(keys: list[NodeRank | None]) -> None:
+    """What --rank-in-filter keeps is what prioritize gives the top score: the same choice for kube-scheduler."""
+    top = [i for i, score in enumerate(node_scores(keys)) if score == MAX_SCORE and keys[i] is not None]
+    assert best_nodes(keys) == top
 
 
 def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
