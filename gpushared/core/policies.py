@@ -20,7 +20,7 @@ from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.requests import PodRequest
 from gpushared.core.topology import choose_set, set_score, topology_of
-from gpushared.core.verdicts import GpuVerdict
+from gpushared.core.verdicts import GpuVerdict, usable
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
 MAX_SCORE: Final = 10
@@ -156,6 +156,11 @@ class Policy:
     reads_cpu: bool = False
     #: whether nodes priced equal are told apart by ``PricingContext.imbalance``
     balances: bool = False
+    #: how ``price`` moves with the GPU's free units, the node and the request being the same: 1 it always
+    #: grows (best fit), -1 it always falls (spread), 0 neither or not known. Where it is known the GPU a
+    #: one-GPU pod takes is the fitting one with the least (most) free memory, the lower index among equals,
+    #: and only that one is priced: what prioritize pays for a request size not seen before is mostly this
+    free_order: int = 0
 
     def gpu_order(self, verdict: GpuVerdict, need: int, context: PricingContext) -> tuple[float, int, int]:
         """Where a fitting GPU comes in the policy's choice: its price, then its free memory, then its index."""
@@ -183,6 +188,13 @@ class Policy:
     ) -> tuple[float, Choice] | None:
         """The fitting GPUs that come first, with their price (each GPU priced once: fgd's prices are not free)."""
         need, gpus = request.per_gpu, request.gpus
+        if gpus == 1 and self.free_order:
+            fits = [v for v in verdicts if v.reason is None]
+            if not fits:
+                return None
+            sign = self.free_order
+            verdict = min(fits, key=lambda v: (sign * v.free, v.gpu.index))
+            return self.price(verdict, need, context), (verdict,)
         ordered = [(self.gpu_order(v, need, context), v) for v in verdicts if v.fits]
         if len(ordered) < gpus:  # gpus >= 1: none fitting is too few
             return None
@@ -203,6 +215,14 @@ class Policy:
         if self.price_of_several is None:
             return sum(order[0] for order, _ in top), chosen
         return self.price_of_several(chosen, need, context), chosen
+
+
+def derive_pricing(ledger: Ledger) -> None:
+    """Work out now what pricing reads from the ledger as it is (the usable GPUs of a plain pod, the free
+    memory of the healthy ones), kept on it until it changes: the extender does it for every node before it
+    says ready, so the first call for a request size prices, and does not also derive."""
+    usable(ledger, mps=False)
+    _ = PricingContext(ledger)._gpus
 
 
 def best_rank(keys: Iterable[NodeRank | None]) -> NodeRank | None:
@@ -331,10 +351,14 @@ def _binpack_price_of_several(verdicts: Choice, need: int, context: PricingConte
 #: whole nodes are gone before the tasks that need them arrive. The FGD paper's BestFit scores the node's
 #: leftovers, as here (issue #25; docs/benchmarks.md).
 BINPACK: Final = Policy(
-    name="binpack", price=_binpack_price, price_of_several=_binpack_price_of_several, reads_cpu=True
+    name="binpack",
+    price=_binpack_price,
+    price_of_several=_binpack_price_of_several,
+    reads_cpu=True,
+    free_order=1,
 )
 #: The GPU left with the most free memory.
-SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free))
+SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free), free_order=-1)
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
 #: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best

@@ -12,7 +12,7 @@ from typing import Any
 
 from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody
-from gpushared.core.policies import NodeRank, Policy, PricingContext
+from gpushared.core.policies import NodeRank, Policy, PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import GpuVerdict, explain, fitting, idle_gpu_mib, judge, most_free, no_room
 from gpushared.extender.rooms import STALE, Rooms
@@ -116,12 +116,15 @@ class FilterIndex:
         return costs
 
     def warm(self) -> None:
-        """Work out every node's room now. Right after a start each filter would otherwise judge hundreds of
-        nodes GPU by GPU for the first time (docs/benchmarks.md, "Figures behind the code")."""
+        """Work out every node's room, and what pricing derives from its ledger, now. Right after a start each
+        filter would otherwise judge hundreds of nodes GPU by GPU for the first time (docs/benchmarks.md,
+        "Figures behind the code"), and the first prioritize derive for a thousand nodes what any size reads."""
         with self.state.lock:
-            for name in self.state.nodes:
+            for name, node in self.state.nodes.items():
                 if self.rooms.of(mps=False).get(name, STALE) == STALE:
                     self._room_of(name)
+                if node.ledger is not None:
+                    derive_pricing(node.ledger)
             self.rooms.compact()
 
     def _room_of(self, name: str) -> tuple[int, int]:

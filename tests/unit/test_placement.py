@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -417,3 +419,35 @@ def test_binpack_fills_a_partly_used_node_before_opening_an_empty_one() -> None:
     assert BINPACK.choose(judge(partly, request(4)), request(4), PricingContext(partly))[0].gpu.index == 1  # type: ignore[index]
     # and an 8-GPU pod still finds the empty node.
     assert appraised(empty_eight, gang(16, 8)) is not None and appraised(half_two, gang(16, 8)) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    frees=st.lists(st.tuples(st.integers(1, 32), st.integers(0, 32), st.booleans()), min_size=1, max_size=8),
+    amount=st.integers(1, 32),
+    mps=st.booleans(),
+    cpu=st.one_of(st.none(), st.tuples(st.integers(1, 96_000), st.integers(0, 96_000))),
+    pod_cpu=st.integers(0, 8_000),
+)
+def test_pricing_only_the_tightest_gpu_chooses_and_prices_as_pricing_them_all(
+    frees: list[tuple[int, int, bool]],
+    amount: int,
+    mps: bool,
+    cpu: tuple[int, int] | None,
+    pod_cpu: int,
+) -> None:
+    """``free_order`` lets best fit and spread price one GPU of a node instead of each: the same GPU, the same
+    price as ordering every fitting GPU by (price, free, index)."""
+    ledger = Ledger.build(inventory(*[size for size, _, _ in frees], mps=True))
+    for index, (size, taken, shared_by_mps) in enumerate(frees):
+        if taken:
+            used(ledger, index, min(size, taken), mps=shared_by_mps)
+    ask = request(amount, mps=mps)
+    node_cpu = None if cpu is None else NodeCpu(allocatable=cpu[0], requested=min(cpu))
+    for policy in (BINPACK, SPREAD):
+        assert policy.free_order != 0
+        every = dataclasses.replace(policy, free_order=0)
+        setting = PricingContext(ledger, cpu=node_cpu, pod_cpu=pod_cpu)
+        fast = policy.price_node(judge(ledger, ask), ask, setting)
+        slow = every.price_node(judge(ledger, ask), ask, PricingContext(ledger, cpu=node_cpu, pod_cpu=pod_cpu))
+        assert fast == slow
