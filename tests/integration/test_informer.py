@@ -52,6 +52,8 @@ def test_list_then_watch(api: FakeApiServer) -> None:
     core.delete_node("b")
     wait_until(lambda: names(informer) == ["a"] and informer.get("", "a")["metadata"]["labels"].get("x") == "y")  # type: ignore[index]
     assert recorder.changes == [(None, "a"), (None, "b"), ("a", "a"), ("b", None)]
+    # Its count of changes is what the daemon compares to know the mirror is as it was (Service._report).
+    assert informer.changes == len(recorder.changes)
     informer.stop()
 
 
@@ -103,8 +105,12 @@ def test_remember_keeps_the_newer_copy(api: FakeApiServer) -> None:
     current = informer.get("", "a")
     assert current is not None
     stale = {**current, "metadata": {**current["metadata"], "resourceVersion": "1", "labels": {"stale": "1"}}}
+    before = informer.changes
     informer.remember(stale)
     assert informer.get("", "a") == current
+    assert informer.changes == before  # nothing kept, nothing changed
+    informer.remember({**current, "metadata": {**current["metadata"], "resourceVersion": "999999"}})
+    assert informer.changes == before + 1
     informer.stop()
 
 
