@@ -63,25 +63,22 @@ class PricingContext:
         self.pod_cpu = pod_cpu
         #: ``_node_left`` per units taken: best fit prices every fitting GPU of the node with it
         self.left_after: dict[int, float] = {}
+        self._known_gpus: tuple[dict[int, int], list[int], int, int] | None = None
 
-    @functools.cached_property
-    def _gpus(self) -> tuple[dict[int, int], list[int], int]:
-        """(GPU index -> position, free units per position, units in all) of the healthy GPUs; kept on the
-        ledger until it changes (every pod size priced on the node reads the same)."""
-        ledger = self.ledger
-        known = ledger.derived.get("healthy")
-        if known is not None and known[0] == ledger.version:
-            return known[1]  # type: ignore[return-value]
-        healthy = [gpu for gpu in ledger.inventory.gpus if gpu.healthy]
-        frees = [max(ledger.free(gpu), 0) for gpu in healthy]
-        gpus = {gpu.index: i for i, gpu in enumerate(healthy)}, frees, sum(gpu.memory for gpu in healthy)
-        ledger.derived["healthy"] = (ledger.version, gpus)
-        return gpus
+    @property
+    def _gpus(self) -> tuple[dict[int, int], list[int], int, int]:
+        """(GPU index -> position, free units per position, units in all, free units in all) of the healthy
+        GPUs. A plain attribute check rather than functools.cached_property, whose lock (Python 3.11) cost
+        more than the lookup when a thousand nodes are priced."""
+        known = self._known_gpus
+        if known is None:
+            known = self._known_gpus = _healthy_gpus(self.ledger)
+        return known
 
-    @functools.cached_property
+    @property
     def free_total(self) -> int:
         """Free units on the node's healthy GPUs, in all."""
-        return sum(self._gpus[1])
+        return self._gpus[3]
 
     @property
     def capacity(self) -> int:
@@ -99,7 +96,7 @@ class PricingContext:
     def growth(self, verdicts: Sequence[GpuVerdict], need: int) -> float:
         """How much the node's expected fragment (``RequestMix.fragment``) grows when the pod takes ``need``
         units of each of the verdicts' GPUs."""
-        position, frees, _ = self._gpus
+        position, frees, _, _ = self._gpus
         after = list(frees)
         for verdict in verdicts:
             after[position[verdict.gpu.index]] -= need
@@ -110,12 +107,26 @@ class PricingContext:
     def imbalance(self, need: int) -> float:
         """How far apart the node's shares of CPU and of GPU memory left would be with the pod on it. A node
         that runs out of CPU first strands its GPU memory, and one that runs out of GPU memory its CPU."""
-        _, frees, capacity = self._gpus
+        _, frees, capacity, _ = self._gpus
         cpu_free = self.cpu_free
         if self.cpu is None or cpu_free is None or self.cpu.allocatable <= 0 or capacity <= 0:
             return 0.0
         cpu_left = (cpu_free - self.pod_cpu) / self.cpu.allocatable
         return abs(cpu_left - (sum(frees) - need) / capacity)
+
+
+def _healthy_gpus(ledger: Ledger) -> tuple[dict[int, int], list[int], int, int]:
+    """What :attr:`PricingContext._gpus` says of the ledger, kept on it until it changes (every pod size
+    priced on the node reads the same)."""
+    known = ledger.derived.get("healthy")
+    if known is not None and known[0] == ledger.version:
+        return known[1]  # type: ignore[return-value]
+    healthy = [gpu for gpu in ledger.inventory.gpus if gpu.healthy]
+    frees = [max(ledger.free(gpu), 0) for gpu in healthy]
+    capacity = sum(gpu.memory for gpu in healthy)
+    gpus = {gpu.index: i for i, gpu in enumerate(healthy)}, frees, capacity, sum(frees)
+    ledger.derived["healthy"] = (ledger.version, gpus)
+    return gpus
 
 
 class NodeRank(NamedTuple):
@@ -222,7 +233,7 @@ def derive_pricing(ledger: Ledger) -> None:
     memory of the healthy ones), kept on it until it changes: the extender does it for every node before it
     says ready, so the first call for a request size prices, and does not also derive."""
     usable(ledger, mps=False)
-    _ = PricingContext(ledger)._gpus
+    _healthy_gpus(ledger)
 
 
 def best_rank(keys: Iterable[NodeRank | None]) -> NodeRank | None:
