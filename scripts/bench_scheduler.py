@@ -52,7 +52,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -228,8 +227,9 @@ def apiserver_time(before: str, after: str) -> dict[str, Any]:
 
 def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     found = {}
-    for name, process in cluster._recorded():
-        if name in PROCESSES:
+    for name in PROCESSES:
+        process = cluster.process(name)
+        if process is not None:
             times = process.cpu_times()
             found[name] = times.user + times.system
     return found
@@ -324,12 +324,9 @@ def run_mode(
     report["cpuSeconds"] = {
         name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in PROCESSES if name in cpu_after
     }
-    report["scheduler"] = scheduler_breakdown(
-        urllib.request.urlopen(cluster.scheduler_metrics_url, timeout=10).read().decode()
-    )
+    report["scheduler"] = scheduler_breakdown(cluster.scheduler_metrics())
     if uses_extender:
-        context = cluster.extender_tls(client=True)
-        text = urllib.request.urlopen(f"{cluster.extender_url}/metrics", timeout=10, context=context).read().decode()
+        text = cluster.extender_metrics()
         report["extender"] = summed(families(text), "gpushared_extender_request_seconds", by="verb")
     report["apiserver"] = apiserver_time(api_before, api.metrics())
     bound.stop()
@@ -363,10 +360,9 @@ def pin(wanted: bool) -> set[int] | None:
 
 def pin_process(cluster: LocalCluster, name: str, cpus: set[int]) -> None:
     """Every thread of the named process onto ``cpus`` (threads it starts later inherit it)."""
-    for recorded, process in cluster._recorded():
-        if recorded == name:
-            for thread in process.threads():
-                os.sched_setaffinity(thread.id, cpus)
+    process = cluster.process(name)
+    for thread in process.threads() if process is not None else []:
+        os.sched_setaffinity(thread.id, cpus)
 
 
 @contextlib.contextmanager

@@ -61,8 +61,6 @@ class PricingContext:
         self.mix = mix.for_model(model)
         self.cpu = cpu
         self.pod_cpu = pod_cpu
-        #: ``_node_left`` per units taken: best fit prices every fitting GPU of the node with it
-        self.left_after: dict[int, float] = {}
         self._known_gpus: tuple[dict[int, int], list[int], int, int] | None = None
 
     @property
@@ -332,17 +330,13 @@ def _node_left(context: PricingContext, taken: int) -> float:
     """What the node would have left, in GPUs: its free GPU memory after ``taken`` units, plus, where its CPU
     is known, its CPU left counted in the node's CPU per GPU, the two weighed alike (the FGD paper's
     BestFit: half CPU, half GPU)."""
-    known = context.left_after.get(taken)
-    if known is not None:
-        return known
     gpus = len(context.ledger.inventory.gpus) or 1
     per_gpu = context.capacity / gpus or 1
-    left = (context.free_total - taken) / per_gpu
+    gpu_left = (context.free_total - taken) / per_gpu
     cpu, cpu_free = context.cpu, context.cpu_free
-    if cpu is not None and cpu_free is not None and cpu.allocatable > 0:
-        left = 0.5 * left + 0.5 * (cpu_free - context.pod_cpu) / (cpu.allocatable / gpus)
-    context.left_after[taken] = left
-    return left
+    if cpu is None or cpu_free is None or cpu.allocatable <= 0:
+        return gpu_left
+    return 0.5 * gpu_left + 0.5 * (cpu_free - context.pod_cpu) / (cpu.allocatable / gpus)
 
 
 def _binpack_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:

@@ -594,13 +594,22 @@ state = "{base}/state"
         self.stop("kube-scheduler")
         self._start_scheduler(extenders=extenders, adjust=adjust)
 
-    @property
-    def scheduler_metrics_url(self) -> str:
-        """Where kube-scheduler serves /metrics: the plain-HTTP metrics address while its configuration has
-        one (v1beta1, 1.20), else its secure port (which wants a token)."""
+    def scheduler_metrics(self) -> str:
+        """kube-scheduler's /metrics page: from the plain-HTTP metrics address while its configuration has one
+        (v1beta1, 1.20), else from its secure port as the admin (its serving certificate is self-signed)."""
         if versions.scheduler_api(self.version("kube-scheduler")).bind_addresses:
-            return f"http://127.0.0.1:{self.ports.scheduler_health}/metrics"
-        return f"https://127.0.0.1:{self.ports.scheduler}/metrics"
+            request = urllib.request.Request(f"http://127.0.0.1:{self.ports.scheduler_health}/metrics")
+            context = None
+        else:
+            request = urllib.request.Request(
+                f"https://127.0.0.1:{self.ports.scheduler}/metrics",
+                headers={"Authorization": f"Bearer {self.tokens['admin']}"},
+            )
+            context = ssl.create_default_context()
+            context.check_hostname = False  # loopback, and the scheduler's own self-signed certificate
+            context.verify_mode = ssl.CERT_NONE
+        with urllib.request.urlopen(request, timeout=10, context=context) as response:
+            return str(response.read().decode())
 
     def _start_scheduler(
         self, *, extenders: bool = True, adjust: Callable[[dict[str, Any]], None] | None = None
@@ -681,6 +690,12 @@ state = "{base}/state"
         url = f"http://127.0.0.1:{self.ports.daemon_metrics}/metrics"
         with urllib.request.urlopen(url, timeout=2) as response:
             return response.read().decode()  # type: ignore[no-any-return]
+
+    def extender_metrics(self) -> str:
+        """The extender's /metrics page, asked with a client certificate it takes."""
+        url = f"{self.extender_url}/metrics"
+        with urllib.request.urlopen(url, timeout=10, context=self.extender_tls(client=True)) as response:
+            return str(response.read().decode())
 
     @property
     def mps_root(self) -> Path:
@@ -831,6 +846,10 @@ state = "{base}/state"
 
     def running(self) -> list[str]:
         return [name for name, _ in self._recorded()]
+
+    def process(self, name: str) -> psutil.Process | None:
+        """The running process this cluster started under ``name`` (kube-scheduler, etcd...), if any."""
+        return next((process for recorded, process in self._recorded() if recorded == name), None)
 
     def leftovers(self) -> list[str]:
         """Anything still running that this cluster started: a process naming its state directory, or a
