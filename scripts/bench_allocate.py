@@ -18,6 +18,7 @@ import json
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -91,6 +92,7 @@ def main() -> None:
         }
     report["admissions_per_second"] = round(args.pods / wall, 1)
     report["idle"] = idle
+    report["import_rss_mib"] = import_rss()
     print(json.dumps(report, indent=2))
 
 
@@ -104,16 +106,53 @@ def idle_cost(process: psutil.Process, *, seconds: float) -> dict[str, float]:
         times = process.cpu_times()
         return times.user + times.system + times.children_user + times.children_system
 
-    before, started = cpu(), time.perf_counter()
+    def per_thread() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in process.threads()}
+
+    before, threads_before, started = cpu(), per_thread(), time.perf_counter()
     time.sleep(seconds)
     used, wall = cpu() - before, time.perf_counter() - started
+    spent = {tid: busy - threads_before.get(tid, 0.0) for tid, busy in per_thread().items()}
     memory = process.memory_full_info()
     return {
         "seconds": round(wall, 1),
         "cpu_percent_of_one_core": round(100 * used / wall, 2),
         "rss_mib": round(memory.rss / 2**20, 1),
         "uss_mib": round(memory.uss / 2**20, 1),
+        # Where it went: the busiest threads (Python's own names: `py-spy dump --pid <pid>` lists them by tid).
+        "threads": [
+            {"tid": tid, "comm": _comm(process.pid, tid), "cpu_percent_of_one_core": round(100 * busy / wall, 3)}
+            for tid, busy in sorted(spent.items(), key=lambda item: -item[1])
+            if busy > 0
+        ][:8],
     }
+
+
+#: The daemon's libraries, by what they add to a fresh interpreter's RSS (the daemon imports its own modules
+#: lazily; these it cannot do without).
+LIBRARIES = ("kubernetes", "grpc", "prometheus_client", "pynvml", "orjson,yaml,sdnotify")
+
+
+def import_rss() -> dict[str, float]:
+    """RSS (MiB) of a fresh interpreter with psutil, then what each of LIBRARIES adds to it, imported alone."""
+
+    def rss(modules: str) -> float:
+        code = (
+            f"import importlib, psutil\nfor m in {modules!r}.split(','):\n    m and importlib.import_module(m)\n"
+            "print(psutil.Process().memory_info().rss)"
+        )
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+        return int(out.stdout) / 2**20
+
+    base = rss("")
+    return {"interpreter": round(base, 1), **{name: round(rss(name) - base, 1) for name in LIBRARIES}}
+
+
+def _comm(pid: int, tid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    except OSError:
+        return "?"
 
 
 def _cpus() -> int:
