@@ -174,6 +174,10 @@ class PlacementHistory(RuleBasedStateMachine):
         fits = sum(v.fits for v in verdicts) >= gpus
         assert fits == (0 < amount <= most_free(self.ledger, mps=mps, gpus=gpus))
         assert fitting(self.ledger, request) == [v for v in verdicts if v.fits]
+        # What pricing keeps on the ledger (per version) is what the ledger says now, after every add and remove.
+        healthy = [gpu for gpu in self.ledger.inventory.gpus if gpu.healthy]
+        _, frees, _, free_total = PricingContext(self.ledger)._gpus
+        assert frees == [max(self.ledger.free(gpu), 0) for gpu in healthy] and free_total == sum(frees)
 
     @invariant()
     def no_gpu_over_capacity_or_mixed(self) -> None:
