@@ -172,8 +172,16 @@ class Manager:
             return self._version, list(self._devices)
 
     def wait_for_change(self, version: int, timeout: float) -> None:
+        """Return when the device list is no longer at ``version``, when :meth:`wake` is called, or after
+        ``timeout``; the caller looks again either way."""
         with self._lock:
-            self._lock.wait_for(lambda: self._version != version, timeout)
+            if self._version == version:
+                self._lock.wait(timeout)
+
+    def wake(self) -> None:
+        """Wake every stream waiting in :meth:`wait_for_change`: one of them ended, or the server stops."""
+        with self._lock:
+            self._lock.notify_all()
 
     def ledger_key(self) -> tuple[object, ...]:
         """What :meth:`ledger` is built from, cheap to compare: the inventory and the pods' mirror (its count

@@ -43,7 +43,8 @@ from gpushared.nvml.backend import GpuBackend
 
 log = logging.getLogger(__name__)
 
-TICK = 0.5
+#: The main loop's period: kubelet restarts, reloads and health changes are acted on within it.
+TICK = 1.0
 #: How often what was served to departed pods is dropped (a scan of the node's pods).
 FORGET_SECONDS = 10.0
 ENDPOINT = "gpushared.sock"
@@ -138,7 +139,8 @@ class Service:
                     self._wait_for_credentials()
                 else:
                     self._tick()
-                self._stop.wait(TICK)
+                # Never longer than the watchdog's ping interval (half of WatchdogSec): the pings are the loop's.
+                self._stop.wait(min(TICK, self.notifier.watchdog_interval or TICK))
         finally:
             self.notifier.send("STOPPING=1")
             self.notifier.status("stopping")

@@ -48,6 +48,10 @@ class AllocationRefused(Exception):
         self.retryable = retryable
 
 
+#: How long an open ListAndWatch stream waits for a change before it looks whether it should end anyway.
+WATCH_RECHECK_SECONDS = 30.0
+
+
 class DeviceManager(Protocol):
     resource_name: str
 
@@ -56,6 +60,10 @@ class DeviceManager(Protocol):
         ...
 
     def wait_for_change(self, version: int, timeout: float) -> None: ...
+
+    def wake(self) -> None:
+        """Return every :meth:`wait_for_change` now."""
+        ...
 
     def preferred(self, available: Sequence[str], must_include: Sequence[str], size: int) -> list[str]: ...
 
@@ -97,10 +105,13 @@ class _Servicer(api_pb2_grpc.DevicePluginServicer):
         version, devices = self.manager.devices()
         with self._lock:
             self.watchers += 1
+        # The stream waits for a change of the device list, and is woken when the kubelet hangs up or the
+        # server stops; the timeout is only a safety net (a wake-up every second cost an idle node's CPU).
+        context.add_callback(self.manager.wake)
         try:
             yield list_message(devices)
             while context.is_active() and not self.stopping[0]:
-                self.manager.wait_for_change(version, timeout=1.0)
+                self.manager.wait_for_change(version, timeout=WATCH_RECHECK_SECONDS)
                 current, devices = self.manager.devices()
                 if current != version:
                     version = current
@@ -215,6 +226,7 @@ class PluginServer:
 
     def stop(self) -> None:
         self._stopping[0] = True
+        self.manager.wake()
         if self._server is not None:
             self._server.stop(grace=1.0).wait(2.0)
             self._server = None
