@@ -10,6 +10,13 @@ and after.
 
 CPU is what makes this more than best fit: on a trace of shared GPUs the GPU-memory term alone is concave
 and picks what best fit picks, while a node whose CPU is used up strands all its free GPU memory.
+
+Where the mix knows the cluster's nodes (their :class:`NodeClass` counts), a kind that only some nodes can
+ever host weighs more on those: its share times the nodes there are per node that could host it. The
+paper's fragment weighs every kind by its share alone, as if its pods could go anywhere; a kind of 8 GPUs
+and 120 CPUs that only 39 of 1,213 nodes can take concentrates all its demand on those 39, and at its
+share alone (0.1 % of pods) the growth of breaking one of them is smaller than the levels fgd prices in
+can tell, so they were taken by small pods long before the cluster filled (docs/benchmarks.md, issue #25).
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
+
+from gpushared.contract import GpuInventory
 
 #: A kind of pod: (milli-CPU requested, GPU memory units on each of its GPUs, GPUs); (CPU, 0, 0) for a pod
 #: that uses no GPU.
@@ -24,8 +34,36 @@ Kind = tuple[int, int, int]
 #: A kind of pod and the GPU models it may run on (its node affinity on the cluster's GPU-model label; None:
 #: any model).
 ModelKind = tuple[int, int, int, frozenset[str] | None]
-#: Pods of each kind, with or without models.
-Counts = Mapping[Kind, int] | Mapping[ModelKind, int] | Mapping[Kind | ModelKind, int]
+#: Pods of each kind, with or without models (weighed counts may be fractions).
+Counts = Mapping[Kind, float] | Mapping[ModelKind, float] | Mapping[Kind | ModelKind, float]
+
+
+class NodeClass(NamedTuple):
+    """What a node offers any pod, whatever runs on it: its GPU model (the cluster's GPU-model label; None:
+    not known), its GPUs, the memory units of its largest GPU, and the milli-CPU pods may request there
+    (None: not known)."""
+
+    model: str | None
+    gpus: int
+    gpu_memory: int
+    cpu: int | None
+
+
+def node_class(inventory: GpuInventory, *, model: str | None, cpu_allocatable: int | None) -> NodeClass:
+    return NodeClass(
+        model, len(inventory.gpus), max((gpu.memory for gpu in inventory.gpus), default=0), cpu_allocatable
+    )
+
+
+def hosts(node: NodeClass, kind: ModelKind) -> bool:
+    """Whether an empty node of this class could take a pod of this kind."""
+    cpu, size, gpus, models = kind
+    return (
+        (models is None or node.model is None or node.model in models)
+        and gpus <= node.gpus
+        and size <= node.gpu_memory
+        and (node.cpu is None or cpu <= node.cpu)
+    )
 
 
 class RequestMix:
@@ -40,15 +78,45 @@ class RequestMix:
     see one half-counted.
     """
 
-    def __init__(self, kinds: Iterable[Kind | ModelKind] = ()) -> None:
+    def __init__(self, kinds: Iterable[Kind | ModelKind] = (), *, nodes: Mapping[NodeClass, int] | None = None) -> None:
+        #: the cluster's nodes, counted by class (empty: not known, every kind weighs its share alone)
+        self.nodes: dict[NodeClass, int] = {c: n for c, n in (nodes or {}).items() if n > 0}
         self._count(Counter(kinds))
 
     @classmethod
-    def of_counts(cls, counts: Counts) -> RequestMix:
+    def of_counts(cls, counts: Counts, *, nodes: Mapping[NodeClass, int] | None = None) -> RequestMix:
         """The mix of ``counts[kind]`` pods of each kind: what a cache that keeps counts hands over."""
-        mix = cls()
+        mix = cls(nodes=nodes)
         mix._count(counts)
         return mix
+
+    def for_node(self, node: NodeClass) -> RequestMix:
+        """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
+        :meth:`for_model`, and, where the mix knows the cluster's nodes, each kind this class could host
+        weighed by how scarce its hosts are (the module's docstring). Kept per class."""
+        if not self.nodes:
+            return self.for_model(node.model)
+        view = self._views.get(node)
+        if view is None:
+            counts: dict[Kind, float] = {}
+            for kind, n in self._kinds.items():
+                cpu, size, gpus, models = kind
+                if models is not None and node.model is not None and node.model not in models:
+                    key, weight = (cpu, 0, 0), 1.0
+                else:
+                    key, weight = (cpu, size, gpus), self._scarcity(kind) if size > 0 and hosts(node, kind) else 1.0
+                counts[key] = counts.get(key, 0.0) + n * weight
+            view = self._views[node] = RequestMix()
+            view._count(counts, total=self._total)
+        return view
+
+    def _scarcity(self, kind: ModelKind) -> float:
+        """The cluster's nodes per node that could host ``kind`` (1 for a kind every node could host)."""
+        known = self._scarcities.get(kind)
+        if known is None:
+            able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
+            known = self._scarcities[kind] = sum(self.nodes.values()) / able if able else 1.0
+        return known
 
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
@@ -58,34 +126,37 @@ class RequestMix:
             return self
         view = self._views.get(model)
         if view is None:
-            counts: Counter[Kind] = Counter()
+            counts: dict[Kind, float] = {}
             for (cpu, size, gpus, models), n in self._kinds.items():
-                counts[(cpu, size, gpus) if models is None or model in models else (cpu, 0, 0)] += n
+                key = (cpu, size, gpus) if models is None or model in models else (cpu, 0, 0)
+                counts[key] = counts.get(key, 0.0) + n
             view = self._views[model] = RequestMix.of_counts(counts)
         return view
 
-    def _count(self, given: Counts) -> None:
+    def _count(self, given: Counts, total: float | None = None) -> None:
         #: every kind with the models it may use, and whether any names models
-        self._kinds: dict[ModelKind, int] = {}
+        self._kinds: dict[ModelKind, float] = {}
         for kind, n in given.items():
             full: ModelKind = (kind[0], kind[1], kind[2], kind[3] if len(kind) == 4 else None)
             self._kinds[full] = self._kinds.get(full, 0) + n
         self._pinned = any(models is not None for *_, models in self._kinds)
-        self._views: dict[str, RequestMix] = {}
-        merged: Counter[Kind] = Counter()
+        self._views: dict[str | NodeClass, RequestMix] = {}
+        self._scarcities: dict[ModelKind, float] = {}
+        merged: dict[Kind, float] = {}
         for (cpu, size, gpus, _), n in self._kinds.items():
-            merged[(cpu, size, gpus)] += n
-        self._count_kinds(merged)
+            merged[(cpu, size, gpus)] = merged.get((cpu, size, gpus), 0.0) + n
+        self._count_kinds(merged, total)
 
-    def _count_kinds(self, given: Mapping[Kind, int]) -> None:
+    def _count_kinds(self, given: Mapping[Kind, float], total: float | None) -> None:
+        """``total``: the pods the shares are of (None: the counts' sum; a weighed view keeps its mix's)."""
         counts = {kind: n for kind, n in given.items() if n > 0}
-        total = sum(counts.values())
+        total = sum(counts.values()) if total is None else total
         self._total = total
         gpu = {(cpu, size): n for (cpu, size, gpus), n in counts.items() if size > 0 and gpus == 1}
         gpu_total = sum(gpu.values())
         gangs = {kind: n for kind, n in counts.items() if kind[1] > 0 and kind[2] > 1}
         #: share of pods using no GPU: all free GPU memory is fragment to them
-        self._gpuless = (total - gpu_total - sum(gangs.values())) / total if total else 0.0
+        self._gpuless = sum(n for (_, size, _), n in counts.items() if size <= 0) / total if total else 0.0
         #: (size per GPU, GPUs) -> (CPU requests in order, share of the kinds asking at most each)
         self._gangs: dict[tuple[int, int], tuple[tuple[int, ...], tuple[float, ...]]] = {}
         for cpu, size, gpus in sorted(gangs):
@@ -97,14 +168,14 @@ class RequestMix:
         #: and the share of GPU pods that ask more CPU than the row's (they cannot use the node at all)
         self._rows: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
         self._unhosted: list[float] = []
-        sizes: Counter[int] = Counter()
-        by_cpu: dict[int, list[tuple[int, int]]] = {}
+        sizes: dict[int, float] = {}
+        by_cpu: dict[int, list[tuple[int, float]]] = {}
         for (cpu, size), n in gpu.items():
             by_cpu.setdefault(cpu, []).append((size, n))
-        hosted = 0
+        hosted = 0.0
         for cpu in self._cpus:
             for size, n in by_cpu[cpu]:
-                sizes[size] += n
+                sizes[size] = sizes.get(size, 0.0) + n
                 hosted += n
             ordered = tuple(sorted(sizes))
             above: list[float] = []
@@ -118,7 +189,7 @@ class RequestMix:
         self._all_gpu = gpu_total / total if total else 0.0
 
     def __len__(self) -> int:
-        return self._total
+        return round(self._total)
 
     def fragment(self, frees: Iterable[int], *, cpu_free: int | None = None) -> float:
         """Expected units of a node's free GPU memory (``frees``, one per GPU) that the next pod cannot use,

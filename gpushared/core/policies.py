@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from gpushared import contract
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.fragmentation import RequestMix, node_class
 from gpushared.core.ledger import Ledger
 from gpushared.core.requests import PodRequest
 from gpushared.core.topology import choose_set, set_score, topology_of
@@ -56,12 +56,20 @@ class PricingContext:
         model: str | None = None,
     ):
         self.ledger = ledger
-        #: the mix as this node sees it: kinds that may not run on its GPU model (``model``, the value of the
-        #: cluster's GPU-model label; None: not known) can use none of its GPU memory
-        self.mix = mix.for_model(model)
         self.cpu = cpu
         self.pod_cpu = pod_cpu
+        self._mix, self._model = mix, model
         self._known_gpus: tuple[dict[int, int], list[int], int, int] | None = None
+
+    @functools.cached_property
+    def mix(self) -> RequestMix:
+        """The mix as this node sees it (``RequestMix.for_node``): kinds that may not run on its GPU model
+        (``model``, the value of the cluster's GPU-model label; None: not known) can use none of its GPU
+        memory, and kinds few nodes can host weigh more on those. Worked out on first use: only fgd reads it."""
+        if not self._mix.nodes:
+            return self._mix.for_model(self._model)
+        cpu = None if self.cpu is None else self.cpu.allocatable
+        return self._mix.for_node(node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu))
 
     @property
     def _gpus(self) -> tuple[dict[int, int], list[int], int, int]:
@@ -365,7 +373,8 @@ BINPACK: Final = Policy(
 #: The GPU left with the most free memory.
 SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free), free_order=-1)
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
-#: memory, for the mix of pods seen and the CPU left, grows least (gpushared.core.fragmentation); among
+#: memory, for the mix of pods seen (each kind weighed by how scarce the nodes that could host it are) and
+#: the CPU left, grows least (gpushared.core.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
 #: fit among balanced nodes.
 FGD: Final = Policy(

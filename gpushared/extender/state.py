@@ -24,7 +24,7 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
-from gpushared.core.fragmentation import ModelKind, RequestMix
+from gpushared.core.fragmentation import ModelKind, NodeClass, RequestMix, node_class
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.policies import NodeCpu
 
@@ -130,8 +130,16 @@ class ClusterState:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
                 self.mix_generation += 1
-                self._mix = RequestMix.of_counts(self._kinds)
+                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes())
             return self._mix
+
+    def _node_classes(self) -> Counter[NodeClass]:
+        """The gpushared nodes by class: which kinds of pod how many of them could ever host."""
+        return Counter(
+            node_class(state.inventory, model=state.model, cpu_allocatable=state.cpu_allocatable)
+            for state in self.nodes.values()
+            if state.inventory is not None and state.ledger is not None and not state.problem
+        )
 
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""

@@ -10,9 +10,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.fragmentation import RequestMix, node_class
 from gpushared.core.policies import policy_named
-from gpushared.replay.cluster import LinkTally, SimCluster
+from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
 
 #: The paper's workload inflation ("tune") and seeds.
@@ -71,8 +71,10 @@ def replay(
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     # What an extender that has watched this workload would have counted: the kinds of its tasks, each with
-    # the GPU models its node affinity allows (gpu_spec).
-    mix = RequestMix((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload)
+    # the GPU models its node affinity allows (gpu_spec); and the cluster's nodes by class, as it counts them
+    # from the Nodes it watches.
+    classes = Counter(node_class(inventory_of(n), model=n.model, cpu_allocatable=n.cpu_milli) for n in nodes)
+    mix = RequestMix(((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload), nodes=classes)
     cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng, links=links)
     typical = _typical(workload)
     allocation: list[float] = []

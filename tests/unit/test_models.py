@@ -9,7 +9,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.core.bodies import gpu_models, slim_pod
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.fragmentation import NodeClass, RequestMix, hosts
 from gpushared.core.ledger import Ledger
 from gpushared.core.policies import FGD, NodeCpu, PricingContext, node_scores
 from gpushared.core.requests import ContainerRequest, PodRequest
@@ -121,3 +121,39 @@ def test_the_extender_counts_kinds_with_their_models_and_nodes_with_theirs() -> 
     # The only kind seen may use T4s alone: to a G2 node all its memory is fragment, to a T4 none of it.
     assert mix.for_model("G2").fragment([16]) == pytest.approx(16.0)
     assert mix.for_model("T4").fragment([16]) == pytest.approx(0.0)
+    # And the nodes by class, for how scarce each kind's hosts are: one T4 node of one 16 GiB GPU.
+    (seen,) = mix.nodes
+    assert (seen.model, seen.gpus, seen.gpu_memory, mix.nodes[seen]) == ("T4", 1, 16, 1)
+
+
+T4 = NodeClass(model="T4", gpus=2, gpu_memory=16, cpu=96_000)
+
+
+@pytest.mark.parametrize(
+    ("kind", "hosted"),
+    [
+        ((4000, 8, 1, None), True),
+        ((4000, 8, 1, frozenset({"T4", "G2"})), True),
+        ((4000, 8, 1, frozenset({"G2"})), False),  # pinned to another model
+        ((4000, 16, 4, None), False),  # more GPUs than the node has
+        ((4000, 24, 1, None), False),  # more memory than its GPUs have
+        ((120_000, 8, 1, None), False),  # more CPU than pods may request there
+        ((96_000, 16, 2, None), True),
+    ],
+)
+def test_which_node_classes_could_host_a_kind(kind: tuple[int, int, int, frozenset[str] | None], hosted: bool) -> None:
+    assert hosts(T4, kind) is hosted
+    assert hosts(T4._replace(model=None, cpu=None), kind) is (kind[1] <= 16 and kind[2] <= 2)  # unknown: not refused
+
+
+def test_a_kind_weighs_on_the_nodes_that_could_host_it_by_how_few_they_are() -> None:
+    g2 = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
+    kinds = [(4000, 8, 1, frozenset({"T4"}))] * 10 + [(4000, 8, 1, None)] * 90
+    mix = RequestMix(kinds, nodes={T4: 10, g2: 30})
+    # On a T4 node the T4-only kind weighs 10 pods x 40 nodes / 10 that could host it, the other 90 x 1: a
+    # GPU with 4 free, which neither can use, is 130 % fragment (shares of the 100 pods seen).
+    assert mix.for_node(T4).fragment([4], cpu_free=8000) == pytest.approx(1.3 * 4)
+    # On a G2 node the T4-only kind can use nothing, as for_model says, and the other weighs as it is.
+    assert mix.for_node(g2).fragment([16], cpu_free=8000) == pytest.approx(0.1 * 16)
+    blind = RequestMix(kinds)  # the cluster's nodes not known: the model's view
+    assert blind.for_node(T4) is blind.for_model("T4")

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.binding import bind_annotations
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.fragmentation import NodeClass, RequestMix
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod
 from gpushared.core.policies import (
     BALANCED,
@@ -451,3 +451,30 @@ def test_pricing_only_the_tightest_gpu_chooses_and_prices_as_pricing_them_all(
         fast = policy.price_node(judge(ledger, ask), ask, setting)
         slow = every.price_node(judge(ledger, ask), ask, PricingContext(ledger, cpu=node_cpu, pod_cpu=pod_cpu))
         assert fast == slow
+
+
+def test_fgd_keeps_the_few_nodes_a_big_kind_fits_for_it() -> None:
+    """One pod in a thousand needs 8 GPUs and 120 CPUs, which only the one 128-CPU node of 39 can host. At its
+    share alone, breaking that node grows the fragment by 0.008 GPU, within one of fgd's levels, and the
+    small pod went wherever CPU and GPU stayed balanced: the big node. Knowing the cluster's nodes, the
+    big kind weighs 39 times on the one node that can host it, and the small pod goes elsewhere."""
+    big = NodeClass(model="Fake GPU", gpus=8, gpu_memory=16, cpu=128_000)
+    plain = big._replace(cpu=96_000)
+    kinds = [(4000, 4, 1)] * 599 + [(1000, 0, 0)] * 400 + [(120_000, 16, 8)]
+    req = request(4)
+
+    def ranks(mix: RequestMix) -> list[NodeRank | None]:
+        keys = []
+        for node in (big, plain):
+            ledger = Ledger.build(inventory(*[16] * 8))
+            context = PricingContext(ledger, mix=mix, cpu=NodeCpu(node.cpu or 0, 0), pod_cpu=4000, model=node.model)
+            keys.append(appraised(ledger, req, context, FGD))
+        return keys
+
+    blind = ranks(RequestMix(kinds))
+    assert blind[0] and blind[1] and blind[0].price == blind[1].price  # the same level on both
+    assert node_scores(blind) == [10, 9]  # and the big node is the better balanced
+    assert node_scores(ranks(RequestMix(kinds, nodes={big: 1, plain: 38}))) == [0, 10]
+    assert RequestMix(kinds, nodes={big: 1, plain: 38}).for_node(plain).fragment([16] * 8, cpu_free=96_000) == (
+        RequestMix(kinds).fragment([16] * 8, cpu_free=96_000)  # a kind every node could host weighs as before
+    )
