@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,14 +29,16 @@ class KubeletLink:
         self.metrics = metrics
         self.registered = False
         self._kubelet_inode: int | None = None
+        # Looked at every tick: plain strings for os.stat, not a pathlib join each time.
+        self._kubelet_path, self._ours_path = str(plugin.kubelet_socket), str(plugin.socket)
 
     def keep(self) -> None:
-        kubelet = self.plugin.kubelet_socket
+        kubelet = self._kubelet_path
         try:
-            inode: int | None = kubelet.stat().st_ino
+            inode: int | None = os.stat(kubelet).st_ino
         except FileNotFoundError:
             inode = None
-        ours_gone = self.registered and not self.plugin.socket.exists()
+        ours_gone = self.registered and not os.path.exists(self._ours_path)
         if self.registered and inode == self._kubelet_inode and not ours_gone:
             return
         if inode is None:
