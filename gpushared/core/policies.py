@@ -59,17 +59,24 @@ class PricingContext:
         self.cpu = cpu
         self.pod_cpu = pod_cpu
         self._mix, self._model = mix, model
+        self._node_mix: RequestMix | None = None
         self._known_gpus: tuple[dict[int, int], list[int], int, int] | None = None
 
-    @functools.cached_property
+    @property
     def mix(self) -> RequestMix:
         """The mix as this node sees it (``RequestMix.for_node``): kinds that may not run on its GPU model
         (``model``, the value of the cluster's GPU-model label; None: not known) can use none of its GPU
-        memory, and kinds few nodes can host weigh more on those. Worked out on first use: only fgd reads it."""
-        if not self._mix.nodes:
-            return self._mix.for_model(self._model)
-        cpu = None if self.cpu is None else self.cpu.allocatable
-        return self._mix.for_node(node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu))
+        memory, and kinds few nodes can host weigh more on those. Worked out on first use (only fgd reads
+        it), kept as a plain attribute for the reason :attr:`_gpus` gives."""
+        known = self._node_mix
+        if known is None:
+            if not self._mix.nodes:
+                known = self._mix.for_model(self._model)
+            else:
+                cpu = None if self.cpu is None else self.cpu.allocatable
+                known = self._mix.for_node(node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu))
+            self._node_mix = known
+        return known
 
     @property
     def _gpus(self) -> tuple[dict[int, int], list[int], int, int]:
