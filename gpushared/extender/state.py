@@ -104,6 +104,10 @@ class ClusterState:
         #: counts the mixes taken: a rank that reads the mix is kept per mix
         self.mix_generation = 0
         self._mix_counted = -MIX_SECONDS
+        #: counts changes of what a node offers any pod (its GPUs, model, allocatable CPU), and the nodes by
+        #: class as of that count: counted again only when one changed, not with every mix
+        self._shapes = 0
+        self._classes: tuple[int, Counter[NodeClass]] = (-1, Counter())
 
     # --- reads -----------------------------------------------------------------------------------------------
 
@@ -135,11 +139,14 @@ class ClusterState:
 
     def _node_classes(self) -> Counter[NodeClass]:
         """The gpushared nodes by class: which kinds of pod how many of them could ever host."""
-        return Counter(
-            node_class(state.inventory, model=state.model, cpu_allocatable=state.cpu_allocatable)
-            for state in self.nodes.values()
-            if state.inventory is not None and state.ledger is not None and not state.problem
-        )
+        if self._classes[0] != self._shapes:
+            classes = Counter(
+                node_class(state.inventory, model=state.model, cpu_allocatable=state.cpu_allocatable)
+                for state in self.nodes.values()
+                if state.inventory is not None and state.ledger is not None and not state.problem
+            )
+            self._classes = (self._shapes, classes)
+        return self._classes[1]
 
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""
@@ -162,6 +169,7 @@ class ClusterState:
                     state = self.nodes.get(meta_of(old).get("name", ""))
                     if state is not None:
                         state.inventory, state.problem, state.cpu_allocatable = None, None, None
+                        self._shapes += 1
                         self._rebuild(state)
                 return
             name = meta_of(new).get("name", "")
@@ -172,10 +180,12 @@ class ClusterState:
             if model != state.model:
                 state.model = model
                 state.memo.clear()  # fgd's ranks read the mix as this model sees it
+                self._shapes += 1
             cpu = allocatable_cpu(new)
             if cpu != state.cpu_allocatable:
                 state.cpu_allocatable = cpu
                 state.cpu_version += 1
+                self._shapes += 1
             try:
                 inventory = inventory_from_node(new, resources=self.resources)
                 problem = None
@@ -186,6 +196,7 @@ class ClusterState:
                 state.inventory = inventory  # the same GPUs; what they use (inspect) may be newer
                 return
             state.inventory, state.problem = inventory, problem
+            self._shapes += 1
             self._rebuild(state)
 
     def on_pod(self, old: PodBody | None, new: PodBody | None, *, assumed: Callable[[str], bool]) -> None:

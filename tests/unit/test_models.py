@@ -124,6 +124,14 @@ def test_the_extender_counts_kinds_with_their_models_and_nodes_with_theirs() -> 
     # And the nodes by class, for how scarce each kind's hosts are: one T4 node of one 16 GiB GPU.
     (seen,) = mix.nodes
     assert (seen.model, seen.gpus, seen.gpu_memory, mix.nodes[seen]) == ("T4", 1, 16, 1)
+    # Counted again when a node's shape changes, not with every mix: a status update alone changes nothing.
+    counted = cache.state._node_classes()
+    cache.nodes.handler(t4, t4)  # type: ignore[misc]
+    assert cache.state._node_classes() is counted
+    g2 = gpu_node("g2", 16, 16)
+    g2["metadata"]["labels"] = {LABEL: "G2"}
+    cache.nodes.handler(None, g2)  # type: ignore[misc]
+    assert sorted((c.model, c.gpus, n) for c, n in cache.state._node_classes().items()) == [("G2", 2, 1), ("T4", 1, 1)]
 
 
 T4 = NodeClass(model="T4", gpus=2, gpu_memory=16, cpu=96_000)
