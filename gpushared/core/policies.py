@@ -70,12 +70,9 @@ class PricingContext:
         it), kept as a plain attribute for the reason :attr:`_gpus` gives."""
         known = self._node_mix
         if known is None:
-            if not self._mix.nodes:
-                known = self._mix.for_model(self._model)
-            else:
-                cpu = None if self.cpu is None else self.cpu.allocatable
-                known = self._mix.for_node(node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu))
-            self._node_mix = known
+            cpu = None if self.cpu is None else self.cpu.allocatable
+            node = node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu)
+            known = self._node_mix = self._mix.for_node(node)
         return known
 
     @property
