@@ -130,7 +130,7 @@ def idle_cost(process: psutil.Process, *, seconds: float) -> dict[str, float]:
 
 #: The daemon's libraries, by what they add to a fresh interpreter's RSS (the daemon imports its own modules
 #: lazily; these it cannot do without).
-LIBRARIES = ("kubernetes", "grpc", "prometheus_client", "pynvml", "orjson,yaml,sdnotify")
+LIBRARIES = ("grpc", "prometheus_client", "urllib3", "pynvml", "orjson,yaml,sdnotify")
 
 
 def import_rss() -> dict[str, float]:

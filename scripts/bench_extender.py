@@ -6,7 +6,7 @@ fake one (tests/fakes/apiserver.py, HTTP on loopback, in this process), or with 
 real kube-apiserver 1.20 and etcd of tests/e2e's local cluster (started for the run, without controllers
 or kubelet). Then:
 
-- in-process: the production ClusterCache, synced from that API server through the kubernetes client, and
+- in-process: the production ClusterCache, synced from that API server through gpushared.kube, and
   the production Scheduler; each pending pod (1-8 GiB) is filtered and prioritized against
   ``--candidates`` node names, as kube-scheduler sends them (``nodeCacheCapable: true``), and bound;
 - over HTTP: the real ``gpushared-extender`` process against the same API server, called the way
@@ -252,8 +252,8 @@ def rounds(
 def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:
     client = Api(connect(backend.kubeconfig))
     cache = ClusterCache(
-        list_nodes=client.core.list_node,
-        list_pods=client.core.list_pod_for_all_namespaces,
+        list_nodes=client.rest.lister("/api/v1/nodes", what="nodes"),
+        list_pods=client.rest.lister("/api/v1/pods", what="pods"),
         resources=contract.DEFAULT_RESOURCES,
     )
     started = time.perf_counter()
@@ -263,7 +263,7 @@ def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng
     cache.warm()  # as the extender does before it says ready
     synced = time.perf_counter() - started
     policy = policy_named(args.policy)
-    binder = AsyncApi(client.client.configuration)
+    binder = AsyncApi(client.rest.credentials)
     verbs = InProcess(Scheduler(cache=cache, api=binder, policy=policy, resources=contract.DEFAULT_RESOURCES))
     try:
         return {"cacheSyncSeconds": round(synced, 2), **rounds(backend, verbs, names, args, rng)}

@@ -144,7 +144,7 @@ def main(
     _check_tls(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, where=f"{address}:{port}")
     try:
         api = Api(connect(kubeconfig))
-        binder = AsyncApi(api.client.configuration)
+        binder = AsyncApi(api.rest.credentials)
     except KubeError as exc:
         raise click.ClickException(str(exc)) from None
     server = ServerConfig(

@@ -66,8 +66,8 @@ class Extender:
     def __init__(self, settings: ExtenderSettings, *, api: Api, binder: AsyncApi) -> None:
         self.settings = settings
         self.cache = ClusterCache(
-            list_nodes=api.core.list_node,
-            list_pods=api.core.list_pod_for_all_namespaces,
+            list_nodes=api.rest.lister("/api/v1/nodes", what="nodes"),
+            list_pods=api.rest.lister("/api/v1/pods", what="pods"),
             resources=settings.resources,
             watch_seconds=settings.watch_seconds,
             landing_seconds=settings.binding_landing_seconds,
@@ -76,7 +76,7 @@ class Extender:
         lease = settings.lease
         self.elector = (
             LeaderElector(
-                api.client,
+                api.rest,
                 namespace=lease.namespace,
                 name=lease.name,
                 identity=f"{lease.identity} {settings.own_url}",

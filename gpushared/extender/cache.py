@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
 
 from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, slim_pod
@@ -28,6 +27,7 @@ from gpushared.extender.reservations import LANDING_SECONDS, Assumed, Settlement
 from gpushared.extender.reserving import Reservation, Reservations
 from gpushared.extender.state import MIX_SECONDS, ClusterState, Rejected
 from gpushared.kube.informer import Informer
+from gpushared.kube.rest import Lister
 
 __all__ = ["MIX_SECONDS", "ClusterCache", "Rejected", "Reservation"]
 
@@ -36,8 +36,8 @@ class ClusterCache:
     def __init__(
         self,
         *,
-        list_nodes: Callable[..., Any],
-        list_pods: Callable[..., Any],
+        list_nodes: Lister,
+        list_pods: Lister,
         resources: ResourceNames,
         clock: Callable[[], float] = time.monotonic,
         watch_seconds: int = 60,

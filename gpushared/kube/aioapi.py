@@ -3,45 +3,41 @@
 kube-scheduler binds pods while it filters the next ones, so the extender's binds are its hot path. Through
 the generated client each call takes a worker thread, urllib3 and the client's own serialisation (what that
 cost: docs/benchmarks.md, "Figures behind the code"); here it is one coroutine on the loop. The credentials
-are the kubernetes client's, read from the same ``Configuration`` (certificates, CA, token and its refresh
-hook, proxy), so the two clients authenticate the same way.
+are the synchronous client's (``kube.credentials``: certificates, CA, the token and its refresh, proxy), so
+the two authenticate the same way.
 """
 
 from __future__ import annotations
 
 import ssl
 from typing import Any, cast
-from urllib.parse import quote, urlsplit
+from urllib.parse import urlsplit
 
 import aiohttp
-import kubernetes
 import orjson
-from kubernetes.client.rest import should_bypass_proxies
 
 from gpushared.core.bodies import PodBody
-from gpushared.kube.api import REQUEST_TIMEOUT, KubeError, error_for, status_message
+from gpushared.kube.credentials import Credentials, Identity
+from gpushared.kube.errors import KubeError, error_for, status_message
+from gpushared.kube.rest import REQUEST_TIMEOUT, USER_AGENT, quoted
 
 
 class AsyncApi:
     """Pods read and bound over one pool of keep-alive connections; open it on the loop that uses it."""
 
-    def __init__(self, configuration: kubernetes.client.Configuration, *, connections: int = 32) -> None:
-        self.configuration = configuration
-        self.host = configuration.host.rstrip("/")
+    def __init__(self, credentials: Credentials, *, connections: int = 32) -> None:
+        self.credentials = credentials
+        self.host = credentials.server
         self.connections = connections
-        self.proxy: str | None = None
-        if configuration.proxy and not should_bypass_proxies(self.host, configuration.no_proxy or ""):
-            if urlsplit(configuration.proxy).scheme != "http":
-                raise KubeError(
-                    f"proxy {configuration.proxy}: the extender reaches the API server through http:// proxies only"
-                )
-            self.proxy = configuration.proxy
-        self._ssl: ssl.SSLContext | bool = _ssl_context(configuration) if self.host.startswith("https:") else True
+        self.proxy = credentials.proxy
+        if self.proxy and urlsplit(self.proxy).scheme != "http":
+            raise KubeError(f"proxy {self.proxy}: the extender reaches the API server through http:// proxies only")
         #: what every request passes beside its own arguments: the proxy, and the name the TLS server must have
         self._options: dict[str, Any] = {"proxy": self.proxy}
-        if configuration.tls_server_name:
-            self._options["server_hostname"] = configuration.tls_server_name
+        if credentials.https and credentials.tls_server_name:
+            self._options["server_hostname"] = credentials.tls_server_name
         self._session: aiohttp.ClientSession | None = None
+        self._identity: Identity | None = None
 
     async def close(self) -> None:
         if self._session is not None:
@@ -68,20 +64,20 @@ class AsyncApi:
         )
 
     async def _call(self, what: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self.connections, ssl=self._ssl),
-                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
-            )
-        headers = {"Accept": "application/json", "User-Agent": "gpushared-extender"}
+        credential = self.credentials.credential
+        try:
+            identity = credential.identity()
+            authorization = credential.authorization()
+        except KubeError as exc:
+            raise KubeError(f"{what}: {exc}", status=exc.status) from exc
+        session = await self._session_for(identity)
+        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
         if body is not None:
             headers["Content-Type"] = "application/json"
-        # The client's own rule: its credentials hook runs before every request (it is throttled by connect()).
-        token = self.configuration.get_api_key_with_prefix("BearerToken", alias="authorization")
-        if token:
-            headers["Authorization"] = token
+        if authorization:
+            headers["Authorization"] = authorization
         try:
-            async with self._session.request(
+            async with session.request(
                 method,
                 self.host + path,
                 data=None if body is None else orjson.dumps(body),
@@ -92,27 +88,25 @@ class AsyncApi:
                 status, reason = response.status, response.reason
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise KubeError(f"{what}: API server unreachable ({type(exc).__name__}: {exc})") from exc
+        if status == 401:
+            credential.refused(authorization)  # the next call presents a fresh one, if there is one
         if status >= 300:
             raise error_for(f"{what}: {status} {status_message(data, reason)}", status)
         return orjson.loads(data or b"null")
 
+    async def _session_for(self, identity: Identity | None) -> aiohttp.ClientSession:
+        """One pool while the client certificate stays (an exec plugin's may be replaced)."""
+        if self._session is None or identity is not self._identity:
+            if self._session is not None:
+                await self._session.close()
+            tls: ssl.SSLContext | bool = self.credentials.ssl_context(identity) if self.credentials.https else True
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self.connections, ssl=tls),
+                timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT),
+            )
+            self._identity = identity
+        return self._session
+
 
 def _pod_path(namespace: str, name: str) -> str:
-    """Quoted whatever the caller checked: a name with '/', '..' or '?' must never reach another path."""
-    if {namespace, name} & {"", ".", ".."}:
-        raise KubeError(f"pod {namespace!r}/{name!r}: not a name an API path can carry", status=400)
-    return f"/api/v1/namespaces/{quote(namespace, safe='')}/pods/{quote(name, safe='')}"
-
-
-def _ssl_context(configuration: kubernetes.client.Configuration) -> ssl.SSLContext:
-    """What the kubernetes client gives urllib3: the CA (file or data), the client certificate, and
-    whether to verify the server and its name."""
-    context = ssl.create_default_context(cafile=configuration.ssl_ca_cert, cadata=configuration.ca_cert_data)
-    if not configuration.verify_ssl:
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    elif configuration.assert_hostname is False:
-        context.check_hostname = False
-    if configuration.cert_file:
-        context.load_cert_chain(configuration.cert_file, configuration.key_file)
-    return context
+    return f"/api/v1/namespaces/{quoted(namespace, 'pods', name)}"

@@ -24,9 +24,11 @@ from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import orjson
+import urllib3
 
 from gpushared.core.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
-from gpushared.kube.api import REQUEST_TIMEOUT, KubeError
+from gpushared.kube.errors import KubeError
+from gpushared.kube.rest import REQUEST_TIMEOUT, Lister
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +45,11 @@ SILENCE_GRACE = REQUEST_TIMEOUT
 
 
 class Informer(Generic[B]):
-    """``list_call`` is a kubernetes client list method (e.g. ``CoreV1Api.list_node``)."""
+    """``list_call`` lists and watches one collection (``Rest.lister``)."""
 
     def __init__(
         self,
-        list_call: Callable[..., Any],
+        list_call: Lister,
         *,
         name: str,
         field_selector: str | None = None,
@@ -180,16 +182,10 @@ class Informer(Generic[B]):
             self._stop.wait(backoff)
             backoff = min(backoff * 2, 30.0)
 
-    def _call(self, **kwargs: Any) -> Any:
+    def _call(self, timeout: urllib3.Timeout, **query: str) -> urllib3.BaseHTTPResponse:
         if self.field_selector:
-            kwargs["field_selector"] = self.field_selector
-        try:
-            return self.list_call(_preload_content=False, **kwargs)
-        except KubeError:
-            raise
-        except Exception as exc:
-            status = getattr(exc, "status", None)
-            raise KubeError(f"{self.name}: {exc}", status=status if isinstance(status, int) else None) from exc
+            query["fieldSelector"] = self.field_selector
+        return self.list_call(query, timeout)
 
     def _list(self) -> str:
         """Everything, in pages (as client-go lists): each page is parsed and transformed before the next
@@ -199,9 +195,12 @@ class Informer(Generic[B]):
         reason = self._relist_reason
         while True:
             response = self._call(
-                _request_timeout=REQUEST_TIMEOUT, limit=PAGE, **({"_continue": token} if token else {})
+                urllib3.Timeout(REQUEST_TIMEOUT), limit=str(PAGE), **({"continue": token} if token else {})
             )
-            listing = orjson.loads(response.data)
+            try:
+                listing = orjson.loads(response.data)
+            finally:
+                response.release_conn()
             for obj in listing.get("items") or []:
                 items[key_of(obj)] = self.transform(obj)
             token = listing.get("metadata", {}).get("continue") or ""
@@ -226,11 +225,11 @@ class Informer(Generic[B]):
     def _watch(self, version: str) -> str:
         started = time.monotonic()
         response = self._call(
-            watch=True,
-            resource_version=version,
-            timeout_seconds=self.watch_seconds,
-            allow_watch_bookmarks=True,
-            _request_timeout=(REQUEST_TIMEOUT, self.watch_seconds + SILENCE_GRACE),
+            urllib3.Timeout(connect=REQUEST_TIMEOUT, read=self.watch_seconds + SILENCE_GRACE),
+            watch="true",
+            resourceVersion=version,
+            timeoutSeconds=str(self.watch_seconds),
+            allowWatchBookmarks="true",
         )
         self._response = response
         if self._relist_reason is not None:

@@ -10,15 +10,14 @@ that cannot renew within ``renew_deadline`` stops leading before anyone else may
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, cast
 
-import kubernetes
-from kubernetes.client.exceptions import ApiException
+from gpushared.kube.errors import Conflict, NotFound
+from gpushared.kube.rest import Rest, quoted
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,7 @@ def _now() -> str:
 class LeaderElector:
     def __init__(
         self,
-        client: kubernetes.client.ApiClient,
+        rest: Rest,
         *,
         namespace: str,
         name: str,
@@ -40,7 +39,7 @@ class LeaderElector:
         retry_seconds: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.api = kubernetes.client.CoordinationV1Api(client)
+        self.rest = rest
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -77,7 +76,7 @@ class LeaderElector:
                 lease = self._read()
                 if lease is not None and lease["spec"].get("holderIdentity") == self.identity:
                     lease["spec"].update(holderIdentity="", leaseDurationSeconds=1)
-                    self._call(self.api.replace_namespaced_lease, self.name, self.namespace, lease)
+                    self._call("release", "PUT", lease)
             except Exception as exc:
                 log.warning("could not release the lease: %s", exc)
 
@@ -92,17 +91,18 @@ class LeaderElector:
                 self._renewed_at = None
             self._stop.wait(self.retry_seconds)
 
-    def _call(self, method: Callable[..., Any], *args: Any) -> dict[str, Any]:
-        response = method(*args, _preload_content=False, _request_timeout=5)
-        return cast(dict[str, Any], json.loads(response.data))
+    def _call(self, verb: str, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One call on the Lease (a create goes to its collection); 5 s: a renewal cannot wait longer."""
+        collection = f"/apis/coordination.k8s.io/v1/namespaces/{quoted(self.namespace)}/leases"
+        path = collection if method == "POST" else f"{collection}/{quoted(self.name)}"
+        what = f"{verb} lease {self.namespace}/{self.name}"
+        return cast(dict[str, Any], self.rest.request(what, method, path, body=body, timeout=5))
 
     def _read(self) -> dict[str, Any] | None:
         try:
-            return self._call(self.api.read_namespaced_lease, self.name, self.namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return None
-            raise
+            return self._call("read", "GET")
+        except NotFound:
+            return None
 
     def _try(self) -> None:
         lease = self._read()
@@ -125,11 +125,9 @@ class LeaderElector:
         spec.update(holderIdentity=self.identity, leaseDurationSeconds=int(self.lease_seconds), renewTime=now)
         sent = self.clock()
         try:  # the resourceVersion in the body makes this a compare-and-swap
-            self._call(self.api.replace_namespaced_lease, self.name, self.namespace, lease)
-        except ApiException as exc:
-            if exc.status == 409:
-                return  # another replica wrote first
-            raise
+            self._call("renew", "PUT", lease)
+        except Conflict:
+            return  # another replica wrote first
         self._took(sent, was_mine=mine)
 
     def _create(self) -> None:
@@ -148,11 +146,9 @@ class LeaderElector:
         }
         sent = self.clock()
         try:
-            self._call(self.api.create_namespaced_lease, self.namespace, body)
-        except ApiException as exc:
-            if exc.status == 409:
-                return
-            raise
+            self._call("create", "POST", body)
+        except Conflict:
+            return
         self._took(sent, was_mine=False)
 
     def _took(self, sent: float, *, was_mine: bool) -> None:

@@ -14,7 +14,7 @@ from gpushared.kube.informer import Informer
 class PodWatch(Informer[PodBody]):
     def __init__(self, api: Api, node: str, *, watch_seconds: int = 300) -> None:
         super().__init__(
-            api.core.list_pod_for_all_namespaces,
+            api.rest.lister("/api/v1/pods", what=f"pods on node {node}"),
             name=f"pods on node {node}",
             field_selector=f"spec.nodeName={node}",
             watch_seconds=watch_seconds,

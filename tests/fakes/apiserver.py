@@ -32,6 +32,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import kubernetes
 
+from gpushared.kube.credentials import Credentials, StaticCredential
+from gpushared.kube.rest import Rest
 from tests.fakes.patches import PatchError, json_patch, merge_patch, strategic_merge_patch
 from tests.fakes.selectors import SelectorError, field_selector, label_selector
 
@@ -163,7 +165,8 @@ def _now() -> str:
 
 
 class FakeApiServer:
-    """Start with ``with FakeApiServer() as api:``; ``api.client()`` is a real ``ApiClient`` for it."""
+    """Start with ``with FakeApiServer() as api:``; ``api.rest()`` is gpushared's client for it, and
+    ``api.client()`` the upstream kubernetes client's (a second opinion on what the fake serves)."""
 
     def __init__(self, *, history: int = 10_000) -> None:
         self._lock = threading.RLock()
@@ -218,6 +221,12 @@ class FakeApiServer:
 
     def client(self) -> kubernetes.client.ApiClient:
         return kubernetes.client.ApiClient(self.configuration())
+
+    def credentials(self, *, token: str | None = None) -> Credentials:
+        return Credentials(server=self.url, credential=StaticCredential(token=token), source="the fake API server")
+
+    def rest(self, *, token: str | None = None) -> Rest:
+        return Rest(self.credentials(token=token))
 
     def kubeconfig(self) -> dict[str, Any]:
         """A kubeconfig body pointing at this server, for components that load one from a file."""

@@ -6,11 +6,11 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from typing import TypeVar
 
-import kubernetes
 import pytest
 
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import KubeError
+from gpushared.kube.credentials import Credentials
 from tests.builders import pod
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import free_port
@@ -36,10 +36,7 @@ def server() -> Iterator[FakeApiServer]:
 
 
 def configured(server: FakeApiServer, *, token: str = "secret") -> AsyncApi:
-    config = server.configuration()
-    config.api_key = {"authorization": token}
-    config.api_key_prefix = {"authorization": "Bearer"}
-    return AsyncApi(config)
+    return AsyncApi(server.credentials(token=token))
 
 
 def test_bind_creates_the_binding_with_the_annotations_and_the_token(server: FakeApiServer) -> None:
@@ -72,18 +69,13 @@ def test_get_pod_and_the_api_servers_refusals(server: FakeApiServer) -> None:
 
 
 def test_an_unreachable_api_server_is_an_error_without_status() -> None:
-    config = kubernetes.client.Configuration()
-    config.host = f"http://127.0.0.1:{free_port()}"
+    credentials = Credentials(server=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(KubeError, match=r"^get pod default/p: API server unreachable \(") as unreachable:
-        run(AsyncApi(config), lambda api: api.get_pod("default", "p"))
+        run(AsyncApi(credentials), lambda api: api.get_pod("default", "p"))
     assert unreachable.value.status is None
 
 
 def test_only_http_proxies_are_taken() -> None:
-    config = kubernetes.client.Configuration()
-    config.host = "https://10.0.0.1:6443"
-    config.proxy = "socks5://proxy:1080"
     with pytest.raises(KubeError, match="through http:// proxies only"):
-        AsyncApi(config)
-    config.no_proxy = "10.0.0.0/8"  # bypassed: no proxy is used, so none is refused
-    assert AsyncApi(config).proxy is None
+        AsyncApi(Credentials(server="https://10.0.0.1:6443", proxy="socks5://proxy:1080"))
+    assert AsyncApi(Credentials(server="https://10.0.0.1:6443")).proxy is None

@@ -31,7 +31,7 @@ class Recorder:
 
 
 def start(api: FakeApiServer, recorder: Recorder, **kwargs: Any) -> Informer:
-    informer = Informer(client.CoreV1Api(api.client()).list_node, name="nodes", handler=recorder, **kwargs)
+    informer = Informer(api.rest().lister("/api/v1/nodes", what="nodes"), name="nodes", handler=recorder, **kwargs)
     informer.start()
     assert informer.wait_synced(5)
     return informer
@@ -90,7 +90,7 @@ def test_a_cut_stream_is_resumed_without_losing_events(api: FakeApiServer) -> No
 def test_the_api_server_down_at_start(api: FakeApiServer) -> None:
     api.create(node_body("a"))
     outage = api.inject(Fault(status=503, times=None))
-    informer = Informer(client.CoreV1Api(api.client()).list_node, name="nodes")
+    informer = Informer(api.rest().lister("/api/v1/nodes", what="nodes"), name="nodes")
     informer.start()
     assert not informer.wait_synced(1)
     api.faults.remove(outage)
