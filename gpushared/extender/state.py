@@ -84,8 +84,11 @@ class ClusterState:
         clock: Callable[[], float] = time.monotonic,
         changed: Callable[[str], None] = lambda name: None,
         model_label: str = "",
+        rooms: bool = True,
     ) -> None:
         self.resources = resources
+        #: whether each mix is told what every node has left now (fgd's scarcity: core.fragmentation)
+        self.count_rooms = rooms
         #: the node label naming each node's GPU model; pods' node affinity on it says which models a kind of
         #: pod may use (fgd's request mix). Empty: models are not weighed.
         self.model_label = model_label
@@ -136,7 +139,8 @@ class ClusterState:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
                 self.mix_generation += 1
-                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=self._node_rooms())
+                rooms = self._node_rooms() if self.count_rooms else None
+                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
             return self._mix
 
     def _node_rooms(self) -> Counter[NodeRoom]:
