@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
 from gpushared.contract import GpuInventory
@@ -109,6 +109,17 @@ def hosts_now(rooms: Mapping[NodeRoom, int], kinds: Iterable[ModelKind]) -> dict
     return found
 
 
+def _takes(model: str | None, frees: Sequence[int], cpu_free: int | None, kind: ModelKind) -> bool:
+    """Whether a node of GPU ``model``, with ``frees`` on its GPUs and ``cpu_free`` left, could take a pod of
+    ``kind`` now."""
+    cpu, size, gpus, models = kind
+    return (
+        (models is None or model is None or model in models)
+        and (cpu_free is None or cpu <= cpu_free)
+        and sum(1 for free in frees if free >= size) >= gpus
+    )
+
+
 def _grouped(kinds: Iterable[ModelKind]) -> dict[tuple[frozenset[str] | None, int], list[ModelKind]]:
     groups: dict[tuple[frozenset[str] | None, int], list[ModelKind]] = {}
     for kind in kinds:
@@ -171,42 +182,50 @@ class RequestMix:
         """The same kinds and nodes, with what the nodes have left now."""
         return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms)
 
-    def for_node(self, node: NodeClass) -> RequestMix:
+    def for_node(
+        self, node: NodeClass, *, frees: Sequence[int] | None = None, cpu_free: int | None = None
+    ) -> RequestMix:
         """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
         :meth:`for_model`, and, where the mix knows the cluster's nodes, each kind this class could host
-        weighed by how scarce its hosts are (the module's docstring). Kept per class."""
+        weighed by how scarce its hosts are (the module's docstring). Where it also knows their rooms, a
+        kind on several GPUs that this node could take now (its ``frees`` and ``cpu_free``) weighs by how
+        few nodes could take it now, if that is more. Kept per class and such kinds."""
         if not self.nodes:
             return self.for_model(node.model)
-        view = self._views.get(node)
+        now: frozenset[ModelKind] = frozenset()
+        if self.rooms is not None and frees is not None and self._several:
+            now = frozenset(kind for kind in self._several if _takes(node.model, frees, cpu_free, kind))
+        view = self._views.get((node, now))
         if view is None:
             counts: dict[Kind, float] = {}
             for kind, n in self._kinds.items():
                 cpu, size, gpus, models = kind
                 if models is not None and node.model is not None and node.model not in models:
                     key, weight = (cpu, 0, 0), 1.0
+                elif size > 0 and hosts(node, kind):
+                    key, weight = (cpu, size, gpus), self._scarcity_now(kind) if kind in now else self._scarcity(kind)
                 else:
-                    key, weight = (cpu, size, gpus), self._scarcity(kind) if size > 0 and hosts(node, kind) else 1.0
+                    key, weight = (cpu, size, gpus), 1.0
                 counts[key] = counts.get(key, 0.0) + n * weight
-            view = self._views[node] = RequestMix()
+            view = self._views[(node, now)] = RequestMix()
             view._count(counts, total=self._total)
         return view
 
     def _scarcity(self, kind: ModelKind) -> float:
-        """The cluster's nodes per node that could host ``kind``: 1 for a kind every node could host; with
-        rooms known, per node that could host it now (at least one: a kind no node has room for now
-        weighs as if one had)."""
+        """The cluster's nodes per node that could host ``kind`` when empty (1 for a kind every node could)."""
         known = self._scarcities.get(kind)
         if known is None:
-            if self.rooms is not None:
-                able_now = self._able_now
-                if able_now is None:
-                    able_now = self._able_now = hosts_now(self.rooms, self._kinds)
-                known = sum(self.nodes.values()) / max(able_now.get(kind, 0), 1)
-            else:
-                able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
-                known = sum(self.nodes.values()) / able if able else 1.0
-            self._scarcities[kind] = known
+            able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
+            known = self._scarcities[kind] = sum(self.nodes.values()) / able if able else 1.0
         return known
+
+    def _scarcity_now(self, kind: ModelKind) -> float:
+        """The cluster's nodes per node that could take ``kind`` now, if more than :meth:`_scarcity`."""
+        able_now = self._able_now
+        if able_now is None:
+            able_now = self._able_now = hosts_now(self.rooms or {}, self._several)
+        able = able_now.get(kind, 0)
+        return max(self._scarcity(kind), sum(self.nodes.values()) / able if able else 0.0)
 
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
@@ -230,9 +249,11 @@ class RequestMix:
             full: ModelKind = (kind[0], kind[1], kind[2], kind[3] if len(kind) == 4 else None)
             self._kinds[full] = self._kinds.get(full, 0) + n
         self._pinned = any(models is not None for *_, models in self._kinds)
-        self._views: dict[str | NodeClass, RequestMix] = {}
+        self._views: dict[str | tuple[NodeClass, frozenset[ModelKind]], RequestMix] = {}
         self._scarcities: dict[ModelKind, float] = {}
         self._able_now = None
+        #: the kinds on several GPUs: those whose hosts are counted as they are now, when rooms are known
+        self._several = tuple(kind for kind in self._kinds if kind[1] > 0 and kind[2] > 1)
         merged: dict[Kind, float] = {}
         for (cpu, size, gpus, _), n in self._kinds.items():
             merged[(cpu, size, gpus)] = merged.get((cpu, size, gpus), 0.0) + n

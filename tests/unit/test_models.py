@@ -170,8 +170,8 @@ def test_a_kind_weighs_on_the_nodes_that_could_host_it_by_how_few_they_are() -> 
     assert blind.for_node(T4) is blind.for_model("T4")
 
 
-def test_a_kind_weighs_by_the_nodes_that_could_host_it_now() -> None:
-    """As the cluster fills, the few nodes left with room for a big kind weigh it more."""
+def test_a_kind_on_several_gpus_weighs_by_the_nodes_that_could_take_it_now() -> None:
+    """As the cluster fills, the few nodes left with room for a big kind weigh it more, on those nodes."""
     node = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
     kinds = [(8000, 16, 8, None)] * 1 + [(4000, 4, 1, None)] * 99
     empty = node_room([16] * 8, model="G2", cpu_free=96_000)
@@ -179,14 +179,17 @@ def test_a_kind_weighs_by_the_nodes_that_could_host_it_now() -> None:
     static = RequestMix(kinds, nodes={node: 4})
     now = static.with_rooms({empty: 1, half: 3})
     assert static.rooms is None and now.nodes == static.nodes
-    # An empty GPU of 16: the 8-GPU kind (share 1 %) cannot use it on a node that has fewer than 8 with room.
-    # Every node could host that kind when empty (weight 1); now only one of the four can (weight 4).
-    assert static.for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(0.01 * 120)
-    assert now.for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(0.04 * 120)
-    # No node with room for it now weighs as if one had, never as zero nodes.
-    assert static.with_rooms({half: 4}).for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(
-        0.04 * 120
-    )
+    broken = [16] * 7 + [8]  # the empty node after a small pod: no room for the 8-GPU kind (1 % of pods)
+    # Every node could host that kind when empty: weight 1. Now one of the four could: weight 4 on that one.
+    assert static.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.01 * 120)
+    assert now.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.04 * 120)
+    # On a node that could not take it now it weighs as when nodes' rooms are not known: packing such a node
+    # must not look like a gain because the kind is scarce.
+    assert now.for_node(node, frees=[8] * 8, cpu_free=48_000).fragment([8] * 7 + [4]) == pytest.approx(0.01 * 60)
+    assert now.for_node(node).fragment(broken) == pytest.approx(0.01 * 120)  # the node's room not given
+    # No node with room for it now: it weighs as the classes say, never as zero nodes.
+    nobody = static.with_rooms({half: 4})
+    assert nobody.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.01 * 120)
 
 
 def _hosts_now_by_hand(rooms: dict[NodeRoom, int], kind: tuple[int, int, int, frozenset[str] | None]) -> int:
