@@ -72,7 +72,7 @@ class PricingContext:
         if known is None:
             cpu = None if self.cpu is None else self.cpu.allocatable
             node = node_class(self.ledger.inventory, model=self._model, cpu_allocatable=cpu)
-            known = self._node_mix = self._mix.for_node(node, frees=self._gpus[1], cpu_free=self.cpu_free)
+            known = self._node_mix = self._mix.for_node(node)
         return known
 
     @property

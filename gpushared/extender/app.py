@@ -72,7 +72,6 @@ class Extender:
             watch_seconds=settings.watch_seconds,
             landing_seconds=settings.binding_landing_seconds,
             model_label=settings.model_label,
-            rooms=settings.policy.reads_mix,
         )
         lease = settings.lease
         self.elector = (

@@ -6,16 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
 from gpushared.core.bodies import gpu_models, slim_pod
-from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, hosts, hosts_now, node_room
+from gpushared.core.fragmentation import NodeClass, RequestMix, hosts
 from gpushared.core.ledger import Ledger
 from gpushared.core.policies import FGD, NodeCpu, PricingContext, node_scores
-from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
+from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache
 from tests.builders import inventory, pod
@@ -168,91 +165,3 @@ def test_a_kind_weighs_on_the_nodes_that_could_host_it_by_how_few_they_are() -> 
     assert mix.for_node(g2).fragment([16], cpu_free=8000) == pytest.approx(0.1 * 16)
     blind = RequestMix(kinds)  # the cluster's nodes not known: the model's view
     assert blind.for_node(T4) is blind.for_model("T4")
-
-
-def test_a_kind_on_several_gpus_weighs_by_the_nodes_that_could_take_it_now() -> None:
-    """As the cluster fills, the few nodes left with room for a big kind weigh it more, on those nodes."""
-    node = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
-    kinds = [(8000, 16, 8, None)] * 1 + [(4000, 4, 1, None)] * 99
-    empty = node_room([16] * 8, model="G2", cpu_free=96_000)
-    half = node_room([8] * 8, model="G2", cpu_free=48_000)
-    static = RequestMix(kinds, nodes={node: 4})
-    now = static.with_rooms({empty: 1, half: 3})
-    assert static.rooms is None and now.nodes == static.nodes
-    broken = [16] * 7 + [8]  # the empty node after a small pod: no room for the 8-GPU kind (1 % of pods)
-    # Every node could host that kind when empty: weight 1. Now one of the four could: weight 4 on that one.
-    assert static.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.01 * 120)
-    assert now.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.04 * 120)
-    # On a node that could not take it now it weighs as when nodes' rooms are not known: packing such a node
-    # must not look like a gain because the kind is scarce.
-    assert now.for_node(node, frees=[8] * 8, cpu_free=48_000).fragment([8] * 7 + [4]) == pytest.approx(0.01 * 60)
-    assert now.for_node(node).fragment(broken) == pytest.approx(0.01 * 120)  # the node's room not given
-    # No node with room for it now: it weighs as the classes say, never as zero nodes.
-    nobody = static.with_rooms({half: 4})
-    assert nobody.for_node(node, frees=[16] * 8, cpu_free=96_000).fragment(broken) == pytest.approx(0.01 * 120)
-
-
-def _hosts_now_by_hand(rooms: dict[NodeRoom, int], kind: tuple[int, int, int, frozenset[str] | None]) -> int:
-    cpu, size, gpus, models = kind
-    return sum(
-        n
-        for room, n in rooms.items()
-        if (models is None or room.model is None or room.model in models)
-        and (room.cpu is None or cpu <= room.cpu)
-        and sum(1 for free in room.frees if free >= size) >= max(gpus, 1)
-    )
-
-
-MODELS = st.sampled_from(["T4", "V100", None])
-ROOMS = st.dictionaries(
-    st.builds(
-        node_room,
-        st.lists(st.integers(0, 32), min_size=1, max_size=8),
-        model=MODELS,
-        cpu_free=st.one_of(st.none(), st.integers(0, 64_000)),
-    ),
-    st.integers(1, 5),
-    max_size=12,
-)
-KINDS = st.lists(
-    st.tuples(
-        st.integers(0, 64_000),
-        st.integers(1, 32),
-        st.sampled_from([1, 2, 4, 8]),
-        st.one_of(st.none(), st.frozensets(st.sampled_from(["T4", "V100", "A100"]), min_size=1)),
-    ),
-    max_size=12,
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(rooms=ROOMS, kinds=KINDS)
-def test_hosts_now_counts_what_every_node_checked_by_hand_would(
-    rooms: dict[NodeRoom, int], kinds: list[tuple[int, int, int, frozenset[str] | None]]
-) -> None:
-    counted = hosts_now(rooms, kinds)
-    assert counted == {kind: _hosts_now_by_hand(rooms, kind) for kind in kinds}
-
-
-def test_the_extender_tells_the_mix_what_each_node_has_left() -> None:
-    cache = ClusterCache(
-        list_nodes=lambda **_: None,
-        list_pods=lambda **_: None,
-        resources=contract.DEFAULT_RESOURCES,
-        model_label=LABEL,
-    )
-    node = gpu_node("n1", 16, 16)
-    node["metadata"]["labels"] = {LABEL: "G2"}
-    cache.nodes.handler(None, node)  # type: ignore[misc]
-    first = cache.state._node_rooms()
-    assert [(room.model, room.frees) for room in first] == [("G2", (16, 16))]
-    bound = pod("p", 6, node="n1", phase="Running")
-    inventory = cache.state.nodes["n1"].inventory
-    assert inventory is not None
-    bound["metadata"]["annotations"] = bind_annotations(
-        pod_request(bound), inventory.gpus[1:], unit=inventory.unit, now_ns=1
-    )
-    cache.pods.handler(None, bound)  # type: ignore[misc]
-    (room,) = cache.state._node_rooms()
-    assert (room.model, room.frees) == ("G2", (16, 10))
-    assert cache.state.request_mix().rooms == {room: 1}
