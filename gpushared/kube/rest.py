@@ -48,21 +48,10 @@ class Rest:
 
     # --- calls ----------------------------------------------------------------------------------------------
 
-    def request(
-        self,
-        what: str,
-        method: str,
-        path: str,
-        *,
-        query: Mapping[str, str] | None = None,
-        body: Any = None,
-        content_type: str = "application/json",
-        timeout: float = REQUEST_TIMEOUT,
-    ) -> Any:
-        """The parsed JSON the API server answered; a KubeError naming ``what`` otherwise."""
-        response = self.open(
-            what, method, path, query=query, body=body, content_type=content_type, timeout=urllib3.Timeout(timeout)
-        )
+    def request(self, what: str, method: str, path: str, *, timeout: float = REQUEST_TIMEOUT, **call: Any) -> Any:
+        """The parsed JSON the API server answered; a KubeError naming ``what`` otherwise. ``call``: the
+        query, body and content type, as :meth:`open` takes them."""
+        response = self.open(what, method, path, timeout=urllib3.Timeout(timeout), **call)
         try:
             data = response.data
         except Exception as exc:  # cut mid-body
