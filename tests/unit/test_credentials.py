@@ -315,3 +315,11 @@ def test_an_interactive_only_plugin_refuses_without_a_terminal(tmp_path: Path) -
     user["exec"]["interactiveMode"] = "Always"
     with pytest.raises(KubeError, match="needs a terminal"):
         load(kubeconfig(user), tmp_path).credential.authorization()
+
+
+def test_an_exec_plugin_that_hangs_is_cut_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plugin waiting on a login prompt nobody sees must not hold the daemon's calls forever."""
+    monkeypatch.setattr(creds, "EXEC_TIMEOUT_SECONDS", 0.3)
+    loaded = load(kubeconfig(exec_plugin(tmp_path, "exec sleep 30\n")), tmp_path)
+    with pytest.raises(KubeError, match=r"timed out after 0\.3 seconds"):
+        loaded.credential.authorization()
