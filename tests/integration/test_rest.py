@@ -169,3 +169,29 @@ def test_a_credential_that_cannot_be_had_is_the_calls_error() -> None:
     api = Api(Rest(Credentials(server="http://127.0.0.1:1", credential=Broken())))
     with pytest.raises(KubeError, match=r"^list nodes: exec plugin x: exit status 1: login first$"):
         api.list_nodes()
+
+
+def test_an_answer_that_is_not_json_is_an_error_not_a_crash() -> None:
+    """A proxy's HTML page where the API server should be: a KubeError naming the call."""
+
+    class Html(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"<html>captive portal</html>"
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Html)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        api = Api(Rest(Credentials(server=f"http://127.0.0.1:{server.server_address[1]}")))
+        with pytest.raises(KubeError, match=r"^list nodes: the API server answered something that is not JSON$"):
+            api.list_nodes()
+    finally:
+        server.shutdown()
+        server.server_close()
