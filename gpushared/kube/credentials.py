@@ -436,14 +436,10 @@ def _exec_plugin(
     info = None
     if stanza.get("provideClusterInfo"):
         info = {"server": server}
-        for key, out in (
-            ("certificate-authority-data", "certificate-authority-data"),
-            ("insecure-skip-tls-verify", "insecure-skip-tls-verify"),
-            ("tls-server-name", "tls-server-name"),
-            ("proxy-url", "proxy-url"),
-        ):
+        # the Cluster of client.authentication.k8s.io names these fields as the kubeconfig does
+        for key in ("certificate-authority-data", "insecure-skip-tls-verify", "tls-server-name", "proxy-url"):
             if cluster.get(key):
-                info[out] = cluster[key]
+                info[key] = cluster[key]
         extension = next(
             (
                 e.get("extension")
