@@ -19,7 +19,7 @@ import orjson
 from gpushared.core.bodies import PodBody
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message
-from gpushared.kube.rest import REQUEST_TIMEOUT, USER_AGENT, quoted
+from gpushared.kube.rest import REQUEST_TIMEOUT, pod_path, request_headers
 
 
 class AsyncApi:
@@ -45,7 +45,7 @@ class AsyncApi:
             self._session = None
 
     async def get_pod(self, namespace: str, name: str) -> PodBody:
-        return cast(PodBody, await self._call(f"get pod {namespace}/{name}", "GET", _pod_path(namespace, name)))
+        return cast(PodBody, await self._call(f"get pod {namespace}/{name}", "GET", pod_path(namespace, name)))
 
     async def bind_pod(self, namespace: str, name: str, *, uid: str, node: str, annotations: dict[str, str]) -> None:
         """Create the pod's Binding; the UID makes it fail if the pod was deleted and re-created meanwhile.
@@ -59,7 +59,7 @@ class AsyncApi:
         await self._call(
             f"bind pod {namespace}/{name} to {node}",
             "POST",
-            _pod_path(namespace, name) + "/binding",
+            pod_path(namespace, name) + "/binding",
             binding,
         )
 
@@ -71,11 +71,7 @@ class AsyncApi:
         except KubeError as exc:
             raise KubeError(f"{what}: {exc}", status=exc.status) from exc
         session = await self._session_for(identity)
-        headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
-        if body is not None:
-            headers["Content-Type"] = "application/json"
-        if authorization:
-            headers["Authorization"] = authorization
+        headers = request_headers(authorization, content_type=None if body is None else "application/json")
         try:
             async with session.request(
                 method,
@@ -106,7 +102,3 @@ class AsyncApi:
             )
             self._identity = identity
         return self._session
-
-
-def _pod_path(namespace: str, name: str) -> str:
-    return f"/api/v1/namespaces/{quoted(namespace, 'pods', name)}"

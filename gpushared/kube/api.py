@@ -16,7 +16,7 @@ from typing import Any, cast
 from gpushared.core.bodies import NodeBody, PodBody, meta_of, node_of
 from gpushared.kube import credentials
 from gpushared.kube.errors import Conflict, KubeError, NoCredentials, NotFound, error_for, status_message
-from gpushared.kube.rest import REQUEST_TIMEOUT, Rest, quoted
+from gpushared.kube.rest import REQUEST_TIMEOUT, Rest, pod_path, quoted
 
 __all__ = [
     "REQUEST_TIMEOUT",
@@ -77,12 +77,12 @@ class Api:
 
     def get_pod(self, namespace: str, name: str, *, timeout: float = REQUEST_TIMEOUT) -> PodBody:
         what = f"get pod {namespace}/{name}"
-        return cast(PodBody, self.rest.request(what, "GET", _pod_path(namespace, name), timeout=timeout))
+        return cast(PodBody, self.rest.request(what, "GET", pod_path(namespace, name), timeout=timeout))
 
     def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> PodBody:
         """A strategic-merge patch; put ``metadata.resourceVersion`` in it to make it conditional."""
         what = f"patch pod {namespace}/{name}"
-        path = _pod_path(namespace, name)
+        path = pod_path(namespace, name)
         return cast(PodBody, self.rest.request(what, "PATCH", path, body=patch, content_type=STRATEGIC_MERGE))
 
     def pod_event(self, pod: PodBody, *, reason: str, message: str, warning: bool, component: str) -> None:
@@ -115,7 +115,3 @@ class Api:
             f"/api/v1/namespaces/{quoted(namespace)}/events",
             body=event,
         )
-
-
-def _pod_path(namespace: str, name: str) -> str:
-    return f"/api/v1/namespaces/{quoted(namespace, 'pods', name)}"

@@ -79,13 +79,9 @@ class Rest:
         payload = None if body is None else orjson.dumps(body)
         credential = self.credentials.credential
         for attempt in (1, 2):
-            headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
-            if payload is not None:
-                headers["Content-Type"] = content_type
             try:
                 authorization = credential.authorization()
-                if authorization:
-                    headers["Authorization"] = authorization
+                headers = request_headers(authorization, content_type=None if payload is None else content_type)
                 response = self._pool_for(credential.identity()).request(
                     method,
                     url,
@@ -150,6 +146,20 @@ class Rest:
                 raise KubeError(f"proxy {creds.proxy}: only http:// and https:// proxies are supported")
             return urllib3.ProxyManager(creds.proxy, **options)
         return urllib3.PoolManager(**options)
+
+
+def request_headers(authorization: str | None, *, content_type: str | None) -> dict[str, str]:
+    """What every call to the API server sends (``content_type``: with a body)."""
+    headers = {"Accept": "application/json", "User-Agent": USER_AGENT}
+    if content_type is not None:
+        headers["Content-Type"] = content_type
+    if authorization:
+        headers["Authorization"] = authorization
+    return headers
+
+
+def pod_path(namespace: str, name: str) -> str:
+    return f"/api/v1/namespaces/{quoted(namespace, 'pods', name)}"
 
 
 def quoted(*parts: str) -> str:
