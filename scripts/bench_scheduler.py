@@ -48,10 +48,12 @@ import platform
 import random
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -307,6 +309,7 @@ def run_mode(
     cpu_before = cpu_seconds(cluster)
     started = time.monotonic()
     cluster.restart_scheduler(extenders=uses_extender, adjust=adjust)
+    profiling = profile(cluster, bound, args, mode, uses_extender) if args.profile else None
     try:
         wait_for(lambda: len(bound.times) >= args.pods, timeout=args.timeout, what=f"{args.pods} pods bound ({mode})")
     except Exception as exc:  # a mode that stalls is a result, not the end of the run
@@ -314,6 +317,8 @@ def run_mode(
     else:
         error = None
     cpu_after = cpu_seconds(cluster)
+    if profiling is not None:
+        profiling.join()
     report: dict[str, Any] = {"mode": mode, **throughput(list(bound.times.values()))}
     if bound.times:
         report["startToFirstBindSeconds"] = round(min(bound.times.values()) - started, 2)
@@ -326,14 +331,50 @@ def run_mode(
     }
     report["scheduler"] = scheduler_breakdown(cluster.scheduler_metrics())
     if uses_extender:
-        text = cluster.extender_metrics()
-        report["extender"] = summed(families(text), "gpushared_extender_request_seconds", by="verb")
+        samples = families(cluster.extender_metrics())
+        report["extender"] = summed(samples, "gpushared_extender_request_seconds", by="verb")
+        # new connections kube-scheduler opened (a TLS handshake each), the benchmark's readiness probes aside
+        report["extenderConnections"] = int(samples.get(("gpushared_extender_connections_total", ()), 0))
     report["apiserver"] = apiserver_time(api_before, api.metrics())
     bound.stop()
     cluster.stop("kube-scheduler")
     cluster.stop("gpushared-extender")
     clear_pods(api, label)
     return report
+
+
+def profile(
+    cluster: LocalCluster, bound: Bound, args: argparse.Namespace, mode: str, uses_extender: bool, seconds: int = 4
+) -> threading.Thread:
+    """CPU profiles of ``seconds`` of steady binding, from the time a fifth of the pods are bound (start-up
+    and the informers' lists left out): kube-scheduler's own (Go's pprof, from its plain-HTTP metrics
+    address; ``go tool pprof -top`` reads it) and, with the extender, py-spy's of the extender (``pip install
+    py-spy``; collapsed stacks). The thread ends with both files written."""
+    prefix = args.profile / f"{args.nodes_now}-{mode}"
+
+    def go() -> None:
+        wait_for(lambda: len(bound.times) >= args.pods // 5, timeout=args.timeout, what="a fifth of the pods bound")
+        spy = None
+        if uses_extender and (extender := cluster.process("gpushared-extender")) is not None:
+            spy = subprocess.Popen(
+                ["py-spy", "record", "--pid", str(extender.pid), "--duration", str(seconds + 1), "--rate", "200",
+                 "--gil", "--format", "raw", "--output", f"{prefix}-extender.txt", "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )  # fmt: skip
+        url = f"http://127.0.0.1:{cluster.ports.scheduler_health}/debug/pprof/profile?seconds={seconds}"
+        for _ in range(50):  # until the scheduler serves
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url, timeout=seconds + 10) as answer:
+                    Path(f"{prefix}-scheduler.pprof").write_bytes(answer.read())
+                break
+            time.sleep(0.1)
+        if spy is not None:
+            spy.wait()
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
 
 
 def clear_pods(api: Api, label: str) -> None:
@@ -394,6 +435,9 @@ def main() -> None:
         "--pin", action="store_true", help="the extender alone on the first CPU, the rest on the others"
     )
     parser.add_argument("--out", type=Path)
+    parser.add_argument(
+        "--profile", type=Path, help="write CPU profiles of kube-scheduler (pprof) and the extender (py-spy) here"
+    )
     args = parser.parse_args()
     args.extender_cpus = pin(args.pin)
     for mode in args.modes:
@@ -407,6 +451,7 @@ def main() -> None:
         "runs": [],
     }
     for nodes in args.nodes:
+        args.nodes_now = nodes
         with cluster_of(nodes) as (cluster, api):
             report["kubernetes"] = str(cluster.version("kube-scheduler"))
             run: dict[str, Any] = {"nodes": nodes, "modes": []}

@@ -124,12 +124,21 @@ class Metrics:
             "The longest the event loop was late to a 20 ms timer since start: how long one request held it",
             registry=self.registry,
         )
+        # kube-scheduler's extender client keeps two idle connections per extender (Go's default), so binds
+        # in flight beside a filter open new ones, each a full (mutual) TLS handshake on both sides; the
+        # rate this grows at is that churn (docs/benchmarks.md, "The scheduler with the extender").
+        self.connections = Counter(
+            "gpushared_extender_connections", "Connections accepted on the extender's port", registry=self.registry
+        )
         self.unconfirmed = Gauge(
             "gpushared_extender_unconfirmed_binds",
             "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
             registry=self.registry,
         )
 
+
+#: The app's :class:`Metrics`, for :func:`serve` to count connections in.
+METRICS = web.AppKey("metrics", Metrics)
 
 Ready = Callable[[], tuple[bool, str]]
 #: None: serve the verbs here. A URL: the leader's, to forward them to. "": no leader known yet.
@@ -163,6 +172,7 @@ def build_app(
     metrics.leader.set_function(lambda: 1.0 if leader() is None else 0.0)
     routes = _Routes(scheduler, config, ready=ready_and_fresh, leader=leader, metrics=metrics)
     app = web.Application(client_max_size=config.max_body_bytes)
+    app[METRICS] = metrics
     prefix = config.prefix.rstrip("/")
     app.router.add_post(f"{prefix}/filter", routes.verb("filter", routes.filter))
     app.router.add_post(f"{prefix}/prioritize", routes.verb("prioritize", routes.prioritize))
@@ -459,15 +469,28 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
 
 
 async def serve(app: web.Application, config: ServerConfig, *, stop: asyncio.Event) -> None:
+    """Serve ``app`` until ``stop``. The listening socket is opened here rather than by aiohttp's TCPSite, to
+    count each connection it accepts (``gpushared_extender_connections``)."""
     runner = web.AppRunner(app, keepalive_timeout=config.keepalive_timeout, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, config.address, config.port, ssl_context=tls_context(config), backlog=512)
-    await site.start()
+    handler, connections = runner.server, app[METRICS].connections
+    assert handler is not None  # set up above
+
+    def accepted() -> asyncio.Protocol:
+        connections.inc()
+        return handler()
+
+    loop = asyncio.get_running_loop()
+    listening = await loop.create_server(
+        accepted, config.address, config.port, ssl=tls_context(config), backlog=512, reuse_address=True
+    )
     log.info("extender listening on %s:%d%s", config.address, config.port, config.prefix)
     try:
         await stop.wait()
     finally:
+        listening.close()  # no new connections; the open ones end with the runner
         await runner.cleanup()
+        await listening.wait_closed()
 
 
 def _json(body: Any, *, status: int = 200) -> web.Response:

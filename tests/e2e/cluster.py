@@ -277,11 +277,12 @@ class LocalCluster:
             "-out", "apiserver.crt", "-days", "30", "-extfile", "san.ext",
         )  # fmt: skip
         # The extender's mutual TLS, as scripts/extender-certs sets it up: its serving certificate (also its
-        # client certificate when a follower forwards to the leader) and kube-scheduler's client certificate.
+        # client certificate when a follower forwards to the leader) and kube-scheduler's client certificate,
+        # on P-256 keys (signed here by the cluster's RSA CA).
         for name, usage in (("extender", "serverAuth,clientAuth"), ("scheduler", "clientAuth")):
             common = "gpushared-extender" if name == "extender" else "system:kube-scheduler"
-            openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
-                    "-subj", f"/CN={common}")  # fmt: skip
+            openssl("req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                    "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={common}")  # fmt: skip
             (pki / f"{name}.ext").write_text(f"extendedKeyUsage={usage}\nsubjectAltName=IP:127.0.0.1,DNS:localhost\n")
             openssl(
                 "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",

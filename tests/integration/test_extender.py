@@ -366,6 +366,26 @@ def test_metrics_and_version(api: FakeApiServer, extender: Extender) -> None:
     assert b"not a gpushared node" in body
 
 
+def test_connections_are_counted_once_each(extender: Extender) -> None:
+    """The churn of kube-scheduler's connections shows: each accepted connection counts once, however many
+    requests it carries."""
+    import http.client
+    import re
+
+    def connections() -> float:
+        text = extender.get("/metrics")[1].decode()  # a connection of its own
+        return float(re.search(r"^gpushared_extender_connections_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+
+    before = connections()
+    extender.get("/healthz"), extender.get("/version")
+    kept = http.client.HTTPConnection("127.0.0.1", extender.port, timeout=10)
+    for _ in range(3):
+        kept.request("GET", "/healthz")
+        assert kept.getresponse().read() == b"ok\n"
+    kept.close()
+    assert connections() - before == 4  # the first read's, two single requests, one kept alive
+
+
 @pytest.mark.parametrize(
     ("verb", "body", "message"),
     [
