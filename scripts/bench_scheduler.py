@@ -309,7 +309,7 @@ def run_mode(
     cpu_before = cpu_seconds(cluster)
     started = time.monotonic()
     cluster.restart_scheduler(extenders=uses_extender, adjust=adjust)
-    profiling = profile(cluster, bound, args, mode, uses_extender) if args.profile else None
+    profiling = profile(cluster, bound, args, mode, uses_extender=uses_extender) if args.profile else None
     try:
         wait_for(lambda: len(bound.times) >= args.pods, timeout=args.timeout, what=f"{args.pods} pods bound ({mode})")
     except Exception as exc:  # a mode that stalls is a result, not the end of the run
@@ -344,7 +344,7 @@ def run_mode(
 
 
 def profile(
-    cluster: LocalCluster, bound: Bound, args: argparse.Namespace, mode: str, uses_extender: bool, seconds: int = 4
+    cluster: LocalCluster, bound: Bound, args: argparse.Namespace, mode: str, *, uses_extender: bool, seconds: int = 4
 ) -> threading.Thread:
     """CPU profiles of ``seconds`` of steady binding, from the time a fifth of the pods are bound (start-up
     and the informers' lists left out): kube-scheduler's own (Go's pprof, from its plain-HTTP metrics
