@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_scheduler_binds_every_pod_with_and_without_the_extender(tmp_path: Path) -> None:
     out = tmp_path / "scheduler.json"
     argv = [sys.executable, str(ROOT / "scripts" / "bench_scheduler.py"), "--nodes", "30", "--pods", "40",
-            "--modes", "without", "with", "no-prioritize", "--timeout", "90", "--out", str(out)]  # fmt: skip
+            "--modes", "without", "with", "no-prioritize", "--timeout", "90", "--out", str(out),
+            "--profile", str(tmp_path / "profiles")]  # fmt: skip
     subprocess.run(argv, check=True, timeout=280, capture_output=True, text=True)
     report = json.loads(out.read_text())
     [run] = report["runs"]
@@ -38,3 +39,14 @@ def test_bench_scheduler_binds_every_pod_with_and_without_the_extender(tmp_path:
     assert modes["no-prioritize"]["extender"]["prioritize"]["calls"] == 0
     assert "extender" not in modes["without"]
     assert modes["without"]["apiserver"]["POST pods/binding"]["calls"] == 40
+    # kube-scheduler opened at least one connection to the extender (plus the readiness probes'), and the
+    # profiles of the first seconds of binding were taken from kube-scheduler's pprof
+    assert modes["with"]["extenderConnections"] >= 1
+    assert "extenderConnections" not in modes["without"]
+    for mode in modes:
+        assert (tmp_path / "profiles" / f"30-{mode}-scheduler.pprof").stat().st_size > 0
+    table = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_scheduler.py"), "--table", str(out)],
+        check=True, capture_output=True, text=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert len(table) == 2 + 3 and table[3].startswith("| 30 | with |")
