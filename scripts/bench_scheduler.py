@@ -426,6 +426,10 @@ def cluster_of(nodes: int) -> Iterator[tuple[LocalCluster, Api]]:
             cluster.stop("gpushared-extender")
 
 
+#: What the table shows where a mode has no figure (an en dash, as docs/benchmarks.md's tables have it).
+NONE = "\u2013"
+
+
 def add_ratios(run: dict[str, Any]) -> None:
     """Each mode's pods/s against the mean of the run's ``without`` modes: the machine drifts by 10-20 %
     within minutes, and modes run between ``without`` runs are held against what bracketed them; each
@@ -458,13 +462,13 @@ def table(report: dict[str, Any]) -> str:
             algorithm = m["scheduler"]["scheduling_algorithm_duration"].get("", {}).get("meanMs")
             verbs = m.get("extender", {})
             ext = " / ".join(
-                f"{verbs[v]['meanMs']:.2f}" if verbs.get(v, {}).get("meanMs") is not None else "–"
+                f"{verbs[v]['meanMs']:.2f}" if verbs.get(v, {}).get("meanMs") is not None else NONE
                 for v in ("filter", "prioritize", "bind")
-            ) if verbs else "–"  # fmt: skip
+            ) if verbs else NONE  # fmt: skip
             connections = m.get("extenderConnections")
-            churn = "–" if connections is None else f"{1000 * connections / pods:.0f}"
+            churn = NONE if connections is None else f"{1000 * connections / pods:.0f}"
             cpu = " / ".join(
-                f"{1000 * m['cpuSeconds'][name] / pods:.2f}" if name in m["cpuSeconds"] else "–" for name in PROCESSES
+                f"{1000 * m['cpuSeconds'][name] / pods:.2f}" if name in m["cpuSeconds"] else NONE for name in PROCESSES
             )
             lines.append(
                 f"| {run['nodes']:,} | {m['mode']} | {m['podsPerSecond']} | {m.get('ratio', '')} | "
