@@ -10,11 +10,13 @@ and the time from the first pod bound to the last, seen through a watch. Modes, 
 kube-scheduler (and extender) and the previous mode's pods deleted, in one run on the same machine:
 
 - ``without``: kube-scheduler with no extender; gpu-mem is then a plain extended resource it counts itself;
-- ``with``: the extender wired as deploy/scheduler-config*.yaml ships it (filter, prioritize and bind over
-  HTTPS with mutual TLS, ``nodeCacheCapable``, weight 100), the extender started as tests/e2e starts it;
-- ``no-prioritize``: the same without ``prioritizeVerb`` (in-tree scores alone pick among the filtered);
-- ``rank-in-filter``: the extender started with ``--rank-in-filter`` (its filter keeps only the nodes its
-  policy ranks best) and wired without ``prioritizeVerb``: the same choice as ``with``, one call fewer;
+- ``with``: the extender wired as deploy/scheduler-config*.yaml ships it (filter and bind over HTTPS with
+  mutual TLS, ``nodeCacheCapable``; the extender's filter keeps only the nodes its policy ranks best), the
+  extender started as tests/e2e starts it;
+- ``prioritize``: the same choice the way it was shipped before: ``prioritizeVerb`` with weight 100, and the
+  extender started with ``--no-rank-in-filter`` (its filter passes every node that fits);
+- ``no-prioritize``: no ranking by the extender at all (``--no-rank-in-filter``, no ``prioritizeVerb``):
+  kube-scheduler's in-tree scores pick among the nodes that fit, which spreads; for comparison only;
 - ``pct-<N>``: the shipped wiring with ``percentageOfNodesToScore: N``;
 - ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod).
 
@@ -75,7 +77,9 @@ GPUS, GPU_GIB = 8, 16
 #: Concurrent requests while creating and deleting objects.
 CREATORS = 16
 #: What a mode adds to the extender's command line.
-EXTENDER_ARGS = {"rank-in-filter": ["--rank-in-filter"]}
+EXTENDER_ARGS = {"prioritize": ["--no-rank-in-filter"], "no-prioritize": ["--no-rank-in-filter"]}
+#: The modes there are, beside ``pct-<N>``.
+MODES = ("without", "with", "prioritize", "no-prioritize", "no-gpu-scoring")
 MERGE = {"Content-Type": "application/merge-patch+json"}
 #: The processes whose CPU is counted, by the name LocalCluster spawns them under.
 PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd")
@@ -260,16 +264,15 @@ def adjust_for(mode: str, qps: int) -> tuple[bool, Callable[[dict[str, Any]], No
         if mode != "no-gpu-scoring":  # the shipped files leave that second entry commented out
             extenders = config.get("extenders", [])
             extenders[:] = [e for e in extenders if e.get("prioritizeVerb") != "prioritize-no-gpu"]
-        if mode in ("no-prioritize", "rank-in-filter"):
+        if mode == "prioritize":  # the first entry, the one with filterVerb, also scores
             for extender in config.get("extenders", []):
-                extender.pop("prioritizeVerb", None)
+                if extender.get("filterVerb"):
+                    extender.update(prioritizeVerb="prioritize", weight=100)
         if mode.startswith("pct-"):
             config["percentageOfNodesToScore"] = int(mode.removeprefix("pct-"))
 
-    if mode not in ("without", "with", "no-prioritize", "rank-in-filter", "no-gpu-scoring") and not mode.startswith(
-        "pct-"
-    ):
-        raise SystemExit(f"unknown mode {mode!r}")
+    if mode not in MODES and not mode.startswith("pct-"):
+        raise SystemExit(f"unknown mode {mode!r}; one of {', '.join(MODES)} or pct-<N>")
     return mode != "without", adjust
 
 

@@ -92,10 +92,13 @@ ENV = "GPUSHARED_EXTENDER"
     help="How long a Binding whose answer was lost may still land: its memory stays reserved that long.",
 )
 @click.option(
-    "--rank-in-filter",
-    is_flag=True,
-    help="Filter keeps only the nodes the policy ranks best, for a kube-scheduler wired without prioritizeVerb "
-    "(docs/install.md): one call per pod fewer and few nodes for kube-scheduler to score, the same choice.",
+    "--rank-in-filter/--no-rank-in-filter",
+    default=True,
+    show_default=True,
+    help="Filter keeps only the nodes the policy ranks best, so kube-scheduler makes the policy's choice "
+    "without prioritizeVerb: deploy/'s wiring, and Aliyun's (filter and bind only). --no-rank-in-filter: "
+    "filter passes every node that fits, for a scheduler that must choose among them itself (another "
+    "extender after this one; prioritizeVerb then wired for the ranking; docs/install.md).",
 )
 @click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True

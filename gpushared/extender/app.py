@@ -51,8 +51,9 @@ class ExtenderSettings:
     binding_landing_seconds: float
     #: the node label naming GPU models, for fgd's model-aware request mix ("": not weighed)
     model_label: str = ""
-    #: filter keeps only the best-ranked nodes (kube-scheduler wired without prioritizeVerb)
-    rank_in_filter: bool = False
+    #: filter keeps only the best-ranked nodes, so kube-scheduler wired without prioritizeVerb (deploy/,
+    #: Aliyun's wiring) makes the policy's choice; False: every node that fits passes
+    rank_in_filter: bool = True
 
     @property
     def own_url(self) -> str:

@@ -19,24 +19,24 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_scheduler_binds_every_pod_with_and_without_the_extender(tmp_path: Path) -> None:
     out = tmp_path / "scheduler.json"
     argv = [sys.executable, str(ROOT / "scripts" / "bench_scheduler.py"), "--nodes", "30", "--pods", "40",
-            "--modes", "without", "with", "no-prioritize", "--timeout", "90", "--out", str(out),
+            "--modes", "without", "with", "prioritize", "--timeout", "90", "--out", str(out),
             "--profile", str(tmp_path / "profiles")]  # fmt: skip
     subprocess.run(argv, check=True, timeout=280, capture_output=True, text=True)
     report = json.loads(out.read_text())
     [run] = report["runs"]
     modes = {mode["mode"]: mode for mode in run["modes"]}
-    assert set(modes) == {"without", "with", "no-prioritize"}
+    assert set(modes) == {"without", "with", "prioritize"}
     for mode in modes.values():
         assert mode["bound"] == 40, mode
         assert "error" not in mode, mode
         assert mode["podsPerSecond"] > 0 and mode["ratio"] > 0
         assert mode["cpuSeconds"]["kube-scheduler"] > 0
         assert mode["scheduler"]["scheduling_algorithm_duration"][""]["calls"] >= 40
-    # Only the extender's modes called it, and no-prioritize never asked it to score.
+    # Only the extender's modes called it; as shipped it ranks in filter and is never asked to score.
     assert modes["with"]["extender"]["filter"]["calls"] >= 40
-    assert modes["with"]["extender"]["prioritize"]["calls"] >= 40
+    assert modes["with"]["extender"]["prioritize"]["calls"] == 0
     assert modes["with"]["extender"]["bind"]["calls"] == 40
-    assert modes["no-prioritize"]["extender"]["prioritize"]["calls"] == 0
+    assert modes["prioritize"]["extender"]["prioritize"]["calls"] >= 1  # not when only one node fits
     assert "extender" not in modes["without"]
     assert modes["without"]["apiserver"]["POST pods/binding"]["calls"] == 40
     # kube-scheduler opened at least one connection to the extender (plus the readiness probes'), and the

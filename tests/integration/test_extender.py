@@ -67,12 +67,17 @@ def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: Fak
     api.create(gpu_node("n4", 16, 16, 16, 16, address="10.0.0.4"))
     nodes = ("n1", "aliyun-node", "cpu-node", "n4")
     pair = api.create(on_gpus(pod("pair", 16), 2))  # 8 GiB on each of two GPUs
+    # Both n1 and n4 fit; filter keeps the one best fit ranks first (on n1 the pair leaves 8 + 0 GiB, on n4
+    # 8 + 8) and says why n4 was left out.
     result = wait_until(
-        lambda: (r := extender.filter(pair, *nodes)[1])["NodeNames"] == ["n1", "n4"] and r, message="n4 watched"
+        lambda: (r := extender.filter(pair, *nodes)[1])["FailedNodes"].get("n4", "").startswith("fits") and r,
+        message="n4 watched",
     )
+    assert result["NodeNames"] == ["n1"]
     assert result["FailedNodes"] == {
         "aliyun-node": "node aliyun-node runs Aliyun's device plugin, which gives a container one GPU, not 2",
         "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
+        "n4": "fits, but the binpack policy ranks other nodes higher",
     }
     wide = api.create(on_gpus(pod("wide", 32), 2))  # 16 GiB on each of two GPUs: only n4 has two such
     _, result = extender.filter(wide, "n1", "n4")
@@ -123,7 +128,12 @@ def test_a_pod_on_several_gpus_goes_to_the_better_linked_node_and_its_best_linke
         )
         api.create(held)
     pair = api.create(on_gpus(pod("pair", 8), 2))  # 4 GiB on each of two GPUs
-    wait_until(lambda: extender.filter(pair, "dgx", "pcie")[1]["NodeNames"] == ["dgx", "pcie"], message="watched")
+
+    def used(node: str) -> int:
+        return sum(dev["usedGPU"] for dev in extender.inspect(node)[1]["nodes"][0]["devs"])
+
+    wait_until(lambda: (used("dgx"), used("pcie")) == (64, 48), message="the held pods watched")
+    assert extender.filter(pair, "dgx", "pcie")[1]["NodeNames"] == ["dgx"]  # the better-linked node alone
     _, scores = extender.post("prioritize", {"Pod": pair, "NodeNames": ["dgx", "pcie"]})
     assert scores == [{"Host": "dgx", "Score": 10}, {"Host": "pcie", "Score": 0}]
     assert extender.bind(pair, "dgx") == (200, {"Error": ""})

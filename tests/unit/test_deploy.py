@@ -38,11 +38,9 @@ def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
     first, no_gpu = opted_in["extenders"]
     assert first == extender
     assert extender["urlPrefix"].endswith("/gpushare-scheduler")
-    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
-        "filter",
-        "prioritize",
-        "bind",
-    )
+    # The extender ranks in filter (its default): no prioritize call, the same choice (docs/install.md).
+    assert (extender["filterVerb"], extender["bindVerb"]) == ("filter", "bind")
+    assert "prioritizeVerb" not in extender and "weight" not in extender
     assert extender["nodeCacheCapable"] is True
     assert extender["httpTimeout"]
     assert {r["name"]: r["ignoredByScheduler"] for r in extender["managedResources"]} == {
