@@ -118,6 +118,35 @@ class RequestMix:
             known = self._scarcities[kind] = sum(self.nodes.values()) / able if able else 1.0
         return known
 
+    def pressure(self, model: str | None) -> float:
+        """How much of the cluster's GPUs of ``model`` the pods pinned to a few models will want: for each
+        kind whose node affinity allows some but not all of the models the cluster has, its pods times its
+        GPUs times its share of a GPU, split evenly among the models it allows; summed for ``model`` and
+        divided by the cluster's GPUs of that model. 0 where no kind is pinned, ``model`` is not known, or
+        the mix does not know the cluster's nodes. Pods that may run anywhere are priced off the models
+        pinned pods press on (``PricingContext.pressure``), so those find room there (docs/benchmarks.md,
+        issue #25)."""
+        if model is None or not self._pinned or not self.nodes:
+            return 0.0
+        pressures = self._pressures
+        if pressures is None:
+            gpus: dict[str, int] = {}
+            memory: dict[str, int] = {}
+            for node, n in self.nodes.items():
+                if node.model is not None:
+                    gpus[node.model] = gpus.get(node.model, 0) + n * node.gpus
+                    memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
+            wanted: dict[str, float] = {}
+            for (_, size, count, models), n in self._kinds.items():
+                allowed = [m for m in gpus if models is not None and m in models]
+                if size <= 0 or not allowed or len(allowed) == len(gpus):
+                    continue
+                for m in allowed:
+                    share = min(1.0, size / memory[m]) if memory[m] else 1.0
+                    wanted[m] = wanted.get(m, 0.0) + n * count * share / len(allowed)
+            pressures = self._pressures = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
+        return pressures.get(model, 0.0)
+
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
         of the node's GPU memory, like a pod without GPU, so all of it is fragment to that kind. The same
@@ -142,6 +171,7 @@ class RequestMix:
         self._pinned = any(models is not None for *_, models in self._kinds)
         self._views: dict[str | NodeClass, RequestMix] = {}
         self._scarcities: dict[ModelKind, float] = {}
+        self._pressures: dict[str, float] | None = None
         merged: dict[Kind, float] = {}
         for (cpu, size, gpus, _), n in self._kinds.items():
             merged[(cpu, size, gpus)] = merged.get((cpu, size, gpus), 0.0) + n

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpushared.contract import MemoryUnit
-from gpushared.core.bodies import PodBody
+from gpushared.core.bodies import PodBody, gpu_models
 from gpushared.core.policies import NodeRank, Policy, PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import GpuVerdict, explain, fitting, idle_gpu_mib, judge, most_free, no_room
@@ -44,7 +44,12 @@ class FilterIndex:
                 return usable
             node, ledger = usable
             context = PricingContext(
-                ledger, mix=self.state.request_mix(), cpu=node.cpu, pod_cpu=cpu_of(pod), model=node.model
+                ledger,
+                mix=self.state.request_mix(),
+                cpu=node.cpu,
+                pod_cpu=cpu_of(pod),
+                model=node.model,
+                pinned=gpu_models(pod, self.state.model_label) is not None,
             )
             return judge(ledger, request), context
 
@@ -90,7 +95,9 @@ class FilterIndex:
             mix = self.state.request_mix()
             pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
             mixed = self.state.mix_generation if policy.reads_mix else 0
-            slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed)
+            # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
+            pinned = policy.reads_mix and gpu_models(pod, self.state.model_label) is not None
+            slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
             for name in names:
                 usable = self.state.usable(name, gpus=request.gpus)
                 if isinstance(usable, Rejected):
@@ -100,7 +107,9 @@ class FilterIndex:
                 version = (ledger.version, node.cpu_version if policy.reads_cpu else 0)
                 known = node.memo.get(slot)
                 if known is None or known[0] != version:
-                    context = PricingContext(ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model)
+                    context = PricingContext(
+                        ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model, pinned=pinned
+                    )
                     appraised = policy.price_node(fitting(ledger, request), request, context)
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])

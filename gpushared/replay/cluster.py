@@ -171,7 +171,7 @@ class SimCluster:
 
     def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeRank | None, tuple[int, ...]]:
         need = request.total
-        slot = (need, request.gpus, pod.cpu_milli if self.policy.reads_cpu else 0)
+        slot = (need, request.gpus, pod.cpu_milli if self.policy.reads_cpu else 0, bool(pod.models))
         known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
             return known[1], known[2]
@@ -181,7 +181,14 @@ class SimCluster:
             key, indices = NodeRank(float(idle_gpu_mib(node.ledger))), ()
         else:  # prioritize
             cpu = NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
-            context = PricingContext(node.ledger, mix=self.mix, cpu=cpu, pod_cpu=pod.cpu_milli, model=node.trace.model)
+            context = PricingContext(
+                node.ledger,
+                mix=self.mix,
+                cpu=cpu,
+                pod_cpu=pod.cpu_milli,
+                model=node.trace.model,
+                pinned=bool(pod.models),  # gpu_spec: the node affinity an extender reads (gpu_models)
+            )
             appraised = self.policy.price_node(fitting(node.ledger, request), request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
         node.prices[slot] = (node.version, key, indices)

@@ -11,7 +11,17 @@ from gpushared import contract
 from gpushared.core.bodies import gpu_models, slim_pod
 from gpushared.core.fragmentation import NodeClass, RequestMix, hosts
 from gpushared.core.ledger import Ledger
-from gpushared.core.policies import FGD, NodeCpu, PricingContext, node_scores
+from gpushared.core.policies import (
+    BINPACK,
+    BINPACK_PRESSURE,
+    FGD,
+    FGD_PRESSURE,
+    NodeCpu,
+    NodeRank,
+    Policy,
+    PricingContext,
+    node_scores,
+)
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache
@@ -165,3 +175,65 @@ def test_a_kind_weighs_on_the_nodes_that_could_host_it_by_how_few_they_are() -> 
     assert mix.for_node(g2).fragment([16], cpu_free=8000) == pytest.approx(0.1 * 16)
     blind = RequestMix(kinds)  # the cluster's nodes not known: the model's view
     assert blind.for_node(T4) is blind.for_model("T4")
+
+
+G2 = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
+
+
+@pytest.mark.parametrize(
+    ("kinds", "nodes", "pressures"),
+    [
+        # 10 pods pinned to T4, each half a T4, on 10 T4 nodes of 2 GPUs: 5 of 20 T4 GPUs wanted
+        ([(4000, 8, 1, frozenset({"T4"}))] * 10, {T4: 10, G2: 30}, {"T4": 0.25, "G2": 0.0}),
+        # a pod on 2 whole GPUs allowed on both models the cluster has is not pinned at all
+        ([(4000, 16, 2, frozenset({"T4", "G2"}))] * 10, {T4: 10, G2: 30}, {"T4": 0.0, "G2": 0.0}),
+        # allowed on T4 and a model the cluster lacks: all of it on the T4s; 2 whole GPUs each
+        ([(4000, 16, 2, frozenset({"T4", "V100"}))] * 5, {T4: 10, G2: 30}, {"T4": 0.5, "G2": 0.0}),
+        # allowed on two of three models: split evenly between them
+        (
+            [(4000, 16, 1, frozenset({"T4", "G2"}))] * 20,
+            {T4: 10, G2: 5, G2._replace(model="A10"): 1},
+            {"T4": 0.5, "G2": 0.25, "A10": 0.0},
+        ),
+        # pods without GPU and pods that may run anywhere press on nothing
+        ([(4000, 0, 0, None), (4000, 8, 1, None)] * 10, {T4: 10, G2: 30}, {"T4": 0.0, "G2": 0.0}),
+        # the cluster's nodes not known: no pressure (nothing to divide by)
+        ([(4000, 8, 1, frozenset({"T4"}))] * 10, {}, {"T4": 0.0}),
+    ],
+)
+def test_pressure_of_pinned_pods_on_each_gpu_model(
+    kinds: list[tuple[int, int, int, frozenset[str] | None]],
+    nodes: dict[NodeClass, int],
+    pressures: dict[str, float],
+) -> None:
+    mix = RequestMix(kinds, nodes=nodes)
+    assert {model: mix.pressure(model) for model in pressures} == pytest.approx(pressures)
+    assert mix.pressure(None) == 0.0  # a node whose model is not known
+
+
+@pytest.mark.parametrize(("policy", "weight"), [(BINPACK, BINPACK_PRESSURE), (FGD, FGD_PRESSURE)])
+def test_a_pod_that_may_run_anywhere_is_kept_off_the_model_pinned_pods_need(policy: Policy, weight: float) -> None:
+    """An empty T4 node of 2 GPUs and an empty G2 node of 8, while the pods pinned to T4 want every T4 of
+    the cluster. A 4 GiB pod that may run anywhere goes to the G2 node, though best fit alone takes the
+    smaller T4 node; a pod pinned to T4 is priced without the pressure (it has nowhere else to go)."""
+    kinds = [(1000, 16, 1, frozenset({"T4"}))] * 40 + [(1000, 4, 1, None)] * 40
+    mix = RequestMix(kinds, nodes={T4: 20, G2: 20})
+    assert mix.pressure("T4") == pytest.approx(1.0) and mix.pressure("G2") == 0.0
+    req = PodRequest(containers=(ContainerRequest("c0", 4),))
+
+    def ranks(*, pinned: bool) -> list[NodeRank | None]:
+        found = []
+        for model, ledger in (("T4", Ledger.build(inventory(16, 16))), ("G2", Ledger.build(inventory(*[16] * 8)))):
+            cpu = NodeCpu(allocatable=96_000, requested=0)
+            context = PricingContext(ledger, mix=mix, cpu=cpu, pod_cpu=1000, model=model, pinned=pinned)
+            appraised = policy.price_node(judge(ledger, req), req, context)
+            found.append(None if appraised is None else appraised[0])
+        return found
+
+    free, pinned = ranks(pinned=False), ranks(pinned=True)
+    assert free[0] is not None and pinned[0] is not None
+    assert free[0].price == pytest.approx(pinned[0].price + weight * 1.0)  # the T4's pressure, weighed
+    assert free[1] == pinned[1]  # the G2 is pressed by no one
+    assert node_scores(free) == [0, 10]
+    if policy is BINPACK:
+        assert node_scores(pinned) == [10, 0]  # best fit of the node alone: the smaller T4 node
