@@ -78,6 +78,9 @@ class RequestMix:
     see one half-counted.
     """
 
+    #: per GPU model, counted on first use (:meth:`pressure`)
+    _pressures: dict[str, float] | None
+
     def __init__(self, kinds: Iterable[Kind | ModelKind] = (), *, nodes: Mapping[NodeClass, int] | None = None) -> None:
         #: the cluster's nodes, counted by class (empty: not known, every kind weighs its share alone)
         self.nodes: dict[NodeClass, int] = {c: n for c, n in (nodes or {}).items() if n > 0}
@@ -128,24 +131,26 @@ class RequestMix:
         issue #25)."""
         if model is None or not self._pinned or not self.nodes:
             return 0.0
-        pressures = self._pressures
-        if pressures is None:
-            gpus: dict[str, int] = {}
-            memory: dict[str, int] = {}
-            for node, n in self.nodes.items():
-                if node.model is not None:
-                    gpus[node.model] = gpus.get(node.model, 0) + n * node.gpus
-                    memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
-            wanted: dict[str, float] = {}
-            for (_, size, count, models), n in self._kinds.items():
-                allowed = [m for m in gpus if models is not None and m in models]
-                if size <= 0 or not allowed or len(allowed) == len(gpus):
-                    continue
-                for m in allowed:
-                    share = min(1.0, size / memory[m]) if memory[m] else 1.0
-                    wanted[m] = wanted.get(m, 0.0) + n * count * share / len(allowed)
-            pressures = self._pressures = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
-        return pressures.get(model, 0.0)
+        if self._pressures is None:
+            self._pressures = self._count_pressures()
+        return self._pressures.get(model, 0.0)
+
+    def _count_pressures(self) -> dict[str, float]:
+        gpus: dict[str, int] = {}
+        memory: dict[str, int] = {}
+        for node, nodes in self.nodes.items():
+            if node.model is not None:
+                gpus[node.model] = gpus.get(node.model, 0) + nodes * node.gpus
+                memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
+        wanted: dict[str, float] = {}
+        for (_, size, count, models), pods in self._kinds.items():
+            allowed = [m for m in gpus if models is not None and m in models]
+            if size <= 0 or not allowed or len(allowed) == len(gpus):
+                continue  # no GPU, no model the cluster has, or any the cluster has: pinned to none
+            for m in allowed:
+                share = min(1.0, size / memory[m]) if memory[m] else 1.0
+                wanted[m] = wanted.get(m, 0.0) + pods * count * share / len(allowed)
+        return {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
 
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
@@ -171,7 +176,7 @@ class RequestMix:
         self._pinned = any(models is not None for *_, models in self._kinds)
         self._views: dict[str | NodeClass, RequestMix] = {}
         self._scarcities: dict[ModelKind, float] = {}
-        self._pressures: dict[str, float] | None = None
+        self._pressures = None
         merged: dict[Kind, float] = {}
         for (cpu, size, gpus, _), n in self._kinds.items():
             merged[(cpu, size, gpus)] = merged.get((cpu, size, gpus), 0.0) + n

@@ -50,7 +50,8 @@ class SimNode:
     version: int = 0
     #: (request size, GPUs, CPU if the policy reads it) -> (version priced at, rank or None when too few GPUs
     #: fit, chosen GPU indices)
-    prices: dict[tuple[int, int, int], tuple[int, NodeRank | None, tuple[int, ...]]] = field(default_factory=dict)
+    #: (need, GPUs, CPU, pinned to models) -> (version priced at, rank, GPUs chosen)
+    prices: dict[tuple[int, int, int, bool], tuple[int, NodeRank | None, tuple[int, ...]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
