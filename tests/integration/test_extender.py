@@ -130,7 +130,8 @@ def test_a_pod_on_several_gpus_goes_to_the_better_linked_node_and_its_best_linke
     pair = api.create(on_gpus(pod("pair", 8), 2))  # 4 GiB on each of two GPUs
 
     def used(node: str) -> int:
-        return sum(dev["usedGPU"] for dev in extender.inspect(node)[1]["nodes"][0]["devs"])
+        nodes = extender.inspect(node)[1].get("nodes") or [{"devs": []}]  # none before the node is watched
+        return sum(dev["usedGPU"] for dev in nodes[0]["devs"])
 
     wait_until(lambda: (used("dgx"), used("pcie")) == (64, 48), message="the held pods watched")
     assert extender.filter(pair, "dgx", "pcie")[1]["NodeNames"] == ["dgx"]  # the better-linked node alone

@@ -141,9 +141,12 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     leader.process.kill()
     leader.process.wait()
     wait_until(lambda: holder().endswith(f":{follower.port}"), timeout=30, message="failover")
+    # A node that joins after the failover, so a late pod fits somewhere however full the others were packed
+    # (the filter keeps the nodes binpack ranks best: the run above may leave no GiB free elsewhere).
+    cluster.create(gpu_node("late-node", 16))
     late = cluster.create(pod("late", 1))
-    passing = follower.filter(late, *[f"node-{i:03d}" for i in range(NODES)])[1]["NodeNames"]
-    assert passing, "some node still has 1 GiB free"
+    names = [*(f"node-{i:03d}" for i in range(NODES)), "late-node"]
+    passing = wait_until(lambda: follower.filter(late, *names)[1]["NodeNames"], timeout=20, message="late-node seen")
     status, result = follower.bind(late, passing[0])
     assert (status, result) == (200, {"Error": ""})
     assert leader_gauge(follower) == 1.0  # it answers the scheduler itself now
