@@ -49,7 +49,7 @@ class FilterIndex:
                 cpu=node.cpu,
                 pod_cpu=cpu_of(pod),
                 model=node.model,
-                pinned=gpu_models(pod, self.state.model_label) is not None,
+                pinned=self._pinned(pod),
             )
             return judge(ledger, request), context
 
@@ -96,7 +96,7 @@ class FilterIndex:
             pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
             mixed = self.state.mix_generation if policy.reads_mix else 0
             # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
-            pinned = policy.reads_mix and gpu_models(pod, self.state.model_label) is not None
+            pinned = policy.reads_mix and self._pinned(pod)
             slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
             for name in names:
                 usable = self.state.usable(name, gpus=request.gpus)
@@ -114,6 +114,11 @@ class FilterIndex:
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])
         return keys
+
+    def _pinned(self, pod: PodBody) -> bool:
+        """Whether the pod's node affinity pins it to GPU models (the cluster's label): it is then priced
+        without the pressure pinned pods put on them (``PricingContext.pressure``)."""
+        return gpu_models(pod, self.state.model_label) is not None
 
     def idle_prices(self, names: list[str]) -> list[float]:
         """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
