@@ -255,6 +255,7 @@ def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng
         list_nodes=client.rest.lister("/api/v1/nodes", what="nodes"),
         list_pods=client.rest.lister("/api/v1/pods", what="pods"),
         resources=contract.DEFAULT_RESOURCES,
+        rooms=policy_named(args.policy).reads_rooms,
     )
     started = time.perf_counter()
     cache.start()

@@ -17,6 +17,9 @@ paper's fragment weighs every kind by its share alone, as if its pods could go a
 and 120 CPUs that only 39 of 1,213 nodes can take concentrates all its demand on those 39, and at its
 share alone (0.1 % of pods) the growth of breaking one of them is smaller than the levels fgd prices in
 can tell, so they were taken by small pods long before the cluster filled (docs/benchmarks.md, issue #25).
+Where the mix also knows each node's room now (:class:`NodeRoom`), the nodes that could host a kind are
+those that could take it *now*: as the cluster fills, the few nodes left with room for a big kind weigh it
+more, when breaking one of them matters most.
 """
 
 from __future__ import annotations
@@ -55,6 +58,64 @@ def node_class(inventory: GpuInventory, *, model: str | None, cpu_allocatable: i
     )
 
 
+class NodeRoom(NamedTuple):
+    """What a node has left now: its GPU model, each GPU's free memory units (largest first), and the
+    milli-CPU left to requests (None: not known)."""
+
+    model: str | None
+    frees: tuple[int, ...]
+    cpu: int | None
+
+
+def node_room(frees: Iterable[int], *, model: str | None, cpu_free: int | None) -> NodeRoom:
+    return NodeRoom(model, tuple(sorted(frees, reverse=True)), cpu_free)
+
+
+def hosts_now(rooms: Mapping[NodeRoom, int], kinds: Iterable[ModelKind]) -> dict[ModelKind, int]:
+    """For each kind, the nodes (``rooms[room]`` of each room) that could take one such pod now: the right
+    model, CPU left, and as many GPUs with room for its size as it asks.
+
+    A sweep, not every node for every kind: per GPU model and number of GPUs asked, the kinds in falling size and the
+    rooms in falling free memory of their n-th GPU; each room's CPU goes into a sorted list as the size
+    falls to what it holds, and a kind's count is the rooms there with CPU enough. 5,000 nodes and a few
+    hundred kinds cost milliseconds, which the extender pays each time it counts a mix."""
+    wanted = list(dict.fromkeys(kinds))
+    found: dict[ModelKind, int] = {}
+    by_model: dict[frozenset[str] | None, list[tuple[NodeRoom, int]]] = {}
+    for models in {kind[3] for kind in wanted}:
+        by_model[models] = [
+            (room, n) for room, n in rooms.items() if models is None or room.model is None or room.model in models
+        ]
+    for (models, gpus), group in _grouped(wanted).items():
+        # (the n-th largest free, the room's CPU, how many such rooms), largest free first
+        able = sorted(
+            ((room.frees[gpus - 1], room.cpu, n) for room, n in by_model[models] if len(room.frees) >= gpus),
+            key=lambda entry: -entry[0],
+        )
+        cpus: list[int] = []  # every CPU entry once per node, for a count by bisect
+        unknown = 0
+        taken = 0
+        for kind in sorted(group, key=lambda k: -k[1]):
+            cpu, size = kind[0], kind[1]
+            while taken < len(able) and able[taken][0] >= size:
+                _, room_cpu, n = able[taken]
+                if room_cpu is None:
+                    unknown += n
+                else:
+                    at = bisect.bisect_left(cpus, room_cpu)
+                    cpus[at:at] = [room_cpu] * n
+                taken += 1
+            found[kind] = unknown + len(cpus) - bisect.bisect_left(cpus, cpu)
+    return found
+
+
+def _grouped(kinds: Iterable[ModelKind]) -> dict[tuple[frozenset[str] | None, int], list[ModelKind]]:
+    groups: dict[tuple[frozenset[str] | None, int], list[ModelKind]] = {}
+    for kind in kinds:
+        groups.setdefault((kind[3], max(kind[2], 1)), []).append(kind)
+    return groups
+
+
 def hosts(node: NodeClass, kind: ModelKind) -> bool:
     """Whether an empty node of this class could take a pod of this kind."""
     cpu, size, gpus, models = kind
@@ -81,17 +142,37 @@ class RequestMix:
     #: per GPU model, counted on first use (:meth:`pressure`)
     _pressures: dict[str, float] | None
 
-    def __init__(self, kinds: Iterable[Kind | ModelKind] = (), *, nodes: Mapping[NodeClass, int] | None = None) -> None:
+    def __init__(
+        self,
+        kinds: Iterable[Kind | ModelKind] = (),
+        *,
+        nodes: Mapping[NodeClass, int] | None = None,
+        rooms: Mapping[NodeRoom, int] | None = None,
+    ) -> None:
         #: the cluster's nodes, counted by class (empty: not known, every kind weighs its share alone)
         self.nodes: dict[NodeClass, int] = {c: n for c, n in (nodes or {}).items() if n > 0}
+        #: the same nodes by what they have left now (None: not known; the classes say who could host)
+        self.rooms: Mapping[NodeRoom, int] | None = rooms
+        #: for each kind, the nodes that could host it now (counted from ``rooms`` when first asked)
+        self._able_now: dict[ModelKind, int] | None = None
         self._count(Counter(kinds))
 
     @classmethod
-    def of_counts(cls, counts: Counts, *, nodes: Mapping[NodeClass, int] | None = None) -> RequestMix:
+    def of_counts(
+        cls,
+        counts: Counts,
+        *,
+        nodes: Mapping[NodeClass, int] | None = None,
+        rooms: Mapping[NodeRoom, int] | None = None,
+    ) -> RequestMix:
         """The mix of ``counts[kind]`` pods of each kind: what a cache that keeps counts hands over."""
-        mix = cls(nodes=nodes)
+        mix = cls(nodes=nodes, rooms=rooms)
         mix._count(counts)
         return mix
+
+    def with_rooms(self, rooms: Mapping[NodeRoom, int]) -> RequestMix:
+        """The same kinds and nodes, with what the nodes have left now."""
+        return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms)
 
     def for_node(self, node: NodeClass) -> RequestMix:
         """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
@@ -114,11 +195,20 @@ class RequestMix:
         return view
 
     def _scarcity(self, kind: ModelKind) -> float:
-        """The cluster's nodes per node that could host ``kind`` (1 for a kind every node could host)."""
+        """The cluster's nodes per node that could host ``kind``: 1 for a kind every node could host; with
+        rooms known, per node that could host it now (at least one: a kind no node has room for now
+        weighs as if one had)."""
         known = self._scarcities.get(kind)
         if known is None:
-            able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
-            known = self._scarcities[kind] = sum(self.nodes.values()) / able if able else 1.0
+            if self.rooms is not None:
+                able_now = self._able_now
+                if able_now is None:
+                    able_now = self._able_now = hosts_now(self.rooms, self._kinds)
+                known = sum(self.nodes.values()) / max(able_now.get(kind, 0), 1)
+            else:
+                able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
+                known = sum(self.nodes.values()) / able if able else 1.0
+            self._scarcities[kind] = known
         return known
 
     def pressure(self, model: str | None) -> float:
@@ -177,6 +267,7 @@ class RequestMix:
         self._views: dict[str | NodeClass, RequestMix] = {}
         self._scarcities: dict[ModelKind, float] = {}
         self._pressures = None
+        self._able_now = None
         merged: dict[Kind, float] = {}
         for (cpu, size, gpus, _), n in self._kinds.items():
             merged[(cpu, size, gpus)] = merged.get((cpu, size, gpus), 0.0) + n

@@ -184,6 +184,9 @@ class Policy:
     #: whether ``price`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
     #: until the node's CPU changes
     reads_cpu: bool = False
+    #: whether ``price`` weighs kinds of pod by the nodes that can host them now, so the mix must be told
+    #: what every node has left at each count (``RequestMix.with_rooms``); a cost only such policies pay
+    reads_rooms: bool = False
     #: whether nodes priced equal are told apart by ``PricingContext.imbalance``
     balances: bool = False
     #: how ``price`` moves with the GPU's free units, the node and the request being the same: 1 it always
@@ -332,9 +335,10 @@ FGD_LEVELS: Final = 100
 #: price of placing a pod that may run anywhere there: for binpack in GPUs left, for fgd in its levels. A
 #: pod that may run anywhere then goes elsewhere unless that costs more than this; tuned on the trace's
 #: gpuspec variants (docs/benchmarks.md, issue #25: binpack from -0.36 to +0.92 against the paper's BestFit
-#: at 8; fgd's curve up by 0.5-3 points from 50 to 90 % arrived at 3).
+#: at 8; fgd, which weighs big kinds by the nodes that can host them now and so pushes small pods off those,
+#: needs 8 as well to keep them off the scarce models: at 3 gpuspec20 fell 0.84 below binpack at 90 %).
 BINPACK_PRESSURE: Final = 8.0
-FGD_PRESSURE: Final = 3.0
+FGD_PRESSURE: Final = 8.0
 
 
 def _fgd_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
@@ -349,7 +353,14 @@ def _fgd_levels(growth: float) -> float:
     """The growth of the node's expected fragment, in GPUs (of the first GPU's size), through a sigmoid cut to
     FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
     apart costs more than it wins; among equals the balance of CPU and GPU decides (docs/benchmarks.md)."""
+    if growth >= _FLAT:
+        return -0.0
     return -float(math.floor(FGD_LEVELS / (1.0 + math.exp(growth))))
+
+
+#: A growth past which the sigmoid is 0 levels (and ``math.exp`` would overflow, near 710): a kind that only
+#: a few nodes can host now weighs on them by the cluster's nodes per such node, thousands of times its share.
+_FLAT: Final = 50.0
 
 
 #: How much a GPU's own leftover weighs beside its node's: only where nodes' leftovers are equal.
@@ -410,6 +421,7 @@ FGD: Final = Policy(
     price=_fgd_price,
     price_of_several=_fgd_price_of_several,
     reads_mix=True,
+    reads_rooms=True,
     reads_cpu=True,
     balances=True,
 )

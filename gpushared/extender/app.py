@@ -73,6 +73,7 @@ class Extender:
             watch_seconds=settings.watch_seconds,
             landing_seconds=settings.binding_landing_seconds,
             model_label=settings.model_label,
+            rooms=settings.policy.reads_rooms,
         )
         lease = settings.lease
         self.elector = (

@@ -24,7 +24,7 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
 from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
-from gpushared.core.fragmentation import ModelKind, NodeClass, RequestMix, node_class
+from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.policies import NodeCpu
 
@@ -84,8 +84,11 @@ class ClusterState:
         clock: Callable[[], float] = time.monotonic,
         changed: Callable[[str], None] = lambda name: None,
         model_label: str = "",
+        rooms: bool = True,
     ) -> None:
         self.resources = resources
+        #: whether each mix is told what every node has left now (fgd's scarcity: core.fragmentation)
+        self.count_rooms = rooms
         #: the node label naming each node's GPU model; pods' node affinity on it says which models a kind of
         #: pod may use (fgd's request mix). Empty: models are not weighed.
         self.model_label = model_label
@@ -108,6 +111,8 @@ class ClusterState:
         #: class as of that count: counted again only when one changed, not with every mix
         self._shapes = 0
         self._classes: tuple[int, Counter[NodeClass]] = (-1, Counter())
+        #: node -> (its ledger, (ledger version, CPU version), what it had left then)
+        self._rooms: dict[str, tuple[Ledger, tuple[int, int], NodeRoom]] = {}
 
     # --- reads -----------------------------------------------------------------------------------------------
 
@@ -134,8 +139,32 @@ class ClusterState:
             if self.clock() - self._mix_counted >= MIX_SECONDS:
                 self._mix_counted = self.clock()
                 self.mix_generation += 1
-                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes())
+                rooms = self._node_rooms() if self.count_rooms else None
+                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
             return self._mix
+
+    def _node_rooms(self) -> Counter[NodeRoom]:
+        """The gpushared nodes by what they have left now; a node's room is worked out again only when its
+        ledger or CPU changed since the last mix (5,000 nodes' ledgers each time cost more than the mix)."""
+        rooms: Counter[NodeRoom] = Counter()
+        for name, state in self.nodes.items():
+            ledger, inventory = state.ledger, state.inventory
+            if inventory is None or ledger is None or state.problem:
+                continue
+            version = (ledger.version, state.cpu_version)
+            known = self._rooms.get(name)
+            if known is None or known[0] is not ledger or known[1] != version:
+                cpu = state.cpu
+                room = node_room(
+                    (ledger.free(gpu) for gpu in inventory.gpus if gpu.healthy),
+                    model=state.model,
+                    cpu_free=None if cpu is None else cpu.allocatable - cpu.requested,
+                )
+                known = self._rooms[name] = (ledger, version, room)
+            rooms[known[2]] += 1
+        if len(self._rooms) > 2 * len(self.nodes):
+            self._rooms = {name: kept for name, kept in self._rooms.items() if name in self.nodes}
+        return rooms
 
     def _node_classes(self) -> Counter[NodeClass]:
         """The gpushared nodes by class: which kinds of pod how many of them could ever host."""

@@ -21,12 +21,13 @@ from __future__ import annotations
 import functools
 import itertools
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.binding import holding_for
-from gpushared.core.fragmentation import RequestMix
+from gpushared.core.fragmentation import RequestMix, node_room
 from gpushared.core.ledger import Ledger
 from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
@@ -34,6 +35,10 @@ from gpushared.core.topology import LinkKind, link_words, set_score
 from gpushared.core.verdicts import fitting, idle_gpu_mib
 from gpushared.replay.layouts import model_layout
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
+
+#: How often, in allocation, the replay tells the mix what the nodes have left: every 5 % of the capacity,
+#: about what an extender's 10 s recounts see of a busy cluster filling over minutes.
+ROOMS_STEP = 0.05
 
 
 @dataclass
@@ -130,9 +135,29 @@ class SimCluster:
         self.gpu_failed = 0
         self.gpu_failed_with_room = 0
         self._serial = 0
+        #: the allocation at which the mix is told the nodes' rooms again (every ROOMS_STEP of the capacity)
+        self._rooms_due = ROOMS_STEP * self.capacity_mib
+
+    def _count_rooms(self) -> None:
+        """What an extender does each time it counts the mix: tell it what every node has left now. Every
+        node's prices read the mix, so they are all worked out again."""
+        self._rooms_due += ROOMS_STEP * self.capacity_mib
+        rooms = Counter(
+            node_room(
+                (node.ledger.free(gpu) for gpu in node.ledger.inventory.gpus),
+                model=node.trace.model,
+                cpu_free=node.cpu_free,
+            )
+            for node in self.nodes
+        )
+        self.mix = self.mix.with_rooms(rooms)
+        for node in self.nodes:
+            node.prices.clear()
 
     def place(self, pod: TracePod) -> bool:
         """Schedule one pod; whether it was bound. A multi-GPU task asks gpu-count for its GPUs."""
+        if self.allocated_mib >= self._rooms_due and self.policy.reads_rooms:
+            self._count_rooms()
         need = pod.memory_request
         request = PodRequest(containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),))
         ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []

@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpushared import contract
+from gpushared.core.binding import bind_annotations
 from gpushared.core.bodies import gpu_models, slim_pod
-from gpushared.core.fragmentation import NodeClass, RequestMix, hosts
-from gpushared.core.ledger import Ledger
+from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, hosts, hosts_now, node_room
+from gpushared.core.ledger import Holding, Ledger
 from gpushared.core.policies import (
     BINPACK,
     BINPACK_PRESSURE,
@@ -22,7 +25,7 @@ from gpushared.core.policies import (
     PricingContext,
     node_scores,
 )
-from gpushared.core.requests import ContainerRequest, PodRequest
+from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache
 from tests.builders import inventory, pod
@@ -237,3 +240,117 @@ def test_a_pod_that_may_run_anywhere_is_kept_off_the_model_pinned_pods_need(poli
     assert node_scores(free) == [0, 10]
     if policy is BINPACK:
         assert node_scores(pinned) == [10, 0]  # best fit of the node alone: the smaller T4 node
+
+
+def test_a_kind_weighs_by_the_nodes_that_could_host_it_now() -> None:
+    """As the cluster fills, the few nodes left with room for a big kind weigh it more."""
+    node = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
+    kinds = [(8000, 16, 8, None)] * 1 + [(4000, 4, 1, None)] * 99
+    empty = node_room([16] * 8, model="G2", cpu_free=96_000)
+    half = node_room([8] * 8, model="G2", cpu_free=48_000)
+    static = RequestMix(kinds, nodes={node: 4})
+    now = static.with_rooms({empty: 1, half: 3})
+    assert static.rooms is None and now.nodes == static.nodes
+    # An empty GPU of 16: the 8-GPU kind (share 1 %) cannot use it on a node that has fewer than 8 with room.
+    # Every node could host that kind when empty (weight 1); now only one of the four can (weight 4).
+    assert static.for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(0.01 * 120)
+    assert now.for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(0.04 * 120)
+    # No node with room for it now weighs as if one had, never as zero nodes.
+    assert static.with_rooms({half: 4}).for_node(node).fragment([16] * 7 + [8], cpu_free=96_000) == pytest.approx(
+        0.04 * 120
+    )
+
+
+def test_fgd_keeps_the_last_empty_node_for_the_big_kind() -> None:
+    """The gpushare60 failure mode (issue #25): 40 nodes of 8 GPUs that could all host an 8-GPU task when
+    empty, of which 39 already hold small pods. A small pod priced against the nodes as they could be (every
+    one a host: the 8-GPU kind at its share alone) sees breaking the last empty node as within one of fgd's
+    levels, and the empty node is the better balanced: it takes it, and the next 8-GPU task fails. Priced
+    against what the nodes have left now, the kind weighs 40 times on the one node that can still take it,
+    and the small pod goes to a node already broken."""
+    g2 = NodeClass(model="G2", gpus=8, gpu_memory=16, cpu=96_000)
+    kinds = [(4000, 4, 1, None)] * 599 + [(1000, 0, 0, None)] * 400 + [(64_000, 16, 8, None)]
+    broken = [16] * 7 + [8]
+    rooms = {node_room([16] * 8, model="G2", cpu_free=96_000): 1, node_room(broken, model="G2", cpu_free=88_000): 39}
+    req = PodRequest(containers=(ContainerRequest("c0", 4),))
+
+    def ranks(mix: RequestMix) -> list[NodeRank | None]:
+        found = []
+        for frees, cpu_used in (([16] * 8, 0), (broken, 8000)):
+            ledger = Ledger.build(inventory(*[16] * 8))
+            if frees == broken:
+                ledger.add(Holding(uid="small", namespace="default", name="small", gpus={7: 8}))
+            context = PricingContext(ledger, mix=mix, cpu=NodeCpu(96_000, cpu_used), pod_cpu=4000, model="G2")
+            appraised = FGD.price_node(judge(ledger, req), req, context)
+            found.append(None if appraised is None else appraised[0])
+        return found
+
+    static = RequestMix(kinds, nodes={g2: 40})
+    assert node_scores(ranks(static)) == [10, 9]  # the same level; the empty node the better balanced
+    assert node_scores(ranks(static.with_rooms(rooms))) == [0, 10]
+
+
+def _hosts_now_by_hand(rooms: dict[NodeRoom, int], kind: tuple[int, int, int, frozenset[str] | None]) -> int:
+    cpu, size, gpus, models = kind
+    return sum(
+        n
+        for room, n in rooms.items()
+        if (models is None or room.model is None or room.model in models)
+        and (room.cpu is None or cpu <= room.cpu)
+        and sum(1 for free in room.frees if free >= size) >= max(gpus, 1)
+    )
+
+
+MODELS = st.sampled_from(["T4", "V100", None])
+ROOMS = st.dictionaries(
+    st.builds(
+        node_room,
+        st.lists(st.integers(0, 32), min_size=1, max_size=8),
+        model=MODELS,
+        cpu_free=st.one_of(st.none(), st.integers(0, 64_000)),
+    ),
+    st.integers(1, 5),
+    max_size=12,
+)
+KINDS = st.lists(
+    st.tuples(
+        st.integers(0, 64_000),
+        st.integers(1, 32),
+        st.sampled_from([1, 2, 4, 8]),
+        st.one_of(st.none(), st.frozensets(st.sampled_from(["T4", "V100", "A100"]), min_size=1)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(rooms=ROOMS, kinds=KINDS)
+def test_hosts_now_counts_what_every_node_checked_by_hand_would(
+    rooms: dict[NodeRoom, int], kinds: list[tuple[int, int, int, frozenset[str] | None]]
+) -> None:
+    counted = hosts_now(rooms, kinds)
+    assert counted == {kind: _hosts_now_by_hand(rooms, kind) for kind in kinds}
+
+
+def test_the_extender_tells_the_mix_what_each_node_has_left() -> None:
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        model_label=LABEL,
+    )
+    node = gpu_node("n1", 16, 16)
+    node["metadata"]["labels"] = {LABEL: "G2"}
+    cache.nodes.handler(None, node)  # type: ignore[misc]
+    first = cache.state._node_rooms()
+    assert [(room.model, room.frees) for room in first] == [("G2", (16, 16))]
+    bound = pod("p", 6, node="n1", phase="Running")
+    inventory = cache.state.nodes["n1"].inventory
+    assert inventory is not None
+    bound["metadata"]["annotations"] = bind_annotations(
+        pod_request(bound), inventory.gpus[1:], unit=inventory.unit, now_ns=1
+    )
+    cache.pods.handler(None, bound)  # type: ignore[misc]
+    (room,) = cache.state._node_rooms()
+    assert (room.model, room.frees) == ("G2", (16, 10))
+    assert cache.state.request_mix().rooms == {room: 1}
