@@ -43,12 +43,18 @@ def container_state(**state: Any) -> dict[str, Any]:
 
 
 def test_filter_reasons_a_person_understands(api: FakeApiServer, extender: Extender) -> None:
+    """A pod that fits nowhere gets each node's reason, which kube-scheduler puts in its FailedScheduling
+    event; a pod that fits somewhere gets none (kube-scheduler would decode them and drop them)."""
     body = created(api, "p", 10)
     status, result = extender.filter(body, "n1", "aliyun-node", "cpu-node", "ghost")
     assert status == 200
     assert result["NodeNames"] == ["n1"]
     assert result["Nodes"] is None
     assert result["Error"] == ""
+    assert result["FailedNodes"] == result["FailedAndUnresolvableNodes"] == {}
+    status, result = extender.filter(body, "aliyun-node", "cpu-node", "ghost")
+    assert status == 200
+    assert result["NodeNames"] == []
     assert result["FailedAndUnresolvableNodes"] == {}
     assert result["FailedNodes"] == {
         "aliyun-node": "no usable GPU has 10 GiB free",
@@ -68,20 +74,20 @@ def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: Fak
     nodes = ("n1", "aliyun-node", "cpu-node", "n4")
     pair = api.create(on_gpus(pod("pair", 16), 2))  # 8 GiB on each of two GPUs
     # Both n1 and n4 fit; filter keeps the one best fit ranks first (on n1 the pair leaves 8 + 0 GiB, on n4
-    # 8 + 8) and says why n4 was left out.
-    result = wait_until(
-        lambda: (r := extender.filter(pair, *nodes)[1])["FailedNodes"].get("n4", "").startswith("fits") and r,
-        message="n4 watched",
-    )
+    # 8 + 8).
+    wait_until(lambda: extender.filter(pair, "n4")[1]["NodeNames"] == ["n4"], message="n4 watched")
+    _, result = extender.filter(pair, *nodes)
     assert result["NodeNames"] == ["n1"]
+    assert result["FailedNodes"] == {}
+    _, result = extender.filter(pair, "aliyun-node", "cpu-node")
     assert result["FailedNodes"] == {
         "aliyun-node": "node aliyun-node runs Aliyun's device plugin, which gives a container one GPU, not 2",
         "cpu-node": "node cpu-node is not a gpushared node (no GPU inventory and no aliyun.com/gpu-mem capacity)",
-        "n4": "fits, but the binpack policy ranks other nodes higher",
     }
     wide = api.create(on_gpus(pod("wide", 32), 2))  # 16 GiB on each of two GPUs: only n4 has two such
     _, result = extender.filter(wide, "n1", "n4")
     assert result["NodeNames"] == ["n4"]
+    _, result = extender.filter(wide, "n1")
     assert result["FailedNodes"] == {"n1": "fewer than 2 usable GPUs have 16 GiB free each"}
     # Best fit: on n1 the pair leaves 8 + 0 GiB, on n4 8 + 8.
     _, scores = extender.post("prioritize", {"Pod": pair, "NodeNames": ["n1", "n4"]})
@@ -196,11 +202,11 @@ def test_rank_in_filter_keeps_exactly_the_nodes_prioritize_scores_highest(
             status, result = extender.filter(body, *names)
             assert status == 200
             kept = result["NodeNames"]
-            ranked_out = [n for n, why in result["FailedNodes"].items() if "ranks other nodes higher" in why]
-            assert kept, (amount, result)
-            fitting = kept + ranked_out
+            assert kept and result["FailedNodes"] == {}, (amount, result)
+            fitting = [name for name in names if extender.filter(body, name)[1]["NodeNames"]]
             _, scores = extender.post("prioritize", {"Pod": body, "NodeNames": fitting})
             assert sorted(kept) == sorted(s["Host"] for s in scores if s["Score"] == 10), (amount, scores)
+            _, result = extender.filter(body, "cpu-node", "ghost")
             assert result["FailedNodes"]["cpu-node"].startswith("node cpu-node is not a gpushared node")
             assert result["FailedNodes"]["ghost"].startswith("node ghost is not in the extender's cache")
 
