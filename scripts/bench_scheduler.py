@@ -18,7 +18,9 @@ kube-scheduler (and extender) and the previous mode's pods deleted, in one run o
 - ``no-prioritize``: no ranking by the extender at all (``--no-rank-in-filter``, no ``prioritizeVerb``):
   kube-scheduler's in-tree scores pick among the nodes that fit, which spreads; for comparison only;
 - ``pct-<N>``: the shipped wiring with ``percentageOfNodesToScore: N``;
-- ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod).
+- ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod);
+- ``plain-http``: the shipped wiring on plain HTTP (no TLS on the extender, ``enableHTTPS: false``): what
+  TLS costs kube-scheduler; never a way to run it (anyone who reaches the port could bind pods).
 
 Both schedulers get scheduler_perf's client settings (QPS and burst 5,000, ``--qps``): at 1.20's default (50)
 the scheduler's own API calls, one Binding and one Event per pod, cap it near 25-50 pods/s and the
@@ -79,7 +81,7 @@ CREATORS = 16
 #: What a mode adds to the extender's command line.
 EXTENDER_ARGS = {"prioritize": ["--no-rank-in-filter"], "no-prioritize": ["--no-rank-in-filter"]}
 #: The modes there are, beside ``pct-<N>``.
-MODES = ("without", "with", "prioritize", "no-prioritize", "no-gpu-scoring")
+MODES = ("without", "with", "prioritize", "no-prioritize", "no-gpu-scoring", "plain-http")
 MERGE = {"Content-Type": "application/merge-patch+json"}
 #: The processes whose CPU is counted, by the name LocalCluster spawns them under.
 PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd")
@@ -301,7 +303,7 @@ def run_mode(
     uses_extender, adjust = adjust_for(mode, args.qps)
     label = mode.replace("-", "")
     if uses_extender:
-        cluster.restart_extender(*EXTENDER_ARGS.get(mode, []))
+        cluster.restart_extender(*EXTENDER_ARGS.get(mode, []), plain=mode == "plain-http")
         if args.extender_cpus:
             pin_process(cluster, "gpushared-extender", args.extender_cpus)
     bodies = [pod_body(f"{label}-{i:05d}", label, rng) for i in range(args.pods)]

@@ -139,6 +139,8 @@ class LocalCluster:
         #: where the extender's and kube-scheduler's certificates are (ca.crt, extender.*, scheduler.*): the
         #: cluster's own CA, or a directory scripts/extender-certs wrote, as an operator's guide has it
         self.extender_certs = state / "pki"
+        #: the extender on plain HTTP (``restart_extender(plain=True)``; benchmarks only)
+        self.extender_plain = False
 
     # --- layout -------------------------------------------------------------------------------------------
 
@@ -540,6 +542,13 @@ state = "{base}/state"
 
     def _start_extender(self, *extra: str) -> None:
         pki = self.extender_certs
+        tls = [] if self.extender_plain else [
+            "--tls-cert", pki / "extender.crt",
+            "--tls-key", pki / "extender.key",
+            "--client-ca", pki / "ca.crt",
+            "--client-name", "system:kube-scheduler",
+            "--client-name", "gpushared-extender",
+        ]  # fmt: skip
         self._spawn(
             "gpushared-extender",
             [
@@ -549,11 +558,7 @@ state = "{base}/state"
                 "--kubeconfig", self.kubeconfig_for("gpushared-extender"),
                 "--leader-elect",
                 "--lease-seconds", "4",
-                "--tls-cert", pki / "extender.crt",
-                "--tls-key", pki / "extender.key",
-                "--client-ca", pki / "ca.crt",
-                "--client-name", "system:kube-scheduler",
-                "--client-name", "gpushared-extender",
+                *tls,
                 *extra,
             ],
         )  # fmt: skip
@@ -561,7 +566,8 @@ state = "{base}/state"
 
     @property
     def extender_url(self) -> str:
-        return f"https://127.0.0.1:{self.ports.extender}"
+        scheme = "http" if self.extender_plain else "https"
+        return f"{scheme}://127.0.0.1:{self.ports.extender}"
 
     def extender_tls(self, *, client: bool = False) -> ssl.SSLContext:
         """Trusting the extender's certificate; with ``client``, presenting one it takes (its own)."""
@@ -579,11 +585,14 @@ state = "{base}/state"
         except OSError:
             return False
 
-    def restart_extender(self, *args: str, kill: bool = False, certs: Path | None = None) -> None:
+    def restart_extender(self, *args: str, kill: bool = False, certs: Path | None = None, plain: bool = False) -> None:
         """Stop the extender process and start it again, with the certificates in ``certs`` if given, and
-        ``args`` added to its command line (``--policy balanced``) until it restarts again."""
+        ``args`` added to its command line (``--policy balanced``) until it restarts again. ``plain``: on
+        plain HTTP, no TLS, and kube-scheduler wired to it so from its next start; only for
+        scripts/bench_scheduler.py to measure what TLS costs (anyone on the host could bind pods)."""
         self.stop("gpushared-extender", sig=signal.SIGKILL if kill else signal.SIGTERM)
         self.extender_certs = certs or self.extender_certs
+        self.extender_plain = plain
         self._start_extender(*args)
 
     def restart_scheduler(
@@ -644,6 +653,10 @@ state = "{base}/state"
         pki = self.extender_certs
         for extender in extenders:
             extender["urlPrefix"] = f"{self.extender_url}/gpushare-scheduler"
+            if self.extender_plain:
+                extender["enableHTTPS"] = False
+                extender.pop("tlsConfig", None)
+                continue
             extender["tlsConfig"] = {
                 "certFile": str(pki / "scheduler.crt"),
                 "keyFile": str(pki / "scheduler.key"),
