@@ -74,13 +74,13 @@ class Scheduler:
         except ContractError as exc:
             return [], {}, f"pod {_pod_name(args.pod)}: {exc}"
         passed, failed = self.cache.filter(args.names, request)
-        if passed:
-            if self.rank_in_filter and len(passed) > 1:
-                best = best_nodes(self.cache.node_ranks(passed, args.pod, request, self.policy))
-                if best:  # none: every node filled since the filter above; prioritize would score them all 0
-                    passed = [passed[i] for i in best]
-            return passed, {}, ""
-        return passed, failed, ""
+        if not passed:
+            return [], failed, ""
+        if self.rank_in_filter and len(passed) > 1:
+            best = best_nodes(self.cache.node_ranks(passed, args.pod, request, self.policy))
+            if best:  # none: every node filled since the filter above; prioritize would score them all 0
+                passed = [passed[i] for i in best]
+        return passed, {}, ""
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
         try:
