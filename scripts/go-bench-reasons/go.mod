@@ -1,0 +1,3 @@
+module gpushared/go-bench-reasons
+
+go 1.19
