@@ -340,7 +340,13 @@ def run_mode(
         samples = families(cluster.extender_metrics())
         report["extender"] = summed(samples, "gpushared_extender_request_seconds", by="verb")
         # new connections kube-scheduler opened (a TLS handshake each), the benchmark's readiness probes aside
-        report["extenderConnections"] = int(samples.get(("gpushared_extender_connections_total", ()), 0))
+        opened = {
+            dict(labels).get("protocol", ""): int(value)
+            for (name, labels), value in samples.items()
+            if name == "gpushared_extender_connections_total"
+        }
+        report["extenderConnections"] = sum(opened.values())
+        report["extenderConnectionsByProtocol"] = opened  # h2: kube-scheduler's calls share one connection
     report["apiserver"] = apiserver_time(api_before, api.metrics())
     bound.stop()
     cluster.stop("kube-scheduler")

@@ -135,7 +135,7 @@ def main(
     from gpushared.contract import ContractError, ResourceNames
     from gpushared.core.policies import policy_named
     from gpushared.extender import app
-    from gpushared.extender.server import ServerConfig
+    from gpushared.extender.config import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect
 
@@ -183,7 +183,8 @@ def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path |
         raise click.UsageError("--tls-cert and --tls-key go together")
     if client_ca is not None and tls_cert is None:
         raise click.UsageError("--client-ca needs --tls-cert and --tls-key: client certificates come with TLS")
-    from gpushared.extender.server import ServerConfig, tls_context
+    from gpushared.extender.config import ServerConfig
+    from gpushared.extender.server import tls_context
 
     try:  # a certificate, key or CA that does not load: say which, before anything starts
         tls_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))

@@ -17,8 +17,9 @@ import uvloop
 from gpushared.contract import ResourceNames
 from gpushared.core.policies import Policy
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.config import ServerConfig
 from gpushared.extender.scheduler import Scheduler
-from gpushared.extender.server import ServerConfig, build_app, serve
+from gpushared.extender.server import build_app, serve
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.lease import LeaderElector

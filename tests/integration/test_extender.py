@@ -391,7 +391,7 @@ def test_connections_are_counted_once_each(extender: Extender) -> None:
 
     def connections() -> float:
         text = extender.get("/metrics")[1].decode()  # a connection of its own
-        return float(re.search(r"^gpushared_extender_connections_total (\S+)$", text, re.M)[1])  # type: ignore[index]
+        return float(re.search(r'^gpushared_extender_connections_total{protocol="http/1.1"} (\S+)$', text, re.M)[1])  # type: ignore[index]
 
     before = connections()
     extender.get("/healthz"), extender.get("/version")

@@ -18,6 +18,7 @@ import pytest
 from tests.builders import GPU_MEM, admission_review, pod
 from tests.extender_harness import Extender, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault
+from tests.h2client import H2Client
 from tests.harness import wait_until
 from tests.pki import Authority, Pair
 
@@ -271,6 +272,62 @@ def test_with_a_client_ca_only_the_scheduler_may_use_the_verbs(
     ).read()
     assert b"victim" not in metrics
     ext.stop()
+
+
+def test_over_http2_the_verbs_answer_as_over_http1(
+    api: FakeApiServer, spawn: Callable[..., Extender], tmp_path: Path
+) -> None:
+    """kube-scheduler's extender client offers h2 in ALPN; the same refusals and answers hold on it, every
+    call on one connection."""
+    authority = Authority(tmp_path / "pki")
+    server = authority.issue("extender", common_name="gpushared-extender", server=True)
+    scheduler = authority.issue("scheduler", common_name="system:kube-scheduler")
+    other = authority.issue("other", common_name="someone-else")
+    ext = spawn(
+        api,
+        args=[
+            "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--client-ca", str(authority.cert),
+            "--client-name", "system:kube-scheduler", "--max-body-mib", "1",
+        ],
+    )  # fmt: skip
+
+    def client(pair: Pair | None) -> H2Client:
+        h2 = H2Client(ext.port, ca=authority.cert, client=(pair.cert, pair.key) if pair else None)
+        assert h2.alpn == "h2"
+        return h2
+
+    def ready() -> bool:
+        try:
+            return client(None).request("GET", "/readyz").status == 200
+        except ConnectionRefusedError:
+            return False
+
+    wait_until(ready, timeout=30, message="ready over h2")
+    anonymous, stranger, kube_scheduler = client(None), client(other), client(scheduler)
+    victim = api.create(pod("victim", 4))
+    args = {"PodName": "victim", "PodNamespace": "default", "PodUID": victim["metadata"]["uid"], "Node": "n1"}
+    body = json.dumps(args).encode()
+    bind = "/gpushare-scheduler/bind"
+    assert anonymous.request("POST", bind, body).status == 401
+    refused = stranger.request("POST", bind, body)
+    assert refused.status == 403 and "someone-else" in json.loads(refused.body)["Error"]
+    too_big = kube_scheduler.request("POST", "/gpushare-scheduler/filter", b" " * (2 << 20))
+    assert too_big.status == 413 and "larger than 1048576 bytes" in json.loads(too_big.body)["Error"]
+    malformed = kube_scheduler.request("POST", "/gpushare-scheduler/filter", b'{"Pod": 7}')
+    assert malformed.status == 400
+    assert kube_scheduler.request("POST", bind, body).status == 200
+    assert api.get("pods", "victim", "default")["spec"]["nodeName"] == "n1"  # type: ignore[index]
+    filtered = kube_scheduler.request(
+        "POST", "/gpushare-scheduler/filter", json.dumps({"Pod": pod("next", 4), "NodeNames": ["n1"]}).encode()
+    )
+    assert filtered.status == 200 and json.loads(filtered.body)["NodeNames"] == ["n1"]
+    hidden = json.loads(anonymous.request("GET", "/gpushare-scheduler/inspect/n1").body)
+    assert hidden["nodes"][0]["devs"][1]["pods"] == [{"name": "(hidden)", "namespace": "(hidden)", "usedGPU": 4}]
+    assert anonymous.request("GET", "/nowhere").status == 404
+    assert anonymous.request("GET", bind).status == 405
+    metrics = anonymous.request("GET", "/metrics").body.decode()
+    assert 'gpushared_extender_connections_total{protocol="h2"} 4.0' in metrics  # readiness's, and these 3
+    assert ext.stop() == 0
 
 
 @pytest.mark.parametrize(

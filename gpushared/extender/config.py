@@ -1,0 +1,32 @@
+"""What the extender's HTTP service listens on, whom it answers, and the limits it holds callers to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpushared.core.admission import GPUSHARED_SCHEDULER
+from gpushared.extender import wire
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    address: str = "0.0.0.0"
+    port: int = 39999
+    prefix: str = "/gpushare-scheduler"
+    #: the body is parsed on the event loop; why 8 MiB: docs/benchmarks.md, "What a request may hold the
+    #: event loop for"
+    max_body_bytes: int = 8 * 2**20
+    max_nodes: int = wire.MAX_NODES
+    read_timeout: float = 10.0
+    keepalive_timeout: float = 75.0
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    #: mutual TLS: the verbs answer only callers whose client certificate this CA signed
+    client_ca: Path | None = None
+    #: and, if any are given, whose certificate's common name or DNS name is one of these
+    client_names: frozenset[str] = frozenset()
+    #: /inspect names pods to callers without a client certificate too
+    public_pod_names: bool = False
+    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
+    webhook_scheduler: str = GPUSHARED_SCHEDULER

@@ -1,0 +1,93 @@
+"""The extender's Prometheus series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+
+from gpushared import __version__
+
+
+class WatchRestarts(Collector):
+    """Watches listed again, per informer and reason: counts the informers keep, exposed as a counter."""
+
+    def __init__(self) -> None:
+        self.informers: list[Any] = []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "gpushared_extender_watch_restarts",
+            "Watches of the cache listed again because they went silent, or lagged behind a read-back",
+            labels=("informer", "reason"),
+        )
+        for informer in self.informers:
+            family.add_metric((informer.name, "silent"), informer.silent_watches)
+            family.add_metric((informer.name, "lagging"), informer.lag_relists)
+        yield family
+
+
+class Metrics:
+    """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        Gauge(
+            "gpushared_build_info",
+            "Always 1; the labels say which gpushared this is",
+            ("component", "version", "python"),
+            registry=self.registry,
+        ).labels(component="extender", version=__version__, python=platform.python_version()).set(1)
+        self.leader = Gauge(
+            "gpushared_extender_leader",
+            "1 while this replica answers kube-scheduler itself (it holds the Lease, or runs without election)",
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "gpushared_extender_request_seconds",
+            "Time to answer kube-scheduler, per verb",
+            ("verb",),
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "gpushared_extender_errors", "Requests answered with an error, per verb", ("verb",), registry=self.registry
+        )
+        self.nodes = Gauge("gpushared_extender_nodes", "gpushared nodes in the cache", registry=self.registry)
+        self.stale = Gauge(
+            "gpushared_extender_cache_stale",
+            "1 while a watch of the cache is silent past its bound or being listed again after it lagged",
+            registry=self.registry,
+        )
+        self.watch_restarts = WatchRestarts()
+        self.registry.register(self.watch_restarts)
+        self.allocation_edits = Gauge(
+            "gpushared_extender_allocation_edits",
+            "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
+            registry=self.registry,
+        )
+        self.loop_lag = Gauge(
+            "gpushared_extender_event_loop_lag_max_seconds",
+            "The longest the event loop was late to a 20 ms timer since start: how long one request held it",
+            registry=self.registry,
+        )
+        # Over HTTP/1.1 kube-scheduler's extender client keeps two idle connections per extender (Go's
+        # default), so binds in flight beside a filter open new ones, each a full (mutual) TLS handshake on
+        # both sides; over HTTP/2 (ALPN "h2", what it offers over TLS) every call is a stream on one
+        # connection. The rate this grows at is that churn (docs/benchmarks.md, "The scheduler with the
+        # extender"). Counted once the protocol is known: after the TLS handshake, when there is one.
+        self.connections = Counter(
+            "gpushared_extender_connections",
+            "Connections accepted on the extender's port, per HTTP version they speak",
+            ("protocol",),
+            registry=self.registry,
+        )
+        self.unconfirmed = Gauge(
+            "gpushared_extender_unconfirmed_binds",
+            "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
+            registry=self.registry,
+        )
