@@ -12,6 +12,7 @@ import asyncio
 import logging
 import ssl
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -304,11 +305,24 @@ def _hide_pods(report: dict[str, Any]) -> None:
 HIDDEN = "(hidden)"
 
 
-def certificate_names(ssl_object: ssl.SSLObject | None) -> set[str] | None:
-    """The common names and DNS names of the caller's verified client certificate; None without one."""
-    certificate: Any = ssl_object.getpeercert() if ssl_object is not None else None  # typeshed's is too loose
-    if not certificate:
+def certificate_names(ssl_object: ssl.SSLObject | None) -> frozenset[str] | None:
+    """The common names and DNS names of the caller's verified client certificate; None without one.
+    Decoded once per connection: over HTTP/2 every call of kube-scheduler's comes on the same one."""
+    if ssl_object is None:
         return None
-    names = {value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"}
-    names |= {value for kind, value in certificate.get("subjectAltName", ()) if kind == "DNS"}
+    try:
+        return _NAMES[ssl_object]
+    except KeyError:
+        pass
+    certificate: Any = ssl_object.getpeercert()  # typeshed's type is looser than what it returns
+    names = None
+    if certificate:
+        found = {value for rdn in certificate.get("subject", ()) for key, value in rdn if key == "commonName"}
+        found |= {value for kind, value in certificate.get("subjectAltName", ()) if kind == "DNS"}
+        names = frozenset(found)
+    _NAMES[ssl_object] = names
     return names
+
+
+#: Each open connection's client certificate names, gone with the connection.
+_NAMES: weakref.WeakKeyDictionary[ssl.SSLObject, frozenset[str] | None] = weakref.WeakKeyDictionary()

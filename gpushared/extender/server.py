@@ -162,6 +162,9 @@ def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
     context.set_alpn_protocols(ALPN)
+    # A connection's client certificate is checked once (routes.certificate_names): no renegotiation
+    # may present another one later. (TLS 1.3 has none; this closes TLS 1.2's.)
+    context.options |= ssl.OP_NO_RENEGOTIATION
     if config.client_ca is not None:
         # Optional at the handshake, so kubelet's probes reach /healthz and /readyz; a certificate that is
         # presented must verify, and the verbs refuse a caller without one (_Routes._unauthenticated).
