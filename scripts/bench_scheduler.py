@@ -20,7 +20,9 @@ kube-scheduler (and extender) and the previous mode's pods deleted, in one run o
 - ``pct-<N>``: the shipped wiring with ``percentageOfNodesToScore: N``;
 - ``no-gpu-scoring``: the shipped wiring with its opt-in second entry (``prioritize-no-gpu`` for every pod);
 - ``plain-http``: the shipped wiring on plain HTTP (no TLS on the extender, ``enableHTTPS: false``): what
-  TLS costs kube-scheduler; never a way to run it (anyone who reaches the port could bind pods).
+  TLS costs kube-scheduler; never a way to run it (anyone who reaches the port could bind pods);
+- ``http1``: the shipped wiring with kube-scheduler kept to HTTP/1.1 (client-go's ``DISABLE_HTTP2``): what
+  HTTP/2 saves, the same extender code answering.
 
 Both schedulers get scheduler_perf's client settings (QPS and burst 5,000, ``--qps``): at 1.20's default (50)
 the scheduler's own API calls, one Binding and one Event per pod, cap it near 25-50 pods/s and the
@@ -81,7 +83,7 @@ CREATORS = 16
 #: What a mode adds to the extender's command line.
 EXTENDER_ARGS = {"prioritize": ["--no-rank-in-filter"], "no-prioritize": ["--no-rank-in-filter"]}
 #: The modes there are, beside ``pct-<N>``.
-MODES = ("without", "with", "prioritize", "no-prioritize", "no-gpu-scoring", "plain-http")
+MODES = ("without", "with", "prioritize", "no-prioritize", "no-gpu-scoring", "plain-http", "http1")
 MERGE = {"Content-Type": "application/merge-patch+json"}
 #: The processes whose CPU is counted, by the name LocalCluster spawns them under.
 PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd")
@@ -314,7 +316,9 @@ def run_mode(
     api_before = api.metrics()
     cpu_before = cpu_seconds(cluster)
     started = time.monotonic()
-    cluster.restart_scheduler(extenders=uses_extender, adjust=adjust)
+    cluster.restart_scheduler(
+        extenders=uses_extender, adjust=adjust, env={"DISABLE_HTTP2": "1"} if mode == "http1" else None
+    )
     profiling = profile(cluster, bound, args, mode, uses_extender=uses_extender) if args.profile else None
     try:
         wait_for(lambda: len(bound.times) >= args.pods, timeout=args.timeout, what=f"{args.pods} pods bound ({mode})")

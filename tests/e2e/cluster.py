@@ -596,13 +596,18 @@ state = "{base}/state"
         self._start_extender(*args)
 
     def restart_scheduler(
-        self, *, extenders: bool = True, adjust: Callable[[dict[str, Any]], None] | None = None
+        self,
+        *,
+        extenders: bool = True,
+        adjust: Callable[[dict[str, Any]], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         """kube-scheduler again; without ``extenders``, as a managed cluster's: stock, knowing no extender.
         ``adjust`` may change the KubeSchedulerConfiguration document before it is written (a benchmark's
-        variant: no prioritize, another ``percentageOfNodesToScore``)."""
+        variant: no prioritize, another ``percentageOfNodesToScore``); ``env`` is added to its environment
+        (``DISABLE_HTTP2``)."""
         self.stop("kube-scheduler")
-        self._start_scheduler(extenders=extenders, adjust=adjust)
+        self._start_scheduler(extenders=extenders, adjust=adjust, env=env)
 
     def scheduler_metrics(self) -> str:
         """kube-scheduler's /metrics page: from the plain-HTTP metrics address while its configuration has one
@@ -622,7 +627,11 @@ state = "{base}/state"
             return str(response.read().decode())
 
     def _start_scheduler(
-        self, *, extenders: bool = True, adjust: Callable[[dict[str, Any]], None] | None = None
+        self,
+        *,
+        extenders: bool = True,
+        adjust: Callable[[dict[str, Any]], None] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         p = self.ports
         version = self.version("kube-scheduler")
@@ -644,6 +653,7 @@ state = "{base}/state"
                 "--secure-port", p.scheduler,
                 *versions.insecure_port_flags(version),
             ],
+            env=env,
         )  # fmt: skip
 
     def _extenders(self, shipped: Path) -> list[dict[str, Any]]:
