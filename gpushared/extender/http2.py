@@ -224,9 +224,7 @@ class Http2Protocol(asyncio.Protocol):
             remote=self.remote,
             forwarded=bool(headers.get(b"x-gpushared-forwarded")),
         )
-        task = self.loop.create_task(self._respond(sid, stream, call))
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(self.loop.create_task(self._respond(sid, stream, call)))
 
     def _data(self, event: h2.events.DataReceived) -> None:
         self.conn.acknowledge_received_data(event.flow_controlled_length or 0, event.stream_id)
@@ -243,6 +241,15 @@ class Http2Protocol(asyncio.Protocol):
             stream.chunks.append(data)
 
     async def _respond(self, sid: int, stream: _Stream, call: Call) -> None:
+        try:
+            await self._answer(sid, stream, call)
+        finally:
+            # Out of the count in the same step that wrote the answer, not a loop turn later (as a done
+            # callback would be): a client that has its answer may open its next stream at once, and must
+            # not find this one still counted against MAX_STREAMS.
+            self.tasks.discard(cast("asyncio.Task[None]", asyncio.current_task()))
+
+    async def _answer(self, sid: int, stream: _Stream, call: Call) -> None:
         try:
             answer = await self.routes.answer(call)
         except Exception:  # a bug: the routes answer every caller's fault themselves

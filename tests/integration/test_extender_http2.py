@@ -163,6 +163,22 @@ def test_resetting_streams_buys_no_more_work_than_waiting_for_answers(server: Se
     assert client.request("POST", "/echo", b"after").body == b"after"
 
 
+def test_a_client_that_keeps_every_stream_busy_is_never_refused(server: Server) -> None:
+    """kube-scheduler at full rate: MAX_STREAMS calls in flight, a new one as soon as one is answered."""
+    client = server.client()
+    open_ = {client.open("POST", "/echo", b"%d" % i) for i in range(MAX_STREAMS)}
+    sent = MAX_STREAMS
+    while open_:
+        client.pump(0.05)
+        for sid in [s for s in open_ if client.responses[s].done]:
+            open_.discard(sid)
+            assert client.responses[sid].reset is None and client.responses[sid].status == 200
+            if sent < 5 * MAX_STREAMS:
+                open_.add(client.open("POST", "/echo", b"%d" % sent))
+                sent += 1
+    assert len(server.routes.calls) == 5 * MAX_STREAMS
+
+
 def test_broken_frames_end_that_connection_only(server: Server) -> None:
     client = server.client()
     # A HEADERS frame on stream 0, which no request may use: a connection error
