@@ -314,11 +314,14 @@ class Http2Protocol(asyncio.Protocol):
             self.transport.write(data)
 
     def _arm_idle(self) -> None:
-        """Close the connection after ``keepalive_timeout`` with no request open (pings do not count)."""
-        if self.idle is not None:
-            self.idle.cancel()
-            self.idle = None
-        if not self.streams and self.transport is not None:
+        """Close the connection ``keepalive_timeout`` after its last request closed. The clock starts when
+        the connection falls idle and stops while a request is open; nothing else (pings, settings,
+        window updates) moves it."""
+        if self.streams or self.transport is None:
+            if self.idle is not None:
+                self.idle.cancel()
+                self.idle = None
+        elif self.idle is None:
             self.idle = self.loop.call_later(self.config.keepalive_timeout, self.shut)
 
     async def drain(self, timeout: float) -> None:

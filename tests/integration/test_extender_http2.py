@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -215,6 +216,17 @@ def test_an_idle_connection_is_sent_away_but_not_one_waiting_for_an_answer(
         waiting = server.client()
         sid = waiting.open("GET", "/hold")
         idle = server.client()
+        pinging = server.client()
+        for _ in range(20):  # pings every 0.1 s do not keep a connection with no request open
+            if pinging.closed or pinging.goaway is not None:
+                break
+            pinging.conn.ping(b"12345678")
+            pinging.flush()
+            time.sleep(0.1)
+            pinging.pump()
+        assert pinging.goaway is not None or pinging.closed, "pings kept an idle connection open"
+        pinging.wait_closed(timeout=1)
+        assert pinging.closed and pinging.goaway == ErrorCodes.NO_ERROR  # within the 2 s of pings
         idle.wait_closed(timeout=5)
         assert idle.goaway == ErrorCodes.NO_ERROR
         waiting.pump(0.6)
