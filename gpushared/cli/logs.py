@@ -44,7 +44,14 @@ def to_journal(stream: TextIO, environ: dict[str, str] | os._Environ[str] = os.e
     return f"{status.st_dev}:{status.st_ino}" == f"{device}:{inode}"
 
 
+#: Libraries whose debug lines say nothing an operator of gpushared can use: HTTP/2's header codec logs
+#: every header of every request it decodes.
+CHATTY = ("hpack",)
+
+
 def configure(level: str, stream: TextIO = sys.stderr) -> None:
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JournalFormatter(FORMAT) if to_journal(stream) else logging.Formatter(FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    for name in CHATTY:
+        logging.getLogger(name).setLevel(max(logging.INFO, logging.getLogger().level))

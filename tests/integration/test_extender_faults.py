@@ -330,6 +330,32 @@ def test_over_http2_the_verbs_answer_as_over_http1(
     assert ext.stop() == 0
 
 
+def test_a_bind_whose_http2_stream_the_scheduler_resets_still_counts_once(
+    api: FakeApiServer, spawn: Callable[..., Extender], tmp_path: Path
+) -> None:
+    """kube-scheduler gives up on a slow bind (its httpTimeout) by resetting the stream: the bind is not cut
+    in half. The Binding it sent lands and its memory is counted, so a second pod does not get it."""
+    authority = Authority(tmp_path / "pki")
+    server = authority.issue("extender", common_name="gpushared-extender", server=True)
+    ext = spawn(api, args=["--tls-cert", str(server.cert), "--tls-key", str(server.key)], ca=authority.cert)
+    ext.wait_ready()
+    first = api.create(pod("first", 16))
+    slow = Fault(method="POST", path=r"/pods/first/binding$", delay=1.5)  # then carried out
+    api.inject(slow)
+    client = H2Client(ext.port, ca=authority.cert)
+    args = {"PodName": "first", "PodNamespace": "default", "PodUID": first["metadata"]["uid"], "Node": "n1"}
+    sid = client.open("POST", "/gpushare-scheduler/bind", json.dumps(args).encode())
+    wait_until(lambda: slow.hits == 1, timeout=10, message="the Binding sent to the API server")
+    client.reset(sid)  # while the API server holds it
+    wait_until(lambda: api.get("pods", "first", "default")["spec"].get("nodeName") == "n1", timeout=10)  # type: ignore[index]
+    wait_until(lambda: used(ext) == [16, 0], timeout=10, message="the landed bind counted")
+    # finished, not cancelled with its stream: it saw the API server's answer
+    wait_until(lambda: "bound pod default/first to node n1" in ext.log(), timeout=10, message="the bind finished")
+    _, result = ext.bind(api.create(pod("second", 16)), "n1")
+    assert "does not fit node n1" in result["Error"], result
+    assert client.request("GET", "/healthz").status == 200  # the connection serves on
+
+
 @pytest.mark.parametrize(
     ("pick", "message"),
     [
