@@ -14,7 +14,7 @@ frame that breaks the protocol end the connection with a GOAWAY naming the error
 request open for ``keepalive_timeout`` is closed, and at most :data:`MAX_STREAMS` answers are worked on per
 connection — counting those of streams the client already reset, so opening and resetting streams as
 fast as it can (the "rapid reset" attack, CVE-2023-44487) buys a client no more work than it could get
-by waiting for its answers.
+by waiting for its answers. A client that does not read is not read from (``pause_writing``).
 
 A stream the client resets is not cancelled: a bind already sent to the API server finishes and is
 counted, as over HTTP/1.1 when a client hangs up; only its answer is dropped.
@@ -179,13 +179,20 @@ class Http2Protocol(asyncio.Protocol):
         return len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.conn.max_inbound_frame_size
 
     def pause_writing(self) -> None:
+        """The client is not reading what it is sent. Stop reading from it too: what it sends may ask for
+        answers of its own (PING and SETTINGS acknowledgements, RST_STREAM), and a client that floods
+        them without reading would have them pile up here without bound (CVE-2019-9512, -9515)."""
         if self.writable is None:
             self.writable = self.loop.create_future()
+            if self.transport is not None:
+                self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         if self.writable is not None:
             self.writable.set_result(None)
             self.writable = None
+            if self.transport is not None:
+                self.transport.resume_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None

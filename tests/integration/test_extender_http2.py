@@ -6,6 +6,8 @@ resets, broken frames, idle and stopping connections."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -191,6 +193,29 @@ def test_broken_frames_end_that_connection_only(server: Server) -> None:
     garbage.wait_closed()
     assert garbage.goaway == ErrorCodes.FRAME_SIZE_ERROR
     assert server.client().request("POST", "/echo", b"still").body == b"still"
+
+
+def test_a_client_that_floods_pings_and_reads_nothing_is_not_buffered_for(server: Server) -> None:
+    """Each PING asks for an acknowledgement; a client that never reads them must not make the server hold
+    them all (CVE-2019-9512): once what it owes the client passes the transport's high-water mark, the
+    server stops reading from it."""
+    client = server.client()
+    (connection,) = server.live
+    assert connection.transport is not None
+    # Small socket buffers on both sides, so what the server owes backs up into its own buffer at once.
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    ping = b"\x00\x00\x08\x06\x00\x00\x00\x00\x00" + b"12345678"
+    batch = ping * 4096  # 68 KiB of pings
+    client.sock.setblocking(False)
+    owed = 0
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        with contextlib.suppress(BlockingIOError):
+            client.sock.send(batch)
+        owed = max(owed, connection.transport.get_write_buffer_size())
+        time.sleep(0.001)
+    assert owed < 1 << 20, f"{owed} bytes of acknowledgements held for a client that reads nothing"
 
 
 def test_headers_past_the_list_size_end_the_connection(server: Server) -> None:
