@@ -54,8 +54,10 @@ class H2Client:
         self.sock = sock
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True, header_encoding="utf-8"))
         self.conn.initiate_connection()
-        if window is not None:  # a client that reads answers slowly
+        if window is not None:  # a client that reads answers slowly (or takes them as fast as they come)
             self.conn.update_settings({h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window})
+            if window > 65_535:
+                self.conn.increment_flow_control_window(window - 65_535)
         self.responses: dict[int, Response] = {}
         #: the server's GOAWAY error code, once it sent one
         self.goaway: int | None = None

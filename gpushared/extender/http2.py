@@ -287,7 +287,9 @@ class Http2Protocol(asyncio.Protocol):
             self._arm_idle()
 
     async def _send(self, sid: int, body: bytes) -> None:
-        """``body`` as DATA frames, as fast as the client's flow-control windows and the socket allow."""
+        """``body`` as DATA frames, as fast as the client's flow-control windows and the socket allow. A
+        client that opens no window for ``read_timeout`` gets the stream reset (CANCEL); one that leaves
+        the socket full that long loses the connection: an answer nobody reads holds nothing for good."""
         offset = 0
         while offset < len(body):
             if self.transport is None:
@@ -297,14 +299,30 @@ class Http2Protocol(asyncio.Protocol):
                 waiter = self.window_waiters.get(sid)
                 if waiter is None:
                     waiter = self.window_waiters[sid] = self.loop.create_future()
-                await waiter
+                if not await self._within_timeout(waiter):
+                    self.window_waiters.pop(sid, None)
+                    log.warning("HTTP/2 client %s opened no window for its answer: stream reset", self.remote)
+                    self.conn.reset_stream(sid, ErrorCodes.CANCEL)
+                    return
                 continue
             size = min(window, self.conn.max_outbound_frame_size, len(body) - offset)
             self.conn.send_data(sid, body[offset : offset + size], end_stream=offset + size == len(body))
             offset += size
             self._flush()
-            if self.writable is not None:
-                await self.writable
+            if self.writable is not None and not await self._within_timeout(self.writable):
+                log.warning("HTTP/2 client %s reads nothing it is sent: connection closed", self.remote)
+                if self.transport is not None:
+                    self.transport.abort()
+                return
+
+    async def _within_timeout(self, event: asyncio.Future[None]) -> bool:
+        """Whether ``event`` happened within ``read_timeout`` (shared futures are never cancelled here)."""
+        try:
+            async with asyncio.timeout(self.config.read_timeout):
+                await asyncio.shield(event)
+        except TimeoutError:
+            return False
+        return True
 
     def _open_windows(self, sid: int) -> None:
         """Wake the answers waiting for window: one stream's, or (0: the connection's or every setting) all."""

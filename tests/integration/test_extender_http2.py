@@ -218,6 +218,32 @@ def test_a_client_that_floods_pings_and_reads_nothing_is_not_buffered_for(server
     assert owed < 1 << 20, f"{owed} bytes of acknowledgements held for a client that reads nothing"
 
 
+@pytest.fixture
+def impatient(new_loop: Callable[[], asyncio.AbstractEventLoop]) -> Iterator[Server]:
+    """A server whose read timeout (also how long an answer may wait for its reader) is half a second."""
+    served = Server(ServerConfig(read_timeout=0.5, keepalive_timeout=30), new_loop=new_loop)
+    yield served
+    served.stop()
+
+
+def test_an_answer_whose_client_opens_no_window_is_cancelled(impatient: Server) -> None:
+    client = impatient.client(window=0)
+    (answer,) = client.wait(client.open("GET", "/big/1000"), timeout=5)
+    assert answer.status == 200 and answer.reset == ErrorCodes.CANCEL and answer.body == b""
+    assert client.request("GET", "/big/0").status == 200  # the connection serves on
+
+
+def test_a_client_that_reads_no_answer_loses_the_connection(impatient: Server) -> None:
+    client = impatient.client(window=1 << 30)
+    client.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    (connection,) = impatient.live
+    assert connection.transport is not None
+    connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    client.open("GET", f"/big/{32 << 20}")  # and never read again
+    wait_until(lambda: not impatient.live, timeout=5, message="the connection closed")
+    assert connection.tasks == set()
+
+
 def test_headers_past_the_list_size_end_the_connection(server: Server) -> None:
     client = server.client()
     client.pump()  # the server's settings, so its header-list size is in force once acknowledged
