@@ -175,10 +175,9 @@ class Http2Protocol(asyncio.Protocol):
         h2 checks a frame's length only once the whole frame has arrived, so a client that announces a
         16 MiB frame would have the extender buffer 16 MiB before being refused. What h2 holds after a
         read is at most one incomplete frame; its 9-byte header says how long it will be."""
-        buffer = self.conn.incoming_buffer  # h2 has no public accessor for what it holds:
-        pending = getattr(buffer, "_data", None)  # its name since h2 4.3
-        if pending is None:
-            pending = getattr(buffer, "data", b"")  # before
+        buffer = self.conn.incoming_buffer  # h2 has no public accessor for what it holds: "_data" since
+        # h2 4.3, "data" before (an empty buffer is falsy either way, and has no frame to judge)
+        pending: bytes | bytearray = getattr(buffer, "_data", b"") or getattr(buffer, "data", b"")
         return len(pending) >= 9 and int.from_bytes(pending[:3], "big") > self.conn.max_inbound_frame_size
 
     def pause_writing(self) -> None:
