@@ -36,7 +36,7 @@ import h2.settings
 from h2.errors import ErrorCodes
 
 from gpushared.extender.config import ServerConfig
-from gpushared.extender.routes import Answer, BodyTooLarge, Call, Routes
+from gpushared.extender.routes import TEXT, Answer, BodyTooLarge, Call, Routes
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ class Http2Protocol(asyncio.Protocol):
             answer = await self.routes.answer(call)
         except Exception:  # a bug: the routes answer every caller's fault themselves
             log.exception("%s %s failed", call.method, call.path)
-            answer = Answer(500, b"500: internal error; see the log", "text/plain; charset=utf-8")
+            answer = Answer(500, b"500: internal error; see the log", TEXT)
         if self.streams.get(sid) is not stream:
             return  # reset by the client, or the connection is gone
         try:
