@@ -225,6 +225,15 @@ class RequestMix:
             self._pressures = self._count_pressures()
         return self._pressures.get(model, 0.0)
 
+    def pressures(self) -> tuple[tuple[str, float], ...]:
+        """Every GPU model's :meth:`pressure`, as one value two mixes can be compared by: a price that reads
+        the mix only through the pressure is the same under both when these are (empty: none anywhere)."""
+        if not self._pinned or not self.nodes:
+            return ()
+        if self._pressures is None:
+            self._pressures = self._count_pressures()
+        return tuple(sorted((m, p) for m, p in self._pressures.items() if p))
+
     def _count_pressures(self) -> dict[str, float]:
         gpus: dict[str, int] = {}
         memory: dict[str, int] = {}

@@ -181,6 +181,10 @@ class Policy:
     price_of_several: Callable[[Choice, int, PricingContext], float] | None = None
     #: whether ``price`` reads the mix: prices that do not are kept when a new mix is taken
     reads_mix: bool = False
+    #: whether ``price`` reads the mix only through ``PricingContext.pressure``: its prices are kept when a
+    #: new mix is taken with the same pressures (``RequestMix.pressures``; always, where no pod is pinned to
+    #: GPU models), not worked out again for every node with every mix
+    reads_pressure: bool = False
     #: whether ``price`` reads the node's and the pod's CPU: prices that do are kept per pod CPU request and
     #: until the node's CPU changes
     reads_cpu: bool = False
@@ -406,7 +410,7 @@ BINPACK: Final = Policy(
     price=_binpack_price,
     price_of_several=_binpack_price_of_several,
     reads_cpu=True,
-    reads_mix=True,  # only for the pressure of pinned pods on GPU models; nothing else when none is pinned
+    reads_pressure=True,
     free_order=1,
 )
 #: The GPU left with the most free memory.

@@ -89,14 +89,14 @@ class FilterIndex:
 
     def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
         """How ``policy`` ranks each node for the pod (None: it does not fit), kept per node until its
-        ledger, its CPU (for a policy that reads it) or the request mix changes."""
+        ledger, its CPU (for a policy that reads it) or what it reads of the request mix changes."""
         keys: list[NodeRank | None] = []
         with self.state.lock:
             mix = self.state.request_mix()
             pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
-            mixed = self.state.mix_generation if policy.reads_mix else 0
+            mixed = self._mixed(policy)
             # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
-            pinned = policy.reads_mix and self._pinned(pod)
+            pinned = (policy.reads_mix or policy.reads_pressure) and self._pinned(pod)
             slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
             for name in names:
                 usable = self.state.usable(name, gpus=request.gpus)
@@ -114,6 +114,16 @@ class FilterIndex:
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])
         return keys
+
+    def _mixed(self, policy: Policy) -> int:
+        """Which mix the policy's ranks were worked out under, as far as they read it: a new mix (every
+        MIX_SECONDS) drops a rank that reads the mix, and one that reads only the pressures when those moved;
+        otherwise every node would be priced again for every request size after each count, for nothing."""
+        if policy.reads_mix:
+            return self.state.mix_generation
+        if policy.reads_pressure:
+            return self.state.pressure_generation
+        return 0
 
     def _pinned(self, pod: PodBody) -> bool:
         """Whether the pod's node affinity pins it to GPU models (the cluster's label): it is then priced

@@ -106,6 +106,9 @@ class ClusterState:
         self._kinds: Counter[ModelKind] = Counter()
         #: counts the mixes taken: a rank that reads the mix is kept per mix
         self.mix_generation = 0
+        #: counts the mixes taken whose pressures differ from the mix before: a rank that reads only those
+        #: (``Policy.reads_pressure``) is kept across mixes that leave them as they were
+        self.pressure_generation = 0
         self._mix_counted = -MIX_SECONDS
         #: counts changes of what a node offers any pod (its GPUs, model, allocatable CPU), and the nodes by
         #: class as of that count: counted again only when one changed, not with every mix
@@ -140,7 +143,10 @@ class ClusterState:
                 self._mix_counted = self.clock()
                 self.mix_generation += 1
                 rooms = self._node_rooms() if self.count_rooms else None
-                self._mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
+                mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
+                if mix.pressures() != self._mix.pressures():
+                    self.pressure_generation += 1
+                self._mix = mix
             return self._mix
 
     def _node_rooms(self) -> Counter[NodeRoom]:

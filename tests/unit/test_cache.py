@@ -255,6 +255,86 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
         priced.clear()
 
 
+def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressures_move() -> None:
+    """binpack reads the mix only for the pressure pinned pods put on GPU models: where none is pinned a new
+    mix (every MIX_SECONDS) changes none of its prices, and pricing every node again for every request size
+    after each count made the next calls of each size the slowest. A pinned pod counted moves the pressures:
+    then the prices are worked out again, and differ."""
+    label = "example.com/gpu-model"
+    now = [0.0]
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        clock=lambda: now[0],
+        model_label=label,
+    )
+    for name, model in (("t4", "T4"), ("g2", "G2")):
+        node = gpu_node(name, inv=INVENTORY, cpu="8")
+        node["metadata"]["labels"] = {label: model}
+        cache.nodes.handler(None, node)  # type: ignore[misc]
+    names = {id(cache.state.nodes[name].ledger): name for name in ("t4", "g2")}
+    probe, request = pod("probe", 3), pod_request(pod("probe", 3))
+    priced: set[tuple[str, float]] = set()  # (node, the pressure it was priced under)
+
+    def cost(verdict: GpuVerdict, need: int, setting: PricingContext) -> float:
+        priced.add((names[id(setting.ledger)], setting.pressure))
+        return float(verdict.free - need) + setting.pressure
+
+    policy = Policy(name="counting-pressure", price=cost, reads_pressure=True)
+    first = cache.node_ranks(["t4", "g2"], probe, request, policy)
+    assert priced == {("t4", 0.0), ("g2", 0.0)}
+    for _ in range(3):  # new mixes, the same (no) pressures: every price kept
+        priced.clear()
+        now[0] += MIX_SECONDS
+        assert cache.node_ranks(["t4", "g2"], probe, request, policy) == first
+        assert not priced
+    pinned = pod("pinned", 8, node="t4", phase="Running")
+    pinned["spec"]["nodeSelector"] = {label: "T4"}
+    pinned["metadata"]["annotations"] = bind_annotations(
+        pod_request(pinned), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
+    )
+    cache.pods.handler(None, pinned)  # type: ignore[misc]
+    priced.clear()
+    cache.node_ranks(["t4", "g2"], probe, request, policy)
+    assert priced == {("t4", 0.0)}  # its ledger changed; the mix is taken at most every MIX_SECONDS
+    priced.clear()
+    now[0] += MIX_SECONDS
+    moved = cache.node_ranks(["t4", "g2"], probe, request, policy)
+    assert {node for node, _ in priced} == {"t4", "g2"}  # the pressures moved: every node priced again
+    assert dict(priced)["t4"] > 0 and dict(priced)["g2"] == 0.0
+    assert moved[1] == first[1]
+    # A pod pinned itself is priced without pressure.
+    priced.clear()
+    mine = pod("mine", 3)
+    mine["spec"]["nodeSelector"] = {label: "T4"}
+    cache.node_ranks(["t4"], mine, request, policy)
+    assert priced == {("t4", 0.0)}
+
+
+def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The shipped policy: its ranked filter and prioritize no longer price every node again every
+    MIX_SECONDS (they did while binpack counted as reading the whole mix)."""
+    now = [0.0]
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        clock=lambda: now[0],
+    )
+    for name in ("n1", "n2"):
+        cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
+    cache.pods.handler(None, pod("kind", 5, node="n1", phase="Running"))  # type: ignore[misc]
+    request = pod_request(pod("probe", 3))
+    first = cache.node_ranks(["n1", "n2"], pod("probe", 3), request, BINPACK)
+    fitted: list[object] = []
+    fitting = index_module.fitting
+    monkeypatch.setattr(index_module, "fitting", lambda *a, **k: fitted.append(a) or fitting(*a, **k))
+    now[0] += MIX_SECONDS
+    assert cache.node_ranks(["n1", "n2"], pod("probe", 3), request, BINPACK) == first
+    assert cache.state.mix_generation >= 2 and not fitted
+
+
 def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_changes() -> None:
     """A pod without GPU arriving on a node changes no ledger but changes what fgd weighs there; binpack's
     prices do not read it and are kept."""
