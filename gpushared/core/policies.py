@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final, NamedTuple
@@ -20,7 +21,7 @@ from gpushared.core.fragmentation import RequestMix, node_class
 from gpushared.core.ledger import Ledger
 from gpushared.core.requests import PodRequest
 from gpushared.core.topology import choose_set, set_score, topology_of
-from gpushared.core.verdicts import GpuVerdict, usable
+from gpushared.core.verdicts import MAX_MPS_CLIENTS, GpuVerdict, by_free, fitting
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
 MAX_SCORE: Final = 10
@@ -212,13 +213,36 @@ class Policy:
     ) -> tuple[NodeRank, Choice] | None:
         """The node's rank for the pod, and the GPUs it would get there; None when too few GPUs fit."""
         best = self._best(verdicts, request, context)
-        if best is None:
+        return None if best is None else self._ranked(best[0], best[1], request, context)
+
+    def appraise(
+        self, ledger: Ledger, request: PodRequest, context: PricingContext, *, max_mps_clients: int = MAX_MPS_CLIENTS
+    ) -> tuple[NodeRank, Choice] | None:
+        """:meth:`price_node` over the ledger's GPUs that fit (``fitting``), what prioritize and the replay
+        price. For a one-GPU pod under a policy whose price follows free memory (``free_order``) the GPU it
+        takes is found with one search of the GPUs in order of free memory (``by_free``, kept on the ledger),
+        not by judging each: a request size not priced before costs each node little more than its price. A
+        property test holds the two to the same rank and GPU."""
+        need = request.per_gpu
+        if request.gpus != 1 or not self.free_order or need <= 0:
+            return self.price_node(fitting(ledger, request, max_mps_clients=max_mps_clients), request, context)
+        frees, ordered = by_free(ledger, mps=request.mps, max_mps_clients=max_mps_clients)
+        at = bisect_left(frees, need)  # the tightest with room: the least free, then the lowest index
+        if at == len(frees):
             return None
+        if self.free_order < 0:
+            at = bisect_left(frees, frees[-1])  # the emptiest: the most free, then the lowest index
+        verdict = ordered[at]
+        return self._ranked(self.price(verdict, need, context), (verdict,), request, context)
+
+    def _ranked(
+        self, price: float, chosen: Choice, request: PodRequest, context: PricingContext
+    ) -> tuple[NodeRank, Choice]:
         tiebreak = context.imbalance(request.total) if self.balances else 0.0
         links = 0.0
         if request.gpus > 1:
-            links = -float(set_score((v.gpu.index for v in best[1]), topology_of(context.ledger.inventory)))
-        return NodeRank(best[0], tiebreak, links), best[1]
+            links = -float(set_score((v.gpu.index for v in chosen), topology_of(context.ledger.inventory)))
+        return NodeRank(price, tiebreak, links), chosen
 
     def _best(
         self, verdicts: Sequence[GpuVerdict], request: PodRequest, context: PricingContext
@@ -258,7 +282,7 @@ def derive_pricing(ledger: Ledger) -> None:
     """Work out now what pricing reads from the ledger as it is (the usable GPUs of a plain pod, the free
     memory of the healthy ones), kept on it until it changes: the extender does it for every node before it
     says ready, so the first call for a request size prices, and does not also derive."""
-    usable(ledger, mps=False)
+    by_free(ledger, mps=False)
     _healthy_gpus(ledger)
 
 

@@ -14,7 +14,7 @@ from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody, gpu_models
 from gpushared.core.policies import NodeRank, Policy, PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
-from gpushared.core.verdicts import GpuVerdict, explain, fitting, idle_gpu_mib, judge, most_free, no_room
+from gpushared.core.verdicts import GpuVerdict, explain, idle_gpu_mib, judge, most_free, no_room
 from gpushared.extender.rooms import STALE, Rooms
 from gpushared.extender.state import ClusterState, NodeState, Rejected, Version, cpu_of
 
@@ -110,7 +110,7 @@ class FilterIndex:
                     context = PricingContext(
                         ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model, pinned=pinned
                     )
-                    appraised = policy.price_node(fitting(ledger, request), request, context)
+                    appraised = policy.appraise(ledger, request, context)
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])
         return keys

@@ -5,12 +5,12 @@ extended resource; node affinity for the task's GPU models; NodeResourcesFit on 
 here, since the trace's multi-GPU tasks take whole GPUs, so a node's tasks never ask for more GPUs than it
 has) and its default scores (NodeResourcesLeastAllocated + NodeResourcesBalancedAllocation). The extender's
 part is not modelled but run, as deploy/'s scheduler configs wire it: every node's GPUs are a production
-:class:`Ledger`, judged by :func:`fitting` (what prioritize judges: :func:`judge` less the reasons), priced
-and chosen by the production :class:`Policy` in the node's :class:`PricingContext` (the CPU left, for fgd); pods
-without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the scheduler takes is
-one that :func:`node_scores` would give the top score (:func:`ties` with :func:`best_rank`): the extender's
-weight (100) dominates the in-tree scores, which then only break its ties (the rest at random, as selectHost
-does).
+:class:`Ledger`, judged and priced as prioritize does (:meth:`Policy.appraise`: :func:`judge` less the
+reasons) and chosen by the production :class:`Policy` in the node's :class:`PricingContext` (the CPU left,
+for fgd); pods without GPU are priced by :func:`idle_gpu_mib` (the prioritize-no-gpu verb). The node the
+scheduler takes is one that :func:`node_scores` would give the top score (:func:`ties` with
+:func:`best_rank`): the extender's weight (100) dominates the in-tree scores, which then only break its ties
+(the rest at random, as selectHost does).
 
 A node's price for a request size is kept until the node changes, so one placement costs a re-judging of
 one node, not of the cluster.
@@ -32,7 +32,7 @@ from gpushared.core.ledger import Ledger
 from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import LinkKind, link_words, set_score
-from gpushared.core.verdicts import fitting, idle_gpu_mib
+from gpushared.core.verdicts import idle_gpu_mib
 from gpushared.replay.layouts import model_layout
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
@@ -215,7 +215,7 @@ class SimCluster:
                 model=node.trace.model,
                 pinned=bool(pod.models),  # gpu_spec: the node affinity an extender reads (gpu_models)
             )
-            appraised = self.policy.price_node(fitting(node.ledger, request), request, context)
+            appraised = self.policy.appraise(node.ledger, request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
         node.prices[slot] = (node.version, key, indices)
         return key, indices

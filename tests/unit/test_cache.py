@@ -5,6 +5,7 @@ and nowhere else."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 import pytest
@@ -312,7 +313,7 @@ def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressur
     assert priced == {("t4", 0.0)}
 
 
-def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned() -> None:
     """The shipped policy: its ranked filter and prioritize no longer price every node again every
     MIX_SECONDS (they did while binpack counted as reading the whole mix)."""
     now = [0.0]
@@ -326,13 +327,13 @@ def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned(monkeypatch: py
         cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
     cache.pods.handler(None, pod("kind", 5, node="n1", phase="Running"))  # type: ignore[misc]
     request = pod_request(pod("probe", 3))
-    first = cache.node_ranks(["n1", "n2"], pod("probe", 3), request, BINPACK)
-    fitted: list[object] = []
-    fitting = index_module.fitting
-    monkeypatch.setattr(index_module, "fitting", lambda *a, **k: fitted.append(a) or fitting(*a, **k))
+    priced: list[int] = []
+    binpack = dataclasses.replace(BINPACK, price=lambda *args: priced.append(1) or BINPACK.price(*args))
+    first = cache.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack)
+    assert len(priced) == 2
     now[0] += MIX_SECONDS
-    assert cache.node_ranks(["n1", "n2"], pod("probe", 3), request, BINPACK) == first
-    assert cache.state.mix_generation >= 2 and not fitted
+    assert cache.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack) == first
+    assert cache.state.mix_generation >= 2 and len(priced) == 2
 
 
 def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_changes() -> None:

@@ -29,7 +29,7 @@ from gpushared.core.policies import (
     policy_named,
 )
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
-from gpushared.core.verdicts import explain, idle_gpu_mib, judge, most_free, no_room
+from gpushared.core.verdicts import explain, fitting, idle_gpu_mib, judge, most_free, no_room
 from tests.builders import inventory, on_gpus, pod
 
 
@@ -451,6 +451,49 @@ def test_pricing_only_the_tightest_gpu_chooses_and_prices_as_pricing_them_all(
         fast = policy.price_node(judge(ledger, ask), ask, setting)
         slow = every.price_node(judge(ledger, ask), ask, PricingContext(ledger, cpu=node_cpu, pod_cpu=pod_cpu))
         assert fast == slow
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    gpus=st.lists(
+        st.tuples(st.integers(1, 32), st.integers(0, 32), st.booleans(), st.booleans()), min_size=1, max_size=8
+    ),
+    amount=st.integers(0, 64),
+    count=st.integers(1, 3),
+    mps=st.booleans(),
+    cpu=st.one_of(st.none(), st.tuples(st.integers(1, 96_000), st.integers(0, 96_000))),
+    pod_cpu=st.integers(0, 8_000),
+)
+def test_appraising_the_ledger_ranks_as_pricing_every_fitting_gpu(
+    *,
+    gpus: list[tuple[int, int, bool, bool]],
+    amount: int,
+    count: int,
+    mps: bool,
+    cpu: tuple[int, int] | None,
+    pod_cpu: int,
+) -> None:
+    """``Policy.appraise`` (what prioritize and the replay price) finds a one-GPU pod's GPU by one search of
+    the GPUs in order of free memory: the same rank and the same GPU as pricing what ``fitting`` keeps, for
+    every policy, unhealthy and MPS GPUs among them, kept through the ledger's changes."""
+    inv = inventory(*[size for size, _, _, _ in gpus], mps=True)
+    inv = dataclasses.replace(
+        inv,
+        gpus=tuple(
+            dataclasses.replace(g, healthy=healthy) for g, (_, _, _, healthy) in zip(inv.gpus, gpus, strict=True)
+        ),
+    )
+    ledger = Ledger.build(inv)
+    node_cpu = None if cpu is None else NodeCpu(allocatable=cpu[0], requested=min(cpu))
+    mix = RequestMix([(1000, 4, 1), (2000, 8, 2), (0, 0, 0)])
+    ask = PodRequest(containers=(ContainerRequest("c0", amount, gpus=count),), mps=mps)
+    for index, (size, taken, shared_by_mps, _) in enumerate(gpus):
+        for policy in (BINPACK, SPREAD, FGD, BALANCED):
+            context = PricingContext(ledger, mix=mix, cpu=node_cpu, pod_cpu=pod_cpu)
+            every = policy.price_node(fitting(ledger, ask), ask, context)
+            assert policy.appraise(ledger, ask, context) == every
+        if taken:  # the next round on a ledger that changed: what is kept on it must follow
+            used(ledger, index, min(size, taken), mps=shared_by_mps)
 
 
 def test_fgd_keeps_the_few_nodes_a_big_kind_fits_for_it() -> None:
