@@ -4,19 +4,17 @@ The gRPC server asks it for devices and allocations (it implements ``DeviceManag
 feeds it GPU readings and tells it to publish the inventory. Allocate is three steps: ``Candidates``
 gathers the pods the call may be for and the handshake names the container (``core.handshake``);
 ``core.allocate.decide`` checks the node can give it its GPU and says what it gets; this class acts on the
-outcome: answers, records what it served, and leaves the API writes (the ASSIGNED flag, Events) to the
-``Outbox``, so an Allocate answer never waits for the API server.
+outcome: answers, records what it served (``Accounting``, the node's books), and leaves the API writes
+(the ASSIGNED flag, Events) to the ``Outbox``, so an Allocate answer never waits for the API server.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -26,8 +24,9 @@ from gpushared.core.allocate import ContainerAllocation, NodeFacts, Refusal, dec
 from gpushared.core.bodies import PodBody, meta_of, uid_of
 from gpushared.core.devices import Device, device_list
 from gpushared.core.exposure import CONTROL_DEVICES, ExposurePolicy
-from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.ledger import Ledger
 from gpushared.core.topology import Link, Topology, link_words, topology_of
+from gpushared.daemon.accounting import Accounting, Served
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics, PodShare
@@ -42,7 +41,6 @@ log = logging.getLogger(__name__)
 
 EVENT_FAILED = "GPUAllocationFailed"
 EVENT_ALLOCATED = "GPUAllocated"
-EVENT_EDITED = "GPUAllocationEdited"
 ENVVAR_ONLY = ExposurePolicy()
 
 
@@ -76,16 +74,6 @@ def inventory_of(
     )
 
 
-@dataclass
-class Served:
-    """What this daemon answered Allocate with, per pod, for status and for finishing the pod."""
-
-    namespace: str
-    name: str
-    containers: dict[str, handshake.Slot] = field(default_factory=dict)  # container -> where it was put
-    assigned: bool = False
-
-
 class Manager:
     def __init__(
         self,
@@ -115,6 +103,8 @@ class Manager:
             node=node, unit=unit, resources=resources, api=api, pods=pods, pod_resources_socket=pod_resources_socket
         )
         self.outbox = Outbox(api, pods, clock=clock)
+        self.accounting = Accounting(unit=unit, resources=resources, pods=pods, metrics=metrics, outbox=self.outbox)
+        self.served = self.accounting.served  # pod UID -> what we gave it
         self._lock = threading.Condition()
         self._gpus: list[GpuDevice] = []
         self._links: dict[frozenset[int], Link] = {}
@@ -123,9 +113,6 @@ class Manager:
         self._version = 0
         self._devices: list[Device] = []
         self._allocate_lock = threading.Lock()
-        self.served: dict[str, Served] = {}  # pod UID -> what we gave it
-        self._holdings: dict[str, tuple[str, Holding | None]] = {}  # pod UID -> (resourceVersion, holding)
-        self._edited: set[str] = set()  # UIDs of pods whose GPU annotations were edited after Allocate
 
     # --- inventory and devices -----------------------------------------------------------------------------
 
@@ -184,68 +171,15 @@ class Manager:
             self._lock.notify_all()
 
     def ledger_key(self) -> tuple[object, ...]:
-        """What :meth:`ledger` is built from, cheap to compare: the inventory and the pods' mirror (its count
-        of changes). What Allocate served is not in it: whoever caches by this key refreshes now and then."""
-        return self.inventory, self.pods.changes if self.pods is not None else 0
+        """What :meth:`ledger` is built from, cheap to compare (``Accounting.key``)."""
+        return self.accounting.key(self.inventory)
 
     def ledger(self) -> Ledger:
-        """This node's accounting from the pods the watch has seen."""
-        ledger = Ledger.build(self.inventory)
-        for pod in self.pods.pods() if self.pods is not None else []:
-            holding = self._holding(pod)
-            if holding is not None:
-                ledger.add(holding)
-        return ledger
+        """This node's books from the pods the watch has seen (``Accounting``)."""
+        return self.accounting.ledger(self.inventory)
 
     def pod_shares(self) -> list[PodShare]:
-        """The per-pod series: what each pod holds on each GPU, in bytes."""
-        inventory = self.inventory
-        shares = []
-        for holding in self.ledger().holdings():
-            for index, amount in sorted(holding.gpus.items()):
-                gpu = inventory.by_index(index)
-                if gpu is not None:
-                    shares.append(
-                        PodShare(holding.namespace, holding.name, index, gpu.uuid, self.unit.to_bytes(amount))
-                    )
-        return shares
-
-    def _holding(self, pod: PodBody) -> Holding | None:
-        """holding_from_pod, remembered per pod version: Allocate reads every pod of the node."""
-        uid, version = uid_of(pod), meta_of(pod).get("resourceVersion", "")
-        cached = self._holdings.get(uid)
-        if cached is not None and cached[0] == version:
-            return cached[1]
-        holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)
-        holding = self._as_served(pod, holding)
-        self._holdings[uid] = (version, holding)
-        return holding
-
-    def _as_served(self, pod: PodBody, holding: Holding | None) -> Holding | None:
-        """The holding on the GPUs this daemon gave the pod's containers, when its annotations were edited
-        since to name others: the containers run where the kubelet put them, whatever the annotations say
-        now. Reported once per pod, as an Event and a metric."""
-        uid = uid_of(pod)
-        served = self.served.get(uid)
-        if holding is None or served is None or not served.containers:
-            return holding
-        given: dict[int, int] = {}
-        for slot in served.containers.values():
-            for index in slot.indices:
-                given[index] = max(given.get(index, 0), slot.share)
-        if set(given) == set(holding.gpus):
-            return holding
-        if uid not in self._edited:
-            self._edited.add(uid)
-            self.metrics.allocation_edits.inc()
-            message = (
-                f"the GPU annotations of pod {served.namespace}/{served.name} were edited after its containers got "
-                f"GPUs {sorted(given)}; they now name {sorted(holding.gpus) or 'none'}. gpushared keeps counting "
-                "the GPUs the kubelet gave; delete the pod to move it"
-            )
-            log.warning("%s", message)
-            self.outbox.event(pod, EVENT_EDITED, message, warning=True)
-        return dataclasses.replace(holding, gpus=given, pending=0)
+        return self.accounting.shares(self.inventory)
 
     # --- the handshake ----------------------------------------------------------------------------------------
 
@@ -352,12 +286,8 @@ class Manager:
             return
         present = {uid_of(p) for p in self.pods.pods()}
         with self._allocate_lock:
-            for uid in [uid for uid in self.served if uid not in present]:
-                del self.served[uid]
+            self.accounting.forget(present)
             self.candidates.forget(present)
-            self._edited &= present
-            for uid in [uid for uid in self._holdings if uid not in present]:
-                del self._holdings[uid]
 
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until queued API writes are done (tests, shutdown)."""

@@ -8,23 +8,21 @@ writes — runs on threads of its own and never holds the loop.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
-import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import sdnotify
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
 from gpushared.contract import ResourceNames
 from gpushared.daemon import config as config_module
+from gpushared.daemon import endpoints
 from gpushared.daemon.config import Config
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.errors import FatalError
@@ -159,7 +157,13 @@ class Service:
                 check_message_size(inventory_of(self.gpus.devices, unit=self.config.memory_unit, health=self.health))
             except DeviceListTooLarge as exc:
                 raise FatalError(str(exc)) from None
-        self._serve_http()
+        if self.config.metrics_port:
+            self._http = endpoints.serve(
+                self.config.metrics_address,
+                self.config.metrics_port,
+                registry=self.metrics.registry,
+                status=self.status,
+            )
         self._connect()
 
     def _connect(self) -> None:
@@ -373,39 +377,3 @@ class Service:
             "nvml": self.gpus.ok,
             **served,
         }
-
-    def _serve_http(self) -> None:
-        if self.config.metrics_port == 0:
-            return
-        service = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                pass
-
-            def do_GET(self) -> None:
-                if self.path == "/metrics":
-                    body, kind = generate_latest(service.metrics.registry), CONTENT_TYPE_LATEST
-                elif self.path == "/status":
-                    body, kind = json.dumps(service.status()).encode(), "application/json"
-                elif self.path == "/healthz":
-                    body, kind = b"ok\n", "text/plain"
-                else:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        server = ThreadingHTTPServer6 if ":" in self.config.metrics_address else ThreadingHTTPServer
-        self._http = server((self.config.metrics_address, self.config.metrics_port), Handler)
-        self._http.daemon_threads = True
-        threading.Thread(target=self._http.serve_forever, name="http", daemon=True).start()
-
-
-class ThreadingHTTPServer6(ThreadingHTTPServer):
-    """An IPv6 listen address (``::`` also takes IPv4 where the kernel's bindv6only is off, its default)."""
-
-    address_family = socket.AF_INET6

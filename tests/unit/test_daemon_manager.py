@@ -5,8 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
+from gpushared.daemon.accounting import Served
 from gpushared.daemon.health import Health
-from gpushared.daemon.manager import Manager, Served
+from gpushared.daemon.manager import Manager
 from gpushared.daemon.metrics import Metrics
 from tests.builders import pod
 
@@ -38,8 +39,8 @@ def test_what_was_served_to_departed_pods_is_forgotten() -> None:
     for body in pods.bodies:
         manager.served[body["metadata"]["uid"]] = Served(namespace="default", name=body["metadata"]["name"])
     manager.ledger()
-    assert len(manager._holdings) == 2
+    assert len(manager.accounting._holdings) == 2
     pods.bodies.pop()
     manager.forget_departed()
     assert list(manager.served) == ["uid-default-stays"]
-    assert list(manager._holdings) == ["uid-default-stays"]
+    assert list(manager.accounting._holdings) == ["uid-default-stays"]
