@@ -1,11 +1,9 @@
 """A fake Kubernetes API server over HTTP on loopback, for the real ``kubernetes`` client.
 
-It keeps objects in memory and answers the calls gpushared makes the way kube-apiserver does: list and
-watch with field and label selectors, resourceVersion on every write with 409 Conflict on a stale one,
-JSON / merge / strategic-merge patches, the status subresource (writes to the main resource keep the old
-status, writes to /status keep the old spec), ``pods/binding`` (409 when already bound, binding
-annotations copied onto the pod), graceful pod deletion, and events. Watches replay history from a
-resourceVersion and answer 410 Gone once it has been compacted away.
+It answers the calls gpushared makes the way kube-apiserver does: list and watch with field and label
+selectors, reads and writes of the objects its store keeps (``tests.fakes.store``: resourceVersions,
+patches, the status subresource, ``pods/binding``, graceful pod deletion, events). Watches replay the
+store's history from a resourceVersion and answer 410 Gone once it has been compacted away.
 
 Faults are injected per request (:class:`Fault`: a status code, latency, a cut connection) or on open
 watches (:meth:`FakeApiServer.expire_watches`, :meth:`FakeApiServer.cut_watches`, :meth:`compact`).
@@ -14,16 +12,12 @@ Every request is logged in :attr:`FakeApiServer.requests` so tests can assert wh
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import datetime
-import itertools
 import json
 import re
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -34,73 +28,18 @@ import kubernetes
 
 from gpushared.kube.credentials import Credentials, StaticCredential
 from gpushared.kube.rest import Rest
-from tests.fakes.patches import PatchError, json_patch, merge_patch, strategic_merge_patch
 from tests.fakes.selectors import SelectorError, field_selector, label_selector
-
-
-@dataclass(frozen=True)
-class Resource:
-    group: str
-    version: str
-    plural: str
-    kind: str
-    namespaced: bool
-    has_status: bool = False
-
-    @property
-    def api_version(self) -> str:
-        return f"{self.group}/{self.version}" if self.group else self.version
-
-
-RESOURCES = {
-    r.plural: r
-    for r in (
-        Resource("", "v1", "pods", "Pod", namespaced=True, has_status=True),
-        Resource("", "v1", "nodes", "Node", namespaced=False, has_status=True),
-        Resource("", "v1", "events", "Event", namespaced=True),
-        Resource("", "v1", "configmaps", "ConfigMap", namespaced=True),
-        Resource("", "v1", "namespaces", "Namespace", namespaced=False, has_status=True),
-        Resource("", "v1", "serviceaccounts", "ServiceAccount", namespaced=True),
-        Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True),
-    )
-}
-
-
-class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-    def status(self) -> dict[str, Any]:
-        return status_body(self.code, self.reason, self.message)
-
-
-def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
-    return {
-        "kind": "Status",
-        "apiVersion": "v1",
-        "metadata": {},
-        "status": "Success" if code < 400 else "Failure",
-        "message": message,
-        "reason": reason,
-        "code": code,
-    }
-
-
-REASONS = {
-    400: "BadRequest",
-    403: "Forbidden",
-    404: "NotFound",
-    405: "MethodNotAllowed",
-    409: "Conflict",
-    410: "Expired",
-    415: "UnsupportedMediaType",
-    422: "Invalid",
-    429: "TooManyRequests",
-    500: "InternalError",
-    503: "ServiceUnavailable",
-    504: "Timeout",
-}
+from tests.fakes.store import (
+    REASONS,
+    RESOURCES,
+    ApiError,
+    Event,
+    Resource,
+    Store,
+    clone,
+    plural_of,
+    status_body,
+)
 
 
 @dataclass
@@ -136,15 +75,6 @@ class Fault:
 
 
 @dataclass
-class _Event:
-    rv: int
-    type: str
-    plural: str
-    obj: dict[str, Any]
-    old: dict[str, Any] | None
-
-
-@dataclass
 class _Watch:
     """One open watch stream; the server flips these flags to end it."""
 
@@ -160,24 +90,14 @@ class Request:
     authorization: str = ""
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 class FakeApiServer:
     """Start with ``with FakeApiServer() as api:``; ``api.rest()`` is gpushared's client for it, and
     ``api.client()`` the upstream kubernetes client's (a second opinion on what the fake serves)."""
 
     def __init__(self, *, history: int = 10_000) -> None:
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._objects: dict[tuple[str, str, str], dict[str, Any]] = {}
-        # Versions start above 0: a watch from "0" means "from now, with the current objects replayed".
-        self._rv = itertools.count(2)
-        self._current_rv = 1
-        self._events: list[_Event] = []
-        self._history = history
-        self._compacted_rv = 0
+        self.store = Store(history=history)
+        self._lock = self.store.lock
+        self._changed = self.store.changed
         self._watches: list[_Watch] = []
         self._stalled = False
         self.faults: list[Fault] = []
@@ -269,9 +189,7 @@ class FakeApiServer:
 
     def compact(self) -> None:
         """Forget the event history: a watch resuming from an older resourceVersion gets 410 Gone."""
-        with self._lock:
-            self._events.clear()
-            self._compacted_rv = self._current_rv
+        self.store.compact()
 
     @property
     def open_watches(self) -> int:
@@ -281,250 +199,21 @@ class FakeApiServer:
     # --- direct access for tests ------------------------------------------------------------------------
 
     def create(self, obj: dict[str, Any]) -> dict[str, Any]:
-        plural = _plural_of(obj)
+        plural = plural_of(obj)
         namespace = (obj.get("metadata") or {}).get("namespace", "default") if RESOURCES[plural].namespaced else ""
-        return self._create(RESOURCES[plural], namespace, _clone(obj))
+        return self.store.create(RESOURCES[plural], namespace, clone(obj))
 
     def get(self, plural: str, name: str, namespace: str = "") -> dict[str, Any] | None:
         if RESOURCES[plural].namespaced and not namespace:
             namespace = "default"
-        with self._lock:
-            obj = self._objects.get((plural, namespace, name))
-            return _clone(obj) if obj is not None else None
+        return self.store.get(plural, name, namespace)
 
     def objects(self, plural: str) -> list[dict[str, Any]]:
-        with self._lock:
-            return [_clone(o) for (p, _, _), o in sorted(self._objects.items()) if p == plural]
+        return self.store.all(plural)
 
     @property
     def resource_version(self) -> int:
-        return self._current_rv
-
-    # --- storage -----------------------------------------------------------------------------------------
-
-    def _commit(
-        self,
-        resource: Resource,
-        kind: str,
-        key: tuple[str, str, str],
-        obj: dict[str, Any] | None,
-        old: dict[str, Any] | None,
-    ) -> dict[str, Any]:
-        """Store (or delete) under the lock, bump resourceVersion, record the event, wake watchers."""
-        rv = next(self._rv)
-        self._current_rv = rv
-        if obj is None:
-            assert old is not None
-            gone = _clone(old)
-            gone["metadata"]["resourceVersion"] = str(rv)
-            del self._objects[key]
-            event = _Event(rv, "DELETED", resource.plural, gone, old)
-            result = gone
-        else:
-            obj["metadata"]["resourceVersion"] = str(rv)
-            self._objects[key] = obj
-            event = _Event(rv, kind, resource.plural, _clone(obj), old)
-            result = obj
-        self._events.append(event)
-        if len(self._events) > self._history:
-            dropped = self._events[: len(self._events) - self._history]
-            self._compacted_rv = dropped[-1].rv
-            del self._events[: len(dropped)]
-        self._changed.notify_all()
-        return _clone(result)
-
-    def _create(self, resource: Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        meta = body.setdefault("metadata", {})
-        if not meta.get("name"):
-            if not meta.get("generateName"):
-                raise ApiError(422, "Invalid", f"{resource.kind} is invalid: metadata.name: Required value")
-            meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
-        if resource.namespaced:
-            if meta.get("namespace", namespace) != namespace:
-                raise ApiError(
-                    400,
-                    "BadRequest",
-                    "the namespace of the object does not match the namespace on the request",
-                )
-            meta["namespace"] = namespace
-        body["apiVersion"], body["kind"] = resource.api_version, resource.kind
-        meta.update(uid=str(uuid.uuid4()), creationTimestamp=_now())
-        meta.pop("resourceVersion", None)
-        if resource.plural == "pods":
-            body.setdefault("spec", {}).setdefault("terminationGracePeriodSeconds", 30)
-            body.setdefault("status", {}).setdefault("phase", "Pending")
-        key = (resource.plural, namespace, meta["name"])
-        with self._lock:
-            if key in self._objects:
-                raise ApiError(409, "AlreadyExists", f'{resource.plural} "{meta["name"]}" already exists')
-            return self._commit(resource, "ADDED", key, body, None)
-
-    def _current(self, resource: Resource, namespace: str, name: str) -> dict[str, Any]:
-        obj = self._objects.get((resource.plural, namespace, name))
-        if obj is None:
-            raise ApiError(404, "NotFound", f'{resource.plural} "{name}" not found')
-        return obj
-
-    def _update(
-        self,
-        resource: Resource,
-        namespace: str,
-        name: str,
-        new: dict[str, Any],
-        *,
-        subresource: str,
-        precondition_rv: str | None,
-    ) -> dict[str, Any]:
-        """Store ``new`` in place of the current object, keeping what this endpoint may not change."""
-        with self._lock:
-            old = self._current(resource, namespace, name)
-            current_rv = old["metadata"]["resourceVersion"]
-            if precondition_rv and precondition_rv != current_rv:
-                raise ApiError(
-                    409,
-                    "Conflict",
-                    f'Operation cannot be fulfilled on {resource.plural} "{name}": '
-                    "the object has been modified; "
-                    "please apply your changes to the latest version and try again",
-                )
-            new = _clone(new)
-            meta = new.setdefault("metadata", {})
-            if meta.get("uid") not in (None, old["metadata"]["uid"]):
-                raise _uid_conflict(meta["uid"], old["metadata"]["uid"])
-            for immutable in ("name", "namespace", "uid", "creationTimestamp"):
-                if immutable in old["metadata"]:
-                    meta[immutable] = old["metadata"][immutable]
-            if old["metadata"].get("deletionTimestamp"):
-                meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
-                meta["deletionGracePeriodSeconds"] = old["metadata"].get("deletionGracePeriodSeconds")
-            new["apiVersion"], new["kind"] = resource.api_version, resource.kind
-            if resource.has_status:
-                if subresource == "status":
-                    new["spec"] = _clone(old.get("spec"))
-                else:
-                    new["status"] = _clone(old.get("status"))
-            if resource.plural == "pods" and subresource != "status":
-                _check_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
-            if new == old:
-                return _clone(old)  # a no-op write does not bump resourceVersion
-            return self._commit(resource, "MODIFIED", (resource.plural, namespace, name), new, _clone(old))
-
-    def _patch(
-        self,
-        resource: Resource,
-        namespace: str,
-        name: str,
-        body: bytes,
-        content_type: str,
-        *,
-        subresource: str,
-    ) -> dict[str, Any]:
-        try:
-            patch = json.loads(body or b"null")
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, "BadRequest", f"invalid JSON in patch: {exc}") from None
-        with self._lock:
-            current = _clone(self._current(resource, namespace, name))
-            try:
-                if content_type == "application/json-patch+json":
-                    patched = json_patch(current, patch)
-                elif content_type == "application/merge-patch+json":
-                    patched = merge_patch(current, patch)
-                elif content_type == "application/strategic-merge-patch+json":
-                    patched = strategic_merge_patch(current, patch)
-                else:
-                    raise ApiError(
-                        415,
-                        "UnsupportedMediaType",
-                        "the body of the request was in an unknown format - accepted media types include: "
-                        "application/json-patch+json, application/merge-patch+json, "
-                        f"application/strategic-merge-patch+json (got {content_type})",
-                    )
-            except PatchError as exc:
-                raise ApiError(exc.status, REASONS[exc.status], str(exc)) from None
-            if not isinstance(patched, dict):
-                raise ApiError(422, "Invalid", "the patch did not produce an object")
-            wanted_rv = (patched.get("metadata") or {}).get("resourceVersion")
-            return self._update(resource, namespace, name, patched, subresource=subresource, precondition_rv=wanted_rv)
-
-    def _delete(self, resource: Resource, namespace: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
-        with self._lock:
-            old = self._current(resource, namespace, name)
-            preconditions = options.get("preconditions") or {}
-            if preconditions.get("uid") not in (None, old["metadata"]["uid"]):
-                raise _uid_conflict(preconditions["uid"], old["metadata"]["uid"])
-            if preconditions.get("resourceVersion") not in (None, old["metadata"]["resourceVersion"]):
-                raise ApiError(409, "Conflict", "Precondition failed: resourceVersion in precondition does not match")
-            key = (resource.plural, namespace, name)
-            grace = options.get("gracePeriodSeconds")
-            if resource.plural == "pods" and (old.get("spec") or {}).get("nodeName"):
-                if grace is None:
-                    grace = old["metadata"].get(
-                        "deletionGracePeriodSeconds", old["spec"].get("terminationGracePeriodSeconds", 30)
-                    )
-                if grace > 0:
-                    # A bound pod is only marked; its kubelet stops the containers, then deletes with grace 0.
-                    terminating = _clone(old)
-                    if terminating["metadata"].get("deletionTimestamp") is None:
-                        terminating["metadata"]["deletionTimestamp"] = _now()
-                    terminating["metadata"]["deletionGracePeriodSeconds"] = grace
-                    if terminating == old:
-                        return _clone(old)
-                    return self._commit(resource, "MODIFIED", key, terminating, _clone(old))
-            return self._commit(resource, "DELETED", key, None, _clone(old))
-
-    def _bind(self, namespace: str, name: str, binding: dict[str, Any]) -> dict[str, Any]:
-        pods = RESOURCES["pods"]
-        target = (binding.get("target") or {}).get("name")
-        if not target:
-            raise ApiError(422, "Invalid", "Binding is invalid: target.name: Required value")
-        with self._lock:
-            pod = self._current(pods, namespace, name)
-            meta = binding.get("metadata") or {}
-            if meta.get("uid") not in (None, "", pod["metadata"]["uid"]):
-                raise _uid_conflict(meta["uid"], pod["metadata"]["uid"])
-            if pod["metadata"].get("deletionTimestamp"):
-                raise ApiError(409, "Conflict", f"pod {name} is being deleted, cannot be assigned to a host")
-            if (pod.get("spec") or {}).get("nodeName"):
-                raise ApiError(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
-            bound = _clone(pod)
-            bound["spec"]["nodeName"] = target
-            if meta.get("annotations"):
-                bound["metadata"].setdefault("annotations", {}).update(meta["annotations"])
-            conditions = [c for c in bound["status"].get("conditions") or [] if c.get("type") != "PodScheduled"]
-            conditions.append({"type": "PodScheduled", "status": "True", "lastTransitionTime": _now()})
-            bound["status"]["conditions"] = conditions
-            self._commit(pods, "MODIFIED", ("pods", namespace, name), bound, _clone(pod))
-        return status_body(201, "", "")
-
-    def _list(self, resource: Resource, namespace: str | None, query: dict[str, str]) -> dict[str, Any]:
-        try:
-            fields = field_selector(query.get("fieldSelector"), plural=resource.plural)
-            labels = label_selector(query.get("labelSelector"))
-        except SelectorError as exc:
-            raise ApiError(400, "BadRequest", str(exc)) from None
-        limit = int(query.get("limit") or 0)
-        start = int(query["continue"]) if query.get("continue") else 0
-        meta: dict[str, Any] = {}
-        with self._lock:
-            selected = [
-                obj
-                for (plural, ns, _), obj in sorted(self._objects.items())
-                if plural == resource.plural and (namespace is None or ns == namespace) and fields(obj) and labels(obj)
-            ]
-            if limit:
-                if start + limit < len(selected):
-                    meta["continue"] = str(start + limit)
-                    meta["remainingItemCount"] = len(selected) - start - limit
-                selected = selected[start : start + limit]
-            items = [_clone(obj) for obj in selected]  # only the page: a 150k-pod list is 300 pages
-            meta["resourceVersion"] = str(self._current_rv)
-        return {
-            "kind": f"{resource.kind}List",
-            "apiVersion": resource.api_version,
-            "metadata": meta,
-            "items": items,
-        }
+        return self.store.current_rv
 
     # --- watch -------------------------------------------------------------------------------------------
 
@@ -547,12 +236,6 @@ class FakeApiServer:
             self._changed.wait(timeout=0.5)
             return self._stalled and not watch.cut
 
-    def _events_after(self, since: int, plural: str) -> list[_Event]:
-        """History is in resourceVersion order: find the start by bisection, not by scanning all of it
-        on every wake of every watch (which made benchmarks with 100k objects measure this fake)."""
-        start = bisect.bisect_right(self._events, since, key=lambda e: e.rv)
-        return [e for e in self._events[start:] if e.plural == plural]
-
     def _events_of(
         self, resource: Resource, namespace: str | None, query: dict[str, str], fields: Any, labels: Any
     ) -> Iterator[dict[str, Any] | None]:
@@ -572,18 +255,18 @@ class FakeApiServer:
             since = int(since_text) if since_text.isdigit() else 0
             initial: list[dict[str, Any]] = []
             if since == 0:
-                since = self._current_rv
+                since = self.store.current_rv
                 initial = [
-                    {"type": "ADDED", "object": _clone(obj)}
-                    for (plural, _, _), obj in sorted(self._objects.items())
+                    {"type": "ADDED", "object": clone(obj)}
+                    for (plural, _, _), obj in sorted(self.store.objects.items())
                     if plural == resource.plural and selected(obj)
                 ]
-            elif since < self._compacted_rv:
+            elif since < self.store.compacted_rv:
                 initial = [
                     {
                         "type": "ERROR",
                         "object": status_body(
-                            410, "Expired", f"too old resource version: {since} ({self._compacted_rv})"
+                            410, "Expired", f"too old resource version: {since} ({self.store.compacted_rv})"
                         ),
                     }
                 ]
@@ -601,13 +284,13 @@ class FakeApiServer:
                     yield None
                     continue
                 with self._lock:
-                    pending = self._events_after(since, resource.plural)
+                    pending = self.store.events_after(since, resource.plural)
                     if not pending and not (watch.expire or watch.cut):
                         self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-                        pending = self._events_after(since, resource.plural)
+                        pending = self.store.events_after(since, resource.plural)
                     # Everything up to here is seen, other kinds' events too: a node watch must not scan
                     # every pod event since the last node changed on each wake.
-                    seen = self._current_rv
+                    seen = self.store.current_rv
                     cut, expired = watch.cut, watch.expire
                     if self._stalled and not cut:
                         continue  # stalled while it waited: what came meanwhile is held back too
@@ -629,7 +312,7 @@ class FakeApiServer:
                 self._watches.remove(watch)
 
 
-def _translate(event: _Event, selected: Any) -> dict[str, Any] | None:
+def _translate(event: Event, selected: Any) -> dict[str, Any] | None:
     """What a watch with a selector sees: objects entering it are ADDED, objects leaving it DELETED."""
     now, before = selected(event.obj) if event.type != "DELETED" else False, selected(event.old)
     if event.type == "DELETED":
@@ -641,39 +324,6 @@ def _translate(event: _Event, selected: Any) -> dict[str, Any] | None:
     if before:
         return {"type": "DELETED", "object": event.obj}
     return None
-
-
-def _uid_conflict(wanted: str, actual: str) -> ApiError:
-    return ApiError(
-        409, "Conflict", f"Precondition failed: UID in precondition: {wanted}, UID in object meta: {actual}"
-    )
-
-
-def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
-    """kube-apiserver lets an update change only images, activeDeadlineSeconds and tolerations of a pod."""
-    comparable_old = _clone(old)
-    for field_name in ("containers", "initContainers"):
-        for old_c, new_c in zip(comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False):
-            if "image" in new_c:
-                old_c["image"] = new_c["image"]
-    for mutable in ("activeDeadlineSeconds", "tolerations"):
-        comparable_old.pop(mutable, None)
-    comparable_new = {k: v for k, v in new.items() if k not in ("activeDeadlineSeconds", "tolerations")}
-    if comparable_old != comparable_new:
-        raise ApiError(
-            422,
-            "Invalid",
-            "Pod is invalid: spec: Forbidden: pod updates may not change fields other than "
-            "`spec.containers[*].image`, `spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, "
-            "`spec.tolerations` (only additions to existing tolerations)",
-        )
-
-
-def _plural_of(obj: dict[str, Any]) -> str:
-    for resource in RESOURCES.values():
-        if resource.kind == obj.get("kind"):
-            return resource.plural
-    raise ValueError(f"unknown kind {obj.get('kind')!r}")
 
 
 _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))(?P<rest>(?:/[^/]+)*)/?$")
@@ -797,31 +447,30 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 pod_name = name if sub == "binding" else (binding.get("metadata") or {}).get("name")
                 if not pod_name or namespace is None:
                     raise ApiError(422, "Invalid", "Binding is invalid: metadata.name: Required value")
-                return 201, server._bind(namespace, pod_name, binding)
+                return 201, server.store.bind(namespace, pod_name, binding)
             if name is None:
                 if method == "GET":
-                    return 200, server._list(resource, namespace if resource.namespaced else None, query)
+                    return 200, server.store.list_page(resource, namespace if resource.namespaced else None, query)
                 if method == "POST":
                     if resource.namespaced and namespace is None:
                         raise ApiError(405, "MethodNotAllowed", "create needs a namespace")
-                    return 201, server._create(resource, scope or "", _json(body))
+                    return 201, server.store.create(resource, scope or "", _json(body))
                 raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed on a collection")
             assert scope is not None
             if method == "GET":
-                with server._lock:
-                    return 200, _clone(server._current(resource, scope, name))
+                return 200, server.store.read(resource, scope, name)
             if method == "PUT":
                 new = _json(body)
                 rv = (new.get("metadata") or {}).get("resourceVersion")
-                return 200, server._update(resource, scope, name, new, subresource=sub, precondition_rv=rv)
+                return 200, server.store.update(resource, scope, name, new, subresource=sub, precondition_rv=rv)
             if method == "PATCH":
                 content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
-                return 200, server._patch(resource, scope, name, body, content_type, subresource=sub)
+                return 200, server.store.patch(resource, scope, name, body, content_type, subresource=sub)
             if method == "DELETE" and not sub:
                 options = _json(body) if body else {}
                 if "gracePeriodSeconds" in query:
                     options["gracePeriodSeconds"] = int(query["gracePeriodSeconds"])
-                return 200, server._delete(resource, scope, name, options)
+                return 200, server.store.delete(resource, scope, name, options)
             raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed here")
 
         def _send(self, code: int, payload: dict[str, Any]) -> None:
@@ -860,17 +509,6 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     events_close()
 
     return Handler
-
-
-def _clone(obj: Any) -> Any:
-    """A copy of a JSON tree (dicts, lists, scalars): every stored object came in as JSON. A third of
-    ``copy.deepcopy``'s time, which was a third of this fake's CPU per write in the extender benchmark."""
-    kind = type(obj)
-    if kind is dict:
-        return {key: _clone(value) for key, value in obj.items()}
-    if kind is list:
-        return [_clone(value) for value in obj]
-    return obj
 
 
 def _json(body: bytes) -> dict[str, Any]:
