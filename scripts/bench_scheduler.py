@@ -305,7 +305,7 @@ def run_mode(
     uses_extender, adjust = adjust_for(mode, args.qps)
     label = mode.replace("-", "")
     if uses_extender:
-        cluster.restart_extender(*EXTENDER_ARGS.get(mode, []), plain=mode == "plain-http")
+        cluster.scheduling.restart_extender(*EXTENDER_ARGS.get(mode, []), plain=mode == "plain-http")
         if args.extender_cpus:
             pin_process(cluster, "gpushared-extender", args.extender_cpus)
     bodies = [pod_body(f"{label}-{i:05d}", label, rng) for i in range(args.pods)]
@@ -316,7 +316,7 @@ def run_mode(
     api_before = api.metrics()
     cpu_before = cpu_seconds(cluster)
     started = time.monotonic()
-    cluster.restart_scheduler(
+    cluster.scheduling.restart_scheduler(
         extenders=uses_extender, adjust=adjust, env={"DISABLE_HTTP2": "1"} if mode == "http1" else None
     )
     profiling = profile(cluster, bound, args, mode, uses_extender=uses_extender) if args.profile else None
@@ -339,9 +339,9 @@ def run_mode(
     report["cpuSeconds"] = {
         name: round(cpu_after[name] - cpu_before.get(name, 0.0), 2) for name in PROCESSES if name in cpu_after
     }
-    report["scheduler"] = scheduler_breakdown(cluster.scheduler_metrics())
+    report["scheduler"] = scheduler_breakdown(cluster.scheduling.scheduler_metrics())
     if uses_extender:
-        samples = families(cluster.extender_metrics())
+        samples = families(cluster.scheduling.extender_metrics())
         report["extender"] = summed(samples, "gpushared_extender_request_seconds", by="verb")
         # new connections kube-scheduler opened (a TLS handshake each), the benchmark's readiness probes aside
         opened = {

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpushared import contract
 from gpushared.core.ledger import holding_from_pod
-from tests.e2e import demo
+from tests.e2e import demo, host
 from tests.e2e.cluster import GPU_SIZES_MIB, NODE, ROOT, LocalCluster, wait_for
 from tests.e2e.kube import Kube, gpu_pod
 
@@ -159,13 +159,13 @@ def test_kubelet_restart_reregisters_and_leaves_running_pods_alone(
     [before] = kube.wait_running(namespace, "before")
     container_id = before["status"]["containerStatuses"][0]["containerID"]
     total = kube.allocatable()
-    registrations = cluster.daemon_registrations()
+    registrations = cluster.node.daemon_registrations()
 
-    cluster.restart_kubelet()
+    cluster.node.restart_kubelet()
     # kubelet 1.20 deletes every socket in the plugin dir at start; gpushared must notice and register again,
     # and the kubelet must read the devices before it can admit a GPU pod (until then: UnexpectedAdmissionError).
     wait_for(
-        lambda: cluster.daemon_registrations() > registrations and cluster.daemon_status().get("kubeletWatching"),
+        lambda: cluster.node.daemon_registrations() > registrations and cluster.node.daemon_status().get("kubeletWatching"),
         timeout=30,
         what="gpushared registered with the new kubelet, which reads its devices",
     )
@@ -192,10 +192,10 @@ def test_extender_restart_under_load_rebuilds_its_state(kube: Kube, cluster: Loc
     creator = threading.Thread(target=create_all)
     creator.start()
     time.sleep(0.5)
-    cluster.restart_extender(kill=True)
+    cluster.scheduling.restart_extender(kill=True)
     creator.join()
     time.sleep(1)
-    cluster.restart_extender(kill=True)
+    cluster.scheduling.restart_extender(kill=True)
 
     def settled() -> bool:
         pods = kube.pods(namespace)
@@ -207,7 +207,7 @@ def test_extender_restart_under_load_rebuilds_its_state(kube: Kube, cluster: Loc
     wait_for(settled, timeout=180, what="the load to be scheduled after extender restarts", interval=1)
     used = assert_no_gpu_over_capacity(kube)
     # The rebuilt extender's cache agrees with the API about every GPU.
-    node = cluster.extender_inspect()
+    node = cluster.scheduling.extender_inspect()
     assert {d["id"]: d["usedGPU"] for d in node["devs"] if d["usedGPU"]} == used
     for pod in kube.pods(namespace):
         if pod["status"].get("phase") == "Running":
@@ -220,8 +220,8 @@ def test_gpushared_restart_keeps_allocations(kube: Kube, cluster: LocalCluster, 
     uuid = gpu_of(kube, kept)[1]
     inventory = kube.inventory()
 
-    cluster.restart_daemon()
-    wait_for(lambda: cluster.daemon_status().get("kubeletWatching"), timeout=30, what="gpushared registered again")
+    cluster.node.restart_daemon()
+    wait_for(lambda: cluster.node.daemon_status().get("kubeletWatching"), timeout=30, what="gpushared registered again")
     assert kube.inventory() == inventory
     status = kube.pod(namespace, "kept")["status"]["containerStatuses"][0]
     assert status["restartCount"] == 0 and "running" in status["state"]
@@ -256,12 +256,12 @@ def test_kubectl_inspect_gpushare_shows_the_allocations(kube: Kube, cluster: Loc
 @pytest.fixture
 def mib_node(kube: Kube, cluster: LocalCluster) -> object:
     """The node re-inventoried in MiB with GPUs of 12207, 8138, 4069 and 16276 MiB, restored afterwards."""
-    cluster.write_gpus((12207, 8138, 4069, 16276))
-    cluster.restart_daemon(memory_unit="MiB")
+    cluster.gpus.write_gpus((12207, 8138, 4069, 16276))
+    cluster.node.restart_daemon(memory_unit="MiB")
     wait_for(lambda: kube.allocatable() == 12207 + 8138 + 4069 + 16276, timeout=60, what="the MiB inventory")
     yield
-    cluster.write_gpus(GPU_SIZES_MIB)
-    cluster.restart_daemon()
+    cluster.gpus.write_gpus(GPU_SIZES_MIB)
+    cluster.node.restart_daemon()
     wait_for(lambda: kube.allocatable() == sum(GPU_SIZES_MIB) // 1024, timeout=60, what="the GiB inventory")
 
 
@@ -342,7 +342,7 @@ def test_a_pod_without_gpu_goes_where_no_gpu_memory_is_free(kube: Kube, cluster:
         )
         assert bound == gpuless, kube.describe(namespace, "cpu-only")
         with urllib.request.urlopen(
-            f"{cluster.extender_url}/metrics", timeout=5, context=cluster.extender_tls()
+            f"{cluster.scheduling.extender_url}/metrics", timeout=5, context=cluster.scheduling.extender_tls()
         ) as response:
             metrics = response.read().decode()
         assert 'gpushared_extender_request_seconds_count{verb="prioritize-no-gpu"}' in metrics
@@ -406,7 +406,7 @@ def test_the_demo_samples_run_ten_times_in_a_row_in_any_order(
 def gpu_processes(cluster: LocalCluster) -> Iterator[LocalCluster]:
     """The fake NVML's process lists, emptied again after the test."""
     yield cluster
-    cluster.clear_gpu_processes()
+    cluster.gpus.clear_gpu_processes()
 
 
 def test_memory_past_the_allocation_is_reported_then_killed_and_the_neighbour_untouched(
@@ -420,7 +420,7 @@ def test_memory_past_the_allocation_is_reported_then_killed_and_the_neighbour_un
 
     def main_pid(name: str) -> int:
         container_id = pods[name]["status"]["containerStatuses"][0]["containerID"].rpartition("://")[2]
-        pids = wait_for(lambda: cluster.container_pids(container_id), timeout=30, what=f"{name}'s processes")
+        pids = wait_for(lambda: host.container_pids(container_id), timeout=30, what=f"{name}'s processes")
         return int(pids[0])
 
     listed: dict[int, list[tuple[int, int]]] = defaultdict(list)
@@ -428,7 +428,7 @@ def test_memory_past_the_allocation_is_reported_then_killed_and_the_neighbour_un
     for name, mib in (("reported", 3000), ("killed", 3000), ("polite", 1500)):
         listed[gpu_of(kube, pods[name])[0]].append((main_pid(name), mib))
     for index, processes in listed.items():
-        cluster.set_gpu_processes(index, processes)
+        cluster.gpus.set_gpu_processes(index, processes)
 
     over = kube.wait_event(namespace, "reported", lambda r, m: r == "GPUMemoryOverLimit", timeout=30)
     assert "uses 3000 MiB" in over and "allocated 2048 MiB" in over and "report" in over
@@ -445,7 +445,7 @@ def test_memory_past_the_allocation_is_reported_then_killed_and_the_neighbour_un
     assert not [r for r, _ in kube.events(namespace, "polite") if r == "GPUMemoryOverLimit"]
     samples = {
         (sample.name, sample.labels["pod"]): sample.value
-        for family in text_string_to_metric_families(cluster.daemon_metrics())
+        for family in text_string_to_metric_families(cluster.node.daemon_metrics())
         for sample in family.samples
         if sample.name.startswith("gpushared_container_gpu_memory_")
     }

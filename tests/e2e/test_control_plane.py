@@ -68,17 +68,17 @@ def scheduled_by(kube: Kube, namespace: str, name: str) -> set[str]:
 def extender_image(cluster: LocalCluster) -> Path:
     if not EXTENDER_IMAGE.exists():
         pytest.fail(f"{EXTENDER_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make image`)")
-    cluster.import_image(EXTENDER_IMAGE)
+    cluster.node.import_image(EXTENDER_IMAGE)
     return EXTENDER_IMAGE
 
 
 @pytest.fixture
 def restored(cluster: LocalCluster) -> Iterator[LocalCluster]:
     """Afterwards: the extender process on the cluster's own certificates, kube-scheduler wired to it."""
-    own = cluster.extender_certs
+    own = cluster.scheduling.extender_certs
     yield cluster
-    cluster.restart_extender(certs=own)
-    cluster.restart_scheduler()
+    cluster.scheduling.restart_extender(certs=own)
+    cluster.scheduling.restart_scheduler()
 
 
 def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
@@ -97,8 +97,8 @@ def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
         manifest.write_text(yaml.safe_dump(static_extender(certs=etc, port=cluster.ports.extender)))
         wait_for(lambda: ready(find(kube, "kube-system", mirror)), timeout=120, what="the static extender Ready")
         # kube-scheduler with the guide's client certificate, calling the extender over loopback.
-        cluster.extender_certs = etc
-        cluster.restart_scheduler()
+        cluster.scheduling.extender_certs = etc
+        cluster.scheduling.restart_scheduler()
         kube.create(namespace, gpu_pod("via-static-pod", 3))
         (pod,) = kube.wait_running(namespace, "via-static-pod", timeout=120)
         index, uuid = gpu_of(kube, pod)
@@ -110,7 +110,7 @@ def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
     finally:
         manifest.unlink(missing_ok=True)
         wait_for(lambda: find(kube, "kube-system", mirror) is None, timeout=90, what="the static pod gone")
-        wait_for(lambda: not cluster.extender_ready(), timeout=60, what="the static extender stopped")
+        wait_for(lambda: not cluster.scheduling.extender_ready(), timeout=60, what="the static extender stopped")
 
 
 def test_a_second_scheduler_and_webhook_leave_the_default_scheduler_untouched(
@@ -122,11 +122,11 @@ def test_a_second_scheduler_and_webhook_leave_the_default_scheduler_untouched(
     cluster = restored
     version = cluster.version("kube-scheduler")
     image = f"localhost/gpushared/kube-scheduler:{version}"
-    cluster.import_image(build_binary_image(tmp_path, cluster.bin / "kube-scheduler", image))
+    cluster.node.import_image(build_binary_image(tmp_path, cluster.bin / "kube-scheduler", image))
     docs = second_scheduler(
         version=version,
         image=image,
-        extender_url=cluster.extender_url,
+        extender_url=cluster.scheduling.extender_url,
         apiserver_port=cluster.ports.apiserver,
         secure_port=free_port(),
         health_port=free_port(),
@@ -136,8 +136,8 @@ def test_a_second_scheduler_and_webhook_leave_the_default_scheduler_untouched(
     try:
         cluster.kubectl("apply", "-f", "-", input=shipped)
         guide(cluster, ROOT / "scripts" / "extender-certs", "--apply", "--webhook", certs)
-        cluster.restart_extender(certs=certs)
-        cluster.restart_scheduler(extenders=False)  # what a managed cluster runs: no extender
+        cluster.scheduling.restart_extender(certs=certs)
+        cluster.scheduling.restart_scheduler(extenders=False)  # what a managed cluster runs: no extender
         wait_for(
             lambda: any(ready(p) for p in kube.pods("kube-system", "app=gpushared-scheduler")),
             timeout=120,

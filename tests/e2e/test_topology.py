@@ -29,17 +29,17 @@ DGX1 = layout("dgx1")
 @pytest.fixture
 def dgx1_node(kube: Kube, cluster: LocalCluster, namespace: str) -> Iterator[None]:
     """The node as a DGX-1 of 16 GiB GPUs, the extender on ``balanced``; both as before afterwards."""
-    cluster.write_layout("dgx1", GIB * 1024)
-    cluster.restart_daemon()
-    cluster.restart_extender("--policy", "balanced")
+    cluster.gpus.write_layout("dgx1", GIB * 1024)
+    cluster.node.restart_daemon()
+    cluster.scheduling.restart_extender("--policy", "balanced")
     wait_for(lambda: kube.allocatable() == 8 * GIB, timeout=60, what="the DGX-1 inventory")
     wait_for(lambda: topology_of(kube.inventory()).known, timeout=30, what="the links in the inventory")
     yield
     cluster.kubectl("-n", namespace, "delete", "pods", "--all", "--grace-period=2", "--wait=false")
     wait_for(lambda: not kube.pods(namespace), timeout=120, what="the DGX-1 pods to go", interval=0.5)
-    cluster.write_gpus(GPU_SIZES_MIB)
-    cluster.restart_daemon()
-    cluster.restart_extender()
+    cluster.gpus.write_gpus(GPU_SIZES_MIB)
+    cluster.node.restart_daemon()
+    cluster.scheduling.restart_extender()
     wait_for(lambda: kube.allocatable() == sum(GPU_SIZES_MIB) // 1024, timeout=60, what="the GiB inventory")
 
 
