@@ -165,7 +165,9 @@ def test_kubelet_restart_reregisters_and_leaves_running_pods_alone(
     # kubelet 1.20 deletes every socket in the plugin dir at start; gpushared must notice and register again,
     # and the kubelet must read the devices before it can admit a GPU pod (until then: UnexpectedAdmissionError).
     wait_for(
-        lambda: cluster.node.daemon_registrations() > registrations and cluster.node.daemon_status().get("kubeletWatching"),
+        lambda: (
+            cluster.node.daemon_registrations() > registrations and cluster.node.daemon_status().get("kubeletWatching")
+        ),
         timeout=30,
         what="gpushared registered with the new kubelet, which reads its devices",
     )
