@@ -190,15 +190,24 @@ def _amount(container: dict[str, Any]) -> int:
     return int(((container.get("resources") or {}).get("limits") or {}).get(GPU_MEM, 0))
 
 
-def wait_until(condition: Any, *, timeout: float = 10, interval: float = 0.05, message: str = "") -> Any:
+def poll(condition: Callable[[], Any], *, timeout: float, interval: float) -> Any:
+    """``condition()`` every ``interval`` seconds until it returns something true, which is returned; None
+    once ``timeout`` seconds have passed (it is asked once more at the end)."""
     deadline = time.monotonic() + timeout
     while True:
         value = condition()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting: {message}")
+            return None
         time.sleep(interval)
+
+
+def wait_until(condition: Any, *, timeout: float = 10, interval: float = 0.05, message: str = "") -> Any:
+    value = poll(condition, timeout=timeout, interval=interval)
+    if value is None:
+        raise AssertionError(f"timed out waiting: {message}")
+    return value
 
 
 def node_body(name: str = NODE) -> dict[str, Any]:

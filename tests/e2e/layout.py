@@ -7,13 +7,12 @@ the tests, which import these names from ``tests.e2e.cluster``.
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.harness import free_port
+from tests.harness import free_port, poll
 
 ROOT = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("GPUSHARED_K8S_CACHE", "/var/cache/gpushared/k8s-1.20.2"))
@@ -72,11 +71,7 @@ class Ports:
 
 
 def wait_for(condition: Callable[[], Any], *, timeout: float, what: str, interval: float = 0.2) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
+    value = poll(condition, timeout=timeout, interval=interval)
+    if value is None:
+        raise ClusterError(f"timed out after {timeout:.0f} s waiting for {what}")
+    return value

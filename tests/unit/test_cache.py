@@ -32,6 +32,13 @@ UIDS = tuple(f"u{i}" for i in range(5))  # u0-u3 ask for 1-4 GiB, u4 for no GPU
 INVENTORY = inventory(16, 16)
 
 
+def fed_by_hand(**options: Any) -> ClusterCache:
+    """A cache whose informers never list: the tests call their handlers with the objects themselves."""
+    return ClusterCache(
+        list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES, **options
+    )
+
+
 def cpu_milli(uid: str) -> int:
     return 500 * (1 + UIDS.index(uid))
 
@@ -39,12 +46,7 @@ def cpu_milli(uid: str) -> int:
 class CacheHistory(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.cache = ClusterCache(
-            list_nodes=lambda **_: None,
-            list_pods=lambda **_: None,
-            resources=contract.DEFAULT_RESOURCES,
-            clock=lambda: self.now,
-        )
+        self.cache = fed_by_hand(clock=lambda: self.now)
         self.now = 0.0
         for name in NODES:
             self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
@@ -231,12 +233,7 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     """Each new mix (every MIX_SECONDS) would otherwise price every node again for every request size: the
     prioritize calls that pay for it are binpack's slowest, for nothing."""
     now = [0.0]
-    cache = ClusterCache(
-        list_nodes=lambda **_: None,
-        list_pods=lambda **_: None,
-        resources=contract.DEFAULT_RESOURCES,
-        clock=lambda: now[0],
-    )
+    cache = fed_by_hand(clock=lambda: now[0])
     cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
@@ -263,13 +260,7 @@ def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressur
     then the prices are worked out again, and differ."""
     label = "example.com/gpu-model"
     now = [0.0]
-    cache = ClusterCache(
-        list_nodes=lambda **_: None,
-        list_pods=lambda **_: None,
-        resources=contract.DEFAULT_RESOURCES,
-        clock=lambda: now[0],
-        model_label=label,
-    )
+    cache = fed_by_hand(clock=lambda: now[0], model_label=label)
     for name, model in (("t4", "T4"), ("g2", "G2")):
         node = gpu_node(name, inv=INVENTORY, cpu="8")
         node["metadata"]["labels"] = {label: model}
@@ -317,12 +308,7 @@ def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned() -> None:
     """The shipped policy: its ranked filter and prioritize no longer price every node again every
     MIX_SECONDS (they did while binpack counted as reading the whole mix)."""
     now = [0.0]
-    cache = ClusterCache(
-        list_nodes=lambda **_: None,
-        list_pods=lambda **_: None,
-        resources=contract.DEFAULT_RESOURCES,
-        clock=lambda: now[0],
-    )
+    cache = fed_by_hand(clock=lambda: now[0])
     for name in ("n1", "n2"):
         cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
     cache.pods.handler(None, pod("kind", 5, node="n1", phase="Running"))  # type: ignore[misc]
@@ -339,7 +325,7 @@ def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned() -> None:
 def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_changes() -> None:
     """A pod without GPU arriving on a node changes no ledger but changes what fgd weighs there; binpack's
     prices do not read it and are kept."""
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY, cpu="8"))  # type: ignore[misc]
     request = pod_request(pod("probe", 3))
     priced: list[PricingContext] = []  # each node pricing, by the setting its costs were given
@@ -365,7 +351,7 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
 def test_a_warm_cache_answers_filter_without_judging_any_node(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extender warms its cache before it says ready: right after a start, the first filters must not
     each judge hundreds of nodes for the first time."""
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     for name in NODES:
         cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
     cache.warm()
@@ -400,7 +386,7 @@ def test_the_room_table_keeps_every_room_across_compactions_and_stale_marks() ->
 def test_the_watch_confirming_a_bind_leaves_the_nodes_room_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     """The watch shows every pod pending before it shows it bound. Counting the bind again on that event
     would make every filter after every bind work the node's room out anew, for nothing."""
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
     pending = pod("p", 3, uid="u1")
     cache.pods.handler(None, pending)  # type: ignore[misc]
@@ -420,7 +406,7 @@ def test_the_watch_confirming_a_bind_leaves_the_nodes_room_as_it_was(monkeypatch
 def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once() -> None:
     """A relist hands over (old, new) for a name whose pod was deleted and created again: the old pod's
     memory is free, wherever the new one runs."""
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     for name in ("n1", "n2"):
         cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
     before = pod("p", 5, uid="u1", node="n1")
@@ -445,7 +431,7 @@ def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once
 def test_a_bound_pods_gpu_choice_edited_by_its_owner_does_not_move_the_books(edit: str) -> None:
     """Defect: patching a running pod's allocation (or Aliyun's keys) freed its memory in the extender's books,
     and other pods were bound onto the GPU it still used."""
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
     bound = pod("p", 12, uid="u1", node="n1", phase="Running")
     bound["metadata"]["annotations"] = bind_annotations(
