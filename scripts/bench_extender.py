@@ -235,18 +235,31 @@ Verbs = InProcess | OverHttp
 def rounds(
     backend: Backend, verbs: Verbs, names: list[str], args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
-    """Per round: a new pending pod, filter against a sample of the nodes, prioritize what passed, bind."""
+    """Per round: a new pending pod, filter against a sample of the nodes, prioritize what passed, bind.
+    ``prioritizeFirstOfSize`` is the prioritize calls for a request size not asked before in these rounds:
+    the cold calls, which price every candidate (later calls find most nodes' prices kept)."""
     filters: list[float] = []
     prioritizes: list[float] = []
+    first_of_size: list[float] = []
     binds: list[float] = []
+    sizes: set[int] = set()
     tag = type(verbs).__name__.lower()
     for i in range(args.requests):
         body = pending(backend, f"{tag}-{i:05d}", rng)
         passed = timed(filters, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
         timed(prioritizes, verbs.prioritize, body, passed)
+        size = pod_request(body).total
+        if size not in sizes:
+            sizes.add(size)
+            first_of_size.append(prioritizes[-1])
         if passed:
             timed(binds, verbs.bind, body, passed[0])
-    return {"filter": percentiles(filters), "prioritize": percentiles(prioritizes), "bind": percentiles(binds)}
+    return {
+        "filter": percentiles(filters),
+        "prioritize": percentiles(prioritizes),
+        "prioritizeFirstOfSize": percentiles(first_of_size),
+        "bind": percentiles(binds),
+    }
 
 
 def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng: random.Random) -> dict[str, Any]:

@@ -129,6 +129,7 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
     for where in ("inProcess", "http"):
         assert report[where]["filter"]["count"] == 10 and report[where]["filter"]["p99_ms"] > 0
         assert report[where]["bind"]["count"] > 0
+        assert 1 <= report[where]["prioritizeFirstOfSize"]["count"] <= 8  # pending pods ask 1-8 GiB
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
     assert report["extenderCpus"] == (cpus[:1] if pin else "any")
     # A smoke, not a measurement: in half a second the extender's CPU time may not tick (10 ms) at all.
