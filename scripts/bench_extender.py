@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import gc
 import http.client
@@ -35,10 +36,12 @@ import multiprocessing
 import os
 import platform
 import random
+import re
 import signal
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -235,17 +238,23 @@ Verbs = InProcess | OverHttp
 def rounds(
     backend: Backend, verbs: Verbs, names: list[str], args: argparse.Namespace, rng: random.Random
 ) -> dict[str, Any]:
-    """Per round: a new pending pod, filter against a sample of the nodes, prioritize what passed, bind.
+    """Per round: a pending pod, filter against a sample of the nodes, prioritize what passed, bind.
     ``prioritizeFirstOfSize`` is the prioritize calls for a request size not asked before in these rounds:
-    the cold calls, which price every candidate (later calls find most nodes' prices kept)."""
+    the cold calls, which price every candidate (later calls find most nodes' prices kept).
+
+    ``args.lead``: how many rounds before its own a pod is created, as kube-scheduler's queue holds pods
+    before their cycle (0: created right before its filter, the extender seeing it as the filter comes)."""
     filters: list[float] = []
     prioritizes: list[float] = []
     first_of_size: list[float] = []
     binds: list[float] = []
     sizes: set[int] = set()
     tag = type(verbs).__name__.lower()
+    queued = collections.deque(pending(backend, f"{tag}-{i:05d}", rng) for i in range(min(args.lead, args.requests)))
     for i in range(args.requests):
-        body = pending(backend, f"{tag}-{i:05d}", rng)
+        if i + args.lead < args.requests:
+            queued.append(pending(backend, f"{tag}-{i + args.lead:05d}", rng))
+        body = queued.popleft()
         passed = timed(filters, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
         timed(prioritizes, verbs.prioritize, body, passed)
         size = pod_request(body).total
@@ -311,6 +320,7 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
         for _ in range(args.requests):
             timed(at_rest, verbs.filter, body, rng.sample(names, min(args.candidates, len(names))))
         measured = rounds(backend, verbs, names, args, rng)
+        measured["slotsPrimed"] = slots_primed(extender.port)  # in the rounds (and the at-rest pod's)
         return {
             "cacheSyncSeconds": round(synced, 2),
             "rssMiBSynced": round(rss_synced / 2**20, 1),
@@ -321,6 +331,14 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
         }
     finally:
         extender.stop()
+
+
+def slots_primed(port: int) -> int:
+    """The extender's ``gpushared_extender_slots_primed_total`` (-1: the extender has no primer)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as answer:
+        text = answer.read().decode()
+    found = re.search(r"^gpushared_extender_slots_primed_total (\S+)$", text, re.MULTILINE)
+    return int(float(found[1])) if found else -1
 
 
 def sustained(
@@ -487,6 +505,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="timed filter/prioritize/bind rounds")
     parser.add_argument("--seconds", type=float, default=20, help="length of the sustained filter+bind run")
     parser.add_argument("--rate-pods", type=int, default=15000, help="pods created for the sustained run")
+    parser.add_argument(
+        "--lead",
+        type=int,
+        default=0,
+        help="timed rounds: each pod created this many rounds before its filter (kube-scheduler's queue); 0: "
+        "right before it",
+    )
     parser.add_argument("--policy", default="binpack")
     parser.add_argument("--bind-workers", type=int, default=16, help="binds in flight in the sustained run")
     parser.add_argument(
@@ -530,6 +555,7 @@ def main() -> None:
             "pods": args.pods,
             "candidates": args.candidates,
             "policy": args.policy,
+            "lead": args.lead,
             "apiserver": args.apiserver,
             "extenderCpus": sorted(args.extender_cpus) if args.extender_cpus else "any",
             "machine": f"{platform.machine()}, {psutil.cpu_count()} CPUs, Python {platform.python_version()}",

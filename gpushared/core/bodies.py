@@ -133,6 +133,14 @@ def node_of(pod: PodBody) -> str:
     return (pod.get("spec") or {}).get("nodeName") or ""
 
 
+def awaits_node(pod: PodBody) -> bool:
+    """Whether the pod waits for a scheduler: not bound, not being deleted, not finished (a pod that failed
+    before it was bound, e.g. evicted from the queue, never will be)."""
+    if node_of(pod) or meta_of(pod).get("deletionTimestamp"):
+        return False
+    return (pod.get("status") or {}).get("phase") in (None, "Pending")
+
+
 #: Aliyun's annotations that say what a pod holds (and _DEV, which a bind may have to overwrite); the
 #: other one (_ASSUME_TIME) only the node reads.
 _ALIYUN_KEYS = frozenset(

@@ -18,6 +18,7 @@ from gpushared.contract import ResourceNames
 from gpushared.core.policies import Policy
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.config import ServerConfig
+from gpushared.extender.priming import Primer
 from gpushared.extender.scheduler import Scheduler
 from gpushared.extender.server import build_app, serve
 from gpushared.kube.aioapi import AsyncApi
@@ -98,7 +99,9 @@ class Extender:
             resources=settings.resources,
             rank_in_filter=settings.rank_in_filter,
         )
-        self.app = build_app(scheduler, settings.server, ready=self.ready, leader=self.leader)
+        primer = Primer(scheduler, ready=lambda: self.ready()[0])
+        self.cache.pending_seen = primer.offer
+        self.app = build_app(scheduler, settings.server, ready=self.ready, leader=self.leader, primer=primer)
 
     def ready(self) -> tuple[bool, str]:
         if not self.prepared.is_set():

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 
 from gpushared.contract import GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, slim_pod
+from gpushared.core.bodies import NodeBody, PodBody, awaits_node, slim_pod
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding
 from gpushared.core.policies import NodeRank, Policy, PricingContext
@@ -61,6 +61,8 @@ class ClusterCache:
         self.reservations = Reservations(
             self.state, self.index, watch_lags=self.pods.relist, landing_seconds=landing_seconds
         )
+        #: told every pod the watch shows waiting for a node, on the informer's thread (``priming.Primer``)
+        self.pending_seen: Callable[[PodBody], None] = lambda pod: None
 
     def start(self) -> None:
         self.nodes.start()
@@ -79,6 +81,8 @@ class ClusterCache:
         with self.state.lock:
             self.reservations.seen(old, new)
             self.state.on_pod(old, new, assumed=self.reservations.holds)
+        if new is not None and awaits_node(new):
+            self.pending_seen(new)
 
     # --- the verbs' reads (index) and the cluster as it is (state) -------------------------------------------
 

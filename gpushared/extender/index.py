@@ -8,7 +8,7 @@ nothing here is older than the ledger it was worked out from. Everything runs un
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody, gpu_models
@@ -17,6 +17,24 @@ from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import GpuVerdict, explain, idle_gpu_mib, judge, most_free, no_room
 from gpushared.extender.rooms import STALE, Rooms
 from gpushared.extender.state import ClusterState, NodeState, Rejected, Version, cpu_of
+
+
+class RankSlot(NamedTuple):
+    """What a node's rank for a pod was worked out from, beside the node's own ledger and CPU: its key in
+    the node's memo (the other entries are ``("room", ...)`` and ``("why", ...)``)."""
+
+    kind: str  # "rank"
+    policy: str
+    total: int
+    gpus: int
+    mps: bool
+    #: the pod's milli-CPU, for a policy that reads it (else 0)
+    pod_cpu: int
+    #: the mix generation the rank read (``FilterIndex._mixed``)
+    mixed: int
+    #: whether the pod's node affinity pins it to GPU models
+    pinned: bool
+
 
 #: Entries a node's memo keeps: one per request size and kind seen since its ledger last changed.
 MEMO_LIMIT = 256
@@ -93,11 +111,8 @@ class FilterIndex:
         keys: list[NodeRank | None] = []
         with self.state.lock:
             mix = self.state.request_mix()
-            pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
-            mixed = self._mixed(policy)
-            # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
-            pinned = (policy.reads_mix or policy.reads_pressure) and self._pinned(pod)
-            slot = ("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
+            slot = self._slot(pod, request, policy)
+            pod_cpu, pinned = slot.pod_cpu, slot.pinned
             for name in names:
                 usable = self.state.usable(name, gpus=request.gpus)
                 if isinstance(usable, Rejected):
@@ -114,6 +129,20 @@ class FilterIndex:
                     known = _remember(node, slot, version, None if appraised is None else appraised[0])
                 keys.append(known[1])
         return keys
+
+    def slot(self, pod: PodBody, request: PodRequest, policy: Policy) -> RankSlot:
+        """The key ``policy``'s rank for the pod is kept under in each node's memo: two pods with one slot
+        are ranked alike on every node, so the primer prices a slot once (``priming.Primer``)."""
+        with self.state.lock:
+            self.state.request_mix()  # a mix that is due is taken first, as node_ranks takes it
+            return self._slot(pod, request, policy)
+
+    def _slot(self, pod: PodBody, request: PodRequest, policy: Policy) -> RankSlot:
+        pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
+        # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
+        pinned = (policy.reads_mix or policy.reads_pressure) and self._pinned(pod)
+        mixed = self._mixed(policy)
+        return RankSlot("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
 
     def _mixed(self, policy: Policy) -> int:
         """Which mix the policy's ranks were worked out under, as far as they read it: a new mix (every

@@ -31,6 +31,22 @@ class WatchRestarts(Collector):
         yield family
 
 
+class Primed(Collector):
+    """Slots the primer priced on every node before kube-scheduler asked (``priming.Primer``), as a counter
+    read from the primer itself."""
+
+    def __init__(self) -> None:
+        self.primer: Any = None
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "gpushared_extender_slots_primed",
+            "Request sizes (with what else a rank reads) priced on every node when their first pod was seen "
+            "pending, before kube-scheduler asked",
+            value=self.primer.slots_primed if self.primer is not None else 0,
+        )
+
+
 class Metrics:
     """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
 
@@ -65,6 +81,8 @@ class Metrics:
         )
         self.watch_restarts = WatchRestarts()
         self.registry.register(self.watch_restarts)
+        self.primed = Primed()
+        self.registry.register(self.primed)
         self.allocation_edits = Gauge(
             "gpushared_extender_allocation_edits",
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",

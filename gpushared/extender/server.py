@@ -29,6 +29,7 @@ from prometheus_client import Counter
 from gpushared.extender.config import ServerConfig
 from gpushared.extender.http2 import Http2Protocol
 from gpushared.extender.metrics import Metrics
+from gpushared.extender.priming import Primer
 from gpushared.extender.routes import FORWARDED, BodyTooLarge, Call, Leader, Ready, Routes
 from gpushared.extender.scheduler import Scheduler
 
@@ -48,8 +49,10 @@ def build_app(
     ready: Ready,
     leader: Leader = lambda: None,
     metrics: Metrics | None = None,
+    primer: Primer | None = None,
 ) -> web.Application:
-    """The aiohttp application: every path goes to :meth:`Routes.answer`, which HTTP/2 calls too."""
+    """The aiohttp application: every path goes to :meth:`Routes.answer`, which HTTP/2 calls too; with a
+    ``primer``, the pending pods' sizes are priced between the verbs (``priming``)."""
     metrics = metrics or Metrics()
     cache = scheduler.cache
 
@@ -98,6 +101,9 @@ def build_app(
     app.on_cleanup.append(close)
     app.cleanup_ctx.append(_settling(scheduler))
     app.cleanup_ctx.append(_watching_the_loop(metrics, ready))
+    if primer is not None:
+        metrics.primed.primer = primer
+        app.cleanup_ctx.append(_in_background("prime", primer.run))
     return app
 
 

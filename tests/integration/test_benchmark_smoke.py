@@ -118,6 +118,8 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
             "40",
             "--filter-alone-seconds",
             "0.5",
+            "--lead",
+            "2",
             *pin,
         ],
         capture_output=True,
@@ -131,6 +133,8 @@ def test_bench_extender_runs_in_process_and_over_http() -> None:
         assert report[where]["bind"]["count"] > 0
         assert 1 <= report[where]["prioritizeFirstOfSize"]["count"] <= 8  # pending pods ask 1-8 GiB
     assert report["http"]["rssMiBSynced"] > 0 and report["http"]["filterPlusBindPerSecond"] > 0
+    # Pods created two rounds ahead: the extender's primer priced their sizes (at least the first's).
+    assert report["lead"] == 2 and report["http"]["slotsPrimed"] >= 1
     assert report["extenderCpus"] == (cpus[:1] if pin else "any")
     # A smoke, not a measurement: in half a second the extender's CPU time may not tick (10 ms) at all.
     assert report["http"]["filtersAlone"] > 0 and report["http"]["extenderCpuMsPerFilterAlone"] >= 0

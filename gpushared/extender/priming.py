@@ -1,0 +1,100 @@
+"""Pricing a request before kube-scheduler asks for it: the first pod of a new size, seen pending.
+
+A node's rank for a pod is kept in its memo per slot (``index.RankSlot``: the request size, the pod's CPU
+for a policy that reads it, the mix the rank read) until its ledger changes. So the first prioritize (or
+ranking filter) of a slot prices every candidate — a thousand nodes, about 3 ms of Python — and the calls
+after it only the nodes a bind changed since. Those cold calls are few (one per new size) but they are the
+p99 (docs/benchmarks.md, "Prioritize on a cold cache").
+
+The pod's watch event reaches the extender about when it reaches kube-scheduler, and kube-scheduler runs its
+own queue, filter and score plugins before it calls the extender; when pods come in bursts, the pods behind
+the first wait in its queue. The primer uses that time: the pod informer hands it every pod it shows
+pending (``ClusterCache.pending_seen``), and on the event loop, between the verbs, it prices a slot not
+primed before on every node, a few dozen nodes per turn of the loop so that a verb arriving meanwhile waits
+for one chunk at most. A verb that comes before the primer is done prices the rest itself, as it would have
+without it: priming never makes an answer different, only earlier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import Callable
+
+from gpushared.contract import ContractError
+from gpushared.core.bodies import PodBody
+from gpushared.core.requests import pod_request
+from gpushared.extender.index import RankSlot
+from gpushared.extender.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+#: Nodes priced per turn of the event loop: about 0.15 ms of pricing, the most a verb waits for the primer.
+CHUNK = 48
+#: Pending pods waiting to be looked at; past it the oldest are dropped (a burst of one Deployment's pods
+#: is one slot many times over).
+QUEUE = 4096
+#: Slots remembered as primed, newest kept.
+REMEMBERED = 1024
+#: How often the primer looks whether the cache has synced, before it starts.
+READY_POLL_SECONDS = 0.05
+
+
+class Primer:
+    def __init__(self, scheduler: Scheduler, *, ready: Callable[[], bool], chunk: int = CHUNK) -> None:
+        self.scheduler = scheduler
+        self.ready = ready
+        self.chunk = chunk
+        self._seen: collections.deque[PodBody] = collections.deque(maxlen=QUEUE)
+        self._primed: dict[RankSlot, None] = {}  # insertion-ordered: the oldest is dropped first
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        #: slots priced ahead on every node, since the start
+        self.slots_primed = 0
+
+    def offer(self, pod: PodBody) -> None:
+        """A pod the watch shows pending; called on the informer's thread, so it only queues the pod."""
+        self._seen.append(pod)  # before looking at the event: a drain under way then takes this pod too
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None and not wake.is_set():
+            loop.call_soon_threadsafe(wake.set)
+
+    async def run(self) -> None:
+        """Price what the queue brings, forever; from the first time the cache is ready (a slot primed on a
+        half-listed cluster would be remembered as primed)."""
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        while not self.ready():
+            await asyncio.sleep(READY_POLL_SECONDS)
+        self._wake.set()  # what was offered while the cache synced
+        while True:
+            await self._wake.wait()
+            self._wake.clear()  # before the drain: a pod offered during it sets it again, or is drained
+            while self._seen:
+                try:
+                    await self.prime(self._seen.popleft())
+                except Exception:  # priming is an optimisation: a failure must not end it for good
+                    log.exception("pricing a pending pod ahead failed")
+
+    async def prime(self, pod: PodBody) -> bool:
+        """Price the pod's slot on every node unless it was primed before; whether it priced."""
+        scheduler = self.scheduler
+        try:
+            request = pod_request(pod, resources=scheduler.resources)
+        except ContractError:
+            return False  # filter says why; nothing to price
+        if request.total <= 0:
+            return False  # not a GPU pod: prioritize-no-gpu reads no memo
+        cache, policy = scheduler.cache, scheduler.policy
+        slot = cache.index.slot(pod, request, policy)
+        if slot in self._primed:
+            return False
+        self._primed[slot] = None
+        if len(self._primed) > REMEMBERED:
+            del self._primed[next(iter(self._primed))]
+        names = cache.node_names()
+        for start in range(0, len(names), self.chunk):
+            await asyncio.sleep(0)  # a verb that arrived meanwhile goes first
+            cache.node_ranks(names[start : start + self.chunk], pod, request, policy)
+        self.slots_primed += 1
+        return True

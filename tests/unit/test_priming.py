@@ -1,0 +1,155 @@
+"""The primer: a pending pod's request priced on every node before kube-scheduler asks, once per slot, a few
+nodes per turn of the event loop, and never a different answer than the verb would have worked out."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from typing import Any, cast
+
+import pytest
+
+from gpushared import contract
+from gpushared.core.bodies import awaits_node
+from gpushared.core.policies import BINPACK, Policy
+from gpushared.core.requests import pod_request
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.priming import Primer
+from gpushared.extender.scheduler import Scheduler
+from gpushared.kube.aioapi import AsyncApi
+from tests.builders import inventory, pod
+from tests.extender_harness import gpu_node
+
+NODES = tuple(f"n{i}" for i in range(5))
+
+
+def terminating(body: dict[str, Any]) -> dict[str, Any]:
+    body["metadata"]["deletionTimestamp"] = "2026-11-25T00:00:00Z"
+    return body
+
+
+@pytest.mark.parametrize(
+    ("body", "waits"),
+    [
+        (pod("new", 4), True),
+        (pod("no-status", 4) | {"status": {}}, True),
+        (pod("no-gpu"), True),  # waits for a node; not the primer's to price (Primer.prime)
+        (pod("bound", 4, node="n1"), False),
+        (pod("bound-pending", 4, node="n1", phase="Pending"), False),
+        (terminating(pod("deleted", 4)), False),
+        (pod("failed", 4, phase="Failed"), False),
+        (pod("succeeded", 4, phase="Succeeded"), False),
+    ],
+    ids=lambda v: v["metadata"]["name"] if isinstance(v, dict) else str(v),
+)
+def test_which_pods_wait_for_a_node(body: dict[str, Any], waits: bool) -> None:
+    assert awaits_node(body) is waits
+
+
+def counting_cache() -> tuple[ClusterCache, Scheduler, list[str]]:
+    """Five nodes, one pod running; a binpack that records the node of every GPU it prices."""
+    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    inv = inventory(16, 16)
+    for name in NODES:
+        cache.nodes.handler(None, gpu_node(name, inv=inv, cpu="8"))  # type: ignore[misc]
+    cache.pods.handler(None, pod("running", 5, node="n1", phase="Running"))  # type: ignore[misc]
+    priced: list[str] = []
+    ledgers = {id(cache.state.nodes[name].ledger): name for name in NODES}
+
+    def price(*args: Any) -> float:
+        priced.append(ledgers[id(args[2].ledger)])
+        return BINPACK.price(*args)
+
+    policy: Policy = dataclasses.replace(BINPACK, price=price)
+    scheduler = Scheduler(cache=cache, api=cast(AsyncApi, None), policy=policy, resources=contract.DEFAULT_RESOURCES)
+    return cache, scheduler, priced
+
+
+def test_the_pod_informer_offers_the_pods_that_wait_for_a_node() -> None:
+    cache, _, _ = counting_cache()
+    offered: list[str] = []
+    cache.pending_seen = lambda body: offered.append(body["metadata"]["name"])
+    for body in (pod("waits", 3), pod("bound", 3, node="n2", phase="Running"), terminating(pod("going", 3))):
+        cache.pods.handler(None, body)  # type: ignore[misc]
+    assert offered == ["waits"]
+
+
+def test_a_slot_is_priced_on_every_node_once_and_the_verb_then_prices_none() -> None:
+    cache, scheduler, priced = counting_cache()
+    primer = Primer(scheduler, ready=lambda: True, chunk=2)
+    first = pod("first", 3)
+    assert asyncio.run(primer.prime(first))
+    assert sorted(priced) == sorted(NODES)
+    priced.clear()
+    # Another pod of the same slot is not priced again, and its verb finds every rank kept.
+    assert not asyncio.run(primer.prime(pod("second", 3)))
+    ranks = cache.node_ranks(list(NODES), pod("second", 3), pod_request(pod("second", 3)), scheduler.policy)
+    assert not priced
+    # The same ranks a cold verb works out.
+    cold, cold_scheduler, _ = counting_cache()
+    assert ranks == cold.node_ranks(list(NODES), pod("x", 3), pod_request(pod("x", 3)), cold_scheduler.policy)
+    # A bind changes one node: only it is priced again, by the verb (a slot is primed once).
+    cache.pods.handler(None, pod("landed", 2, node="n3", phase="Running"))  # type: ignore[misc]
+    assert not asyncio.run(primer.prime(pod("third", 3)))
+    cache.node_ranks(list(NODES), first, pod_request(first), scheduler.policy)
+    assert priced == ["n3"]
+    # A new size is a new slot; a pod asking for no GPU memory, or a malformed one, is not primed.
+    priced.clear()
+    assert asyncio.run(primer.prime(pod("bigger", 7)))
+    assert sorted(priced) == sorted(NODES)
+    malformed = pod("malformed", 3)
+    malformed["spec"]["containers"][0]["resources"]["limits"][contract.DEFAULT_RESOURCES.gpu_mem] = "lots"
+    assert not asyncio.run(primer.prime(pod("no-gpu")))
+    assert not asyncio.run(primer.prime(malformed))
+    assert primer.slots_primed == 2
+
+
+def test_priming_yields_to_the_loop_between_chunks() -> None:
+    """A verb that arrives while a slot is primed waits for one chunk, not for every node."""
+    _, scheduler, priced = counting_cache()
+    primer = Primer(scheduler, ready=lambda: True, chunk=1)
+    seen_by_verb: list[int] = []
+
+    async def both() -> None:
+        priming = asyncio.create_task(primer.prime(pod("p", 3)))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        seen_by_verb.append(len(priced))
+        await priming
+
+    asyncio.run(both())
+    assert 0 < seen_by_verb[0] < len(NODES)
+    assert len(priced) == len(NODES)
+
+
+def test_offers_from_the_informer_thread_are_primed_once_the_cache_is_ready() -> None:
+    _, scheduler, priced = counting_cache()
+    ready = threading.Event()
+    primer = Primer(scheduler, ready=ready.is_set)
+    primer.offer(pod("before-ready", 3))
+
+    async def scenario() -> None:
+        running = asyncio.create_task(primer.run())
+        await asyncio.sleep(0.2)
+        assert primer.slots_primed == 0  # a half-listed cache is not primed
+        ready.set()
+        await until(lambda: primer.slots_primed == 1)
+        offering = threading.Thread(target=lambda: [primer.offer(pod(f"from-thread-{i}", 6)) for i in range(50)])
+        offering.start()
+        offering.join()
+        await until(lambda: primer.slots_primed == 2)
+        await asyncio.sleep(0.1)
+        assert primer.slots_primed == 2  # fifty pods, one slot
+        running.cancel()
+
+    asyncio.run(scenario())
+    assert len(priced) == 2 * len(NODES)
+
+
+async def until(condition: Any, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "timed out"
+        await asyncio.sleep(0.01)
