@@ -198,7 +198,10 @@ class Ledger:
     _used: dict[int, int] = field(default_factory=dict)
     _mps: dict[int, int] = field(default_factory=dict)
     _shared: dict[int, int] = field(default_factory=dict)
-    _version: int = 0
+    #: changes whenever a holding comes or goes (``add``, ``remove``: nobody else writes it), so what is
+    #: derived from a ledger can be kept until then. A plain attribute, not a property: the extender reads it
+    #: for every candidate of every call (extender/index.py)
+    version: int = 0
     #: what pricing derives from the ledger as it is, kept with the version it was derived at (by whoever
     #: derives it: core/verdicts.py, core/policies.py); a pure cache, never compared or shown
     derived: dict[object, tuple[int, object]] = field(default_factory=dict, compare=False, repr=False)
@@ -214,11 +217,6 @@ class Ledger:
     def unit(self) -> MemoryUnit:
         return self.inventory.unit
 
-    @property
-    def version(self) -> int:
-        """Changes whenever a holding comes or goes: what is derived from a ledger can be kept until then."""
-        return self._version
-
     def add(self, holding: Holding) -> None:
         """Record ``holding``, replacing what the same pod held before."""
         self.remove(holding.uid)
@@ -232,7 +230,7 @@ class Ledger:
         return holding
 
     def _count(self, holding: Holding, sign: int) -> None:
-        self._version += 1
+        self.version += 1
         modes = self._mps if holding.mps else self._shared
         for index, amount in holding.gpus.items():
             _bump(self._used, index, sign * amount)

@@ -113,13 +113,16 @@ class FilterIndex:
             mix = self.state.request_mix()
             slot = self._slot(pod, request, policy)
             pod_cpu, pinned = slot.pod_cpu, slot.pinned
+            nodes, several, reads_cpu = self.state.nodes, request.gpus > 1, policy.reads_cpu
             for name in names:
-                usable = self.state.usable(name, gpus=request.gpus)
-                if isinstance(usable, Rejected):
+                # ClusterState.usable inline, without its reasons (a thousand candidates a call, most of
+                # them answered from the memo: the lookups are most of what a warm call costs)
+                node = nodes.get(name)
+                if node is None or node.ledger is None or node.problem or (several and not node.several_gpus):
                     keys.append(None)
                     continue
-                node, ledger = usable
-                version = (ledger.version, node.cpu_version if policy.reads_cpu else 0)
+                ledger = node.ledger
+                version = (ledger.version, node.cpu_version if reads_cpu else 0)
                 known = node.memo.get(slot)
                 if known is None or known[0] != version:
                     context = PricingContext(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from gpushared.core.ledger import Holding, Ledger, holding_from_pod
 from gpushared.core.policies import (
     BALANCED,
     BINPACK,
+    EQUAL_PRICE,
     FGD,
     MAX_SCORE,
     SPREAD,
@@ -130,6 +132,55 @@ def test_best_nodes_are_the_ones_scored_highest(keys: list[NodeRank | None]) -> 
     """What --rank-in-filter keeps is what prioritize gives the top score: the same choice for kube-scheduler."""
     top = [i for i, score in enumerate(node_scores(keys)) if score == MAX_SCORE and keys[i] is not None]
     assert best_nodes(keys) == top
+
+
+def plain_scores(keys: list[NodeRank | None]) -> list[int]:
+    """node_scores' rules as written in its docstring, one step at a time: what the one-pass version in
+    core/policies.py must always agree with."""
+    known = [k for k in keys if k is not None]
+    if not known:
+        return [0] * len(keys)
+    eq = EQUAL_PRICE
+    links = min(k.links for k in known)
+    cheapest = min(k.price for k in known if k.links <= links + eq)
+    tiebreak = min(k.tiebreak for k in known if k.links <= links + eq and k.price <= cheapest + eq)
+    linked = {i: k for i, k in enumerate(keys) if k is not None and k.links <= links + eq}
+    worst = max(k.price for k in linked.values())
+    scores: dict[int, int] = {}
+    for i, k in linked.items():
+        if k.price <= cheapest + eq and k.tiebreak <= tiebreak + eq:
+            scores[i] = MAX_SCORE
+        elif k.price <= cheapest + eq:
+            scores[i] = MAX_SCORE - 1
+        else:
+            scores[i] = math.floor((MAX_SCORE - 1) * (worst - k.price) / (worst - cheapest) + eq)
+    lowest = min(scores.values())
+    worst_links = max(k.links for k in known)
+    for i, k in enumerate(keys):
+        if k is not None and i not in linked:
+            scores[i] = min(lowest, math.floor((MAX_SCORE - 1) * (worst_links - k.links) / (worst_links - links)))
+    return [scores.get(i, 0) for i in range(len(keys))]
+
+
+#: Ranks as policies produce them: prices and tiebreaks that tie often (equal nodes), some only up to float
+#: sums; links of multi-GPU sets.
+RANKS = st.lists(
+    st.none()
+    | st.builds(
+        NodeRank,
+        st.sampled_from([0.0, 1.0, 1.0 + 1e-12, 2.5, 7.0]) | st.floats(-1e6, 1e6, allow_nan=False),
+        st.sampled_from([0.0, 0.2, 0.5]) | st.floats(0, 1),
+        st.sampled_from([0.0, 0.0, -100.0, -400.0, -400.0 + 1e-12]),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(RANKS)
+def test_scores_follow_the_rules_as_written(keys: list[NodeRank | None]) -> None:
+    assert node_scores(keys) == plain_scores(keys)
+    assert best_nodes(keys) == [i for i, k in enumerate(keys) if k is not None and node_scores(keys)[i] == MAX_SCORE]
 
 
 def test_scores_give_the_top_only_to_the_cheapest_nodes() -> None:
