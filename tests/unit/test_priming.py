@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
+from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
@@ -15,7 +16,7 @@ from gpushared.core.bodies import awaits_node
 from gpushared.core.policies import BINPACK, Policy
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.priming import Primer
+from gpushared.extender.priming import BURST_SECONDS, SHARE, STALE_SECONDS, Primer, pacing
 from gpushared.extender.scheduler import Scheduler
 from gpushared.kube.aioapi import AsyncApi
 from tests.builders import inventory, pod
@@ -47,8 +48,9 @@ def test_which_pods_wait_for_a_node(body: dict[str, Any], waits: bool) -> None:
     assert awaits_node(body) is waits
 
 
-def counting_cache() -> tuple[ClusterCache, Scheduler, list[str]]:
-    """Five nodes, one pod running; a binpack that records the node of every GPU it prices."""
+def counting_cache(cost: Callable[[], None] = lambda: None) -> tuple[ClusterCache, Scheduler, list[str]]:
+    """Five nodes, one pod running; a binpack that records the node of every GPU it prices (and calls
+    ``cost`` each time, for a test's clock)."""
     cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
     inv = inventory(16, 16)
     for name in NODES:
@@ -59,6 +61,7 @@ def counting_cache() -> tuple[ClusterCache, Scheduler, list[str]]:
 
     def price(*args: Any) -> float:
         priced.append(ledgers[id(args[2].ledger)])
+        cost()
         return BINPACK.price(*args)
 
     policy: Policy = dataclasses.replace(BINPACK, price=price)
@@ -153,3 +156,71 @@ async def until(condition: Any, timeout: float = 5.0) -> None:
     while not condition():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+    ("owed", "elapsed", "after", "pause"),
+    [
+        (0.0, 0.0, 0.0, 0.0),  # nothing spent
+        (BURST_SECONDS, 0.0, BURST_SECONDS, 0.0),  # a burst is free
+        (BURST_SECONDS + SHARE, 0.0, BURST_SECONDS + SHARE, 1.0),  # past it: paid back at SHARE a second
+        (BURST_SECONDS + SHARE, 1.0, BURST_SECONDS, 0.0),  # ... and a second later it is
+        (0.01, 10.0, 0.0, 0.0),  # never owed less than nothing
+    ],
+)
+def test_pacing_keeps_the_primer_within_its_share(owed: float, elapsed: float, after: float, pause: float) -> None:
+    assert pacing(owed, elapsed) == pytest.approx((after, pause))
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.priced = 0.0  # seconds the primer spent pricing
+
+    def clock(self) -> float:
+        return self.now
+
+    def cost(self) -> None:
+        self.now += 0.01
+        self.priced += 0.01
+
+    async def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_a_flood_of_distinct_sizes_gets_at_most_its_share_of_the_loop() -> None:
+    """Pending pods of sixteen sizes, each priced on five nodes at 10 ms a node: the primer pauses so that
+    its pricing stays within the burst plus its share of the time that passed."""
+    fake = FakeTime()
+    _, scheduler, _ = counting_cache(cost=fake.cost)
+    primer = Primer(scheduler, ready=lambda: True, chunk=1, clock=fake.clock, sleep=fake.sleep)
+    started = fake.now
+
+    async def flood() -> None:
+        for size in range(1, 17):
+            assert await primer.prime(pod(f"size-{size}", size))
+
+    asyncio.run(flood())
+    assert primer.slots_primed == 16 and fake.priced > 0.5
+    assert primer.paused_seconds > 0
+    assert fake.priced <= BURST_SECONDS + SHARE * (fake.now - started) + 0.01 + 1e-9
+
+
+def test_a_pod_offered_long_ago_is_passed_over() -> None:
+    fake = FakeTime()
+    _, scheduler, _ = counting_cache()
+    ready = threading.Event()
+    primer = Primer(scheduler, ready=ready.is_set, clock=fake.clock, sleep=fake.sleep)
+    primer.offer(pod("old", 3))
+    fake.now += STALE_SECONDS + 1  # its cycle has passed while the cache synced
+    primer.offer(pod("fresh", 5))
+
+    async def scenario() -> None:
+        running = asyncio.create_task(primer.run())
+        ready.set()
+        await until(lambda: primer.slots_primed == 1)
+        await asyncio.sleep(0.1)
+        running.cancel()
+
+    asyncio.run(scenario())
+    assert primer.slots_primed == 1
