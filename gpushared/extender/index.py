@@ -113,15 +113,13 @@ class FilterIndex:
             mix = self.state.request_mix()
             slot = self._slot(pod, request, policy)
             pod_cpu, pinned = slot.pod_cpu, slot.pinned
-            nodes, several, reads_cpu = self.state.nodes, request.gpus > 1, policy.reads_cpu
+            usable, gpus, reads_cpu = self.state.usable, request.gpus, policy.reads_cpu
             for name in names:
-                # ClusterState.usable inline, without its reasons (a thousand candidates a call, most of
-                # them answered from the memo: the lookups are most of what a warm call costs)
-                node = nodes.get(name)
-                if node is None or node.ledger is None or node.problem or (several and not node.several_gpus):
+                found = usable(name, gpus=gpus)
+                if isinstance(found, Rejected):
                     keys.append(None)
                     continue
-                ledger = node.ledger
+                node, ledger = found
                 version = (ledger.version, node.cpu_version if reads_cpu else 0)
                 known = node.memo.get(slot)
                 if known is None or known[0] != version:
