@@ -31,6 +31,9 @@ from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
 log = logging.getLogger(__name__)
 
 MAX_BACKOFF = 60.0
+#: How long a control daemon found running at start may stay silent before it is replaced: it may be busy
+#: (an upgrade under load, a client's command holding the pipe), and replacing it cuts off every MPS client.
+ADOPT_GRACE_SECONDS = 15.0
 #: Tries of `quit` while the daemon still runs ("Cannot send command" when another client holds its pipe).
 QUIT_ATTEMPTS = 3
 
@@ -69,6 +72,8 @@ class GpuDaemon:
     backoff: float = 1.0
     next_start: float = 0.0
     since: float = 0.0  # when it last became running
+    #: until when a daemon found running at start is asked again before it is replaced (None: not yet asked)
+    adopt_until: float | None = None
     limits: dict[str, str] = field(default_factory=dict)
 
 
@@ -150,6 +155,17 @@ class MpsSupervisor:
                 self._set(daemon, "running", None, pid=pid)
                 log.info("MPS on GPU %d: adopted the running control daemon %d", gpu.index, pid)
                 return
+            if pid is not None:
+                if daemon.adopt_until is None:
+                    daemon.adopt_until = self.clock() + ADOPT_GRACE_SECONDS
+                if self.clock() < daemon.adopt_until:
+                    log.warning(
+                        "MPS on GPU %d: the running control daemon %d does not answer yet (%s); asking again",
+                        gpu.index,
+                        pid,
+                        daemon.problem,
+                    )
+                    return
         if daemon.state == "running":
             if self._answers(daemon):
                 if self.clock() - daemon.since >= MAX_BACKOFF:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,25 @@ def test_a_restarted_gpushared_adopts_the_running_daemons(mps: Daemon) -> None:
     assert {r["uuid"]: r["pid"] for r in rows} == before
     assert all(r["adopted"] and r["restarts"] == 0 for r in rows)
     assert len(control_daemons(Path(mps.config["mps"]["root"]))) == 4
+
+
+def test_a_daemon_silent_when_gpushared_restarts_is_adopted_once_it_answers(mps: Daemon) -> None:
+    """A control daemon that misses the first probes after a restart (busy: a CI run saw one) is asked again
+    rather than replaced, which would cut off its clients."""
+    started(mps)
+    before = {r["uuid"]: r["pid"] for r in all_running(mps)}
+    assert mps.stop() == 0
+    silent = before[max(before)]
+    os.kill(silent, signal.SIGSTOP)
+    try:
+        mps.start()
+        time.sleep(6)  # one probe's whole timeout (5 s) without an answer
+        assert psutil.pid_exists(silent)
+    finally:
+        os.kill(silent, signal.SIGCONT)
+    rows = all_running(mps)
+    assert {r["uuid"]: r["pid"] for r in rows} == before
+    assert all(r["adopted"] and r["restarts"] == 0 for r in rows)
     assert "adopted the running control daemon" in mps.log()
 
 
