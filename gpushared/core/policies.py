@@ -319,13 +319,7 @@ def best_nodes(keys: Sequence[NodeRank | None]) -> list[int]:
     best = best_rank(keys)
     if best is None:
         return []
-    # ties() inline: the shipped filter asks this of every node that fits
-    links, price, tiebreak = best.links + EQUAL_PRICE, best.price + EQUAL_PRICE, best.tiebreak + EQUAL_PRICE
-    return [
-        i
-        for i, key in enumerate(keys)
-        if key is not None and key.price <= price and key.links <= links and key.tiebreak <= tiebreak
-    ]
+    return [i for i, key in enumerate(keys) if key is not None and ties(key, best)]
 
 
 def node_scores(keys: Sequence[NodeRank | None]) -> list[int]:
