@@ -68,7 +68,10 @@ class Candidate:
     @property
     def assume_time(self) -> int:
         text = annotations_of(self.pod).get(contract.ALIYUN_GPU_MEM_ASSUME_TIME, "")
-        return int(text) if text.isdigit() else 0
+        try:
+            return contract.parse_int(contract.ALIYUN_GPU_MEM_ASSUME_TIME, text)
+        except ContractError:
+            return 0  # only orders pods that match alike; an unreadable time sorts first
 
 
 class Unidentified(Exception):

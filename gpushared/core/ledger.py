@@ -15,7 +15,7 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of
 from gpushared.core.quantity import parse_whole_quantity
-from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
+from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
 
 
 class GpuMode(enum.Enum):
@@ -82,8 +82,11 @@ def holding_from_pod(
     try:
         request = pod_request(pod, resources=resources)
     except ContractError as exc:
-        request = PodRequest(containers=())
         problems.append(str(exc))
+        try:
+            request = spec_request(pod, resources=resources)  # still counted at what its spec asks
+        except ContractError:
+            request = PodRequest(containers=())
     try:
         gpus = _gpus_from_annotations(annotations, unit=unit)
     except ContractError as exc:

@@ -102,16 +102,7 @@ def container_amount(container: Container, *, resource: str, where: str) -> int:
 def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES) -> PodRequest:
     """The pod's GPU memory request; raises :class:`ContractError` for malformed quantities or annotations, or
     for a pod on several GPUs that we cannot serve exactly."""
-    spec = pod.get("spec") or {}
-    found = [
-        request
-        for position, container in enumerate(spec.get("initContainers") or [])
-        if (request := _container_request(container, position, resources, init=True))
-    ] + [
-        request
-        for position, container in enumerate(spec.get("containers") or [])
-        if (request := _container_request(container, position, resources, init=False))
-    ]
+    found = _containers(pod, resources)
     annotations = annotations_of(pod)
     mps = (
         contract.parse_bool(contract.POD_MPS, annotations[contract.POD_MPS])
@@ -140,8 +131,34 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
     return PodRequest(containers=tuple(found), mps=mps, thread_percentage=percentage)
 
 
+def spec_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES) -> PodRequest:
+    """What the pod's spec alone asks for, without its annotations and the rules on combining containers:
+    the amount a pod whose annotations cannot be read (or that asks for something we cannot serve) is
+    still counted at, so that memory a running pod may use is never forgotten. Raises
+    :class:`ContractError` only for a quantity that cannot be read (which the API server refuses)."""
+    return PodRequest(containers=tuple(_containers(pod, resources, strict=False)))
+
+
+def _containers(pod: PodBody, resources: ResourceNames, *, strict: bool = True) -> list[ContainerRequest]:
+    """The pod's GPU containers, init containers first. Not ``strict``: a container whose gpu-count we
+    refuse to serve is read as its gpu-mem on one GPU rather than refused."""
+    spec = pod.get("spec") or {}
+    found = []
+    for containers, init in ((spec.get("initContainers") or [], True), (spec.get("containers") or [], False)):
+        for position, container in enumerate(containers):
+            try:
+                request = _container_request(container, position, resources, init=init)
+            except ContractError:
+                if strict:
+                    raise
+                request = _container_request(container, position, resources, init=init, count=False)
+            if request is not None:
+                found.append(request)
+    return found
+
+
 def _container_request(
-    container: Container, position: int, resources: ResourceNames, *, init: bool
+    container: Container, position: int, resources: ResourceNames, *, init: bool, count: bool = True
 ) -> ContainerRequest | None:
     """One container's GPU memory and the GPUs to spread it over; None when it asks for no GPU memory.
 
@@ -152,21 +169,21 @@ def _container_request(
     name = container.get("name", f"#init{position}" if init else f"#{position}")
     where = f"spec.{'initContainers' if init else 'containers'}[{position}]({name})"
     amount = container_amount(container, resource=resources.gpu_mem, where=where)
-    count = container_amount(container, resource=resources.gpu_count, where=where)
-    if count and not amount:
+    gpus = container_amount(container, resource=resources.gpu_count, where=where) if count else 0
+    if gpus and not amount:
         raise ContractError(
             key=f"{where}.resources.limits[{resources.gpu_count}]",
-            value=count,
+            value=gpus,
             reason=f"GPUs are given with GPU memory: ask for {resources.gpu_mem} too (the memory on all of them)",
         )
-    if count > 1 and amount % count:
+    if gpus > 1 and amount % gpus:
         raise ContractError(
             key=f"{where}.resources.limits[{resources.gpu_mem}]",
             value=amount,
-            reason=f"is spread evenly over the container's {count} GPUs ({resources.gpu_count}), so it must be a "
-            f"multiple of {count}",
+            reason=f"is spread evenly over the container's {gpus} GPUs ({resources.gpu_count}), so it must be a "
+            f"multiple of {gpus}",
         )
     if not amount:
         return None
     sidecar = init and container.get("restartPolicy") == "Always"
-    return ContainerRequest(name=name, amount=amount, init=init, sidecar=sidecar, gpus=max(count, 1))
+    return ContainerRequest(name=name, amount=amount, init=init, sidecar=sidecar, gpus=max(gpus, 1))

@@ -22,6 +22,7 @@ from gpushared.kube.podwatch import PodWatch
 log = logging.getLogger(__name__)
 
 EVENT_EDITED = "GPUAllocationEdited"
+EVENT_UNREADABLE = "GPUAnnotationUnreadable"
 
 
 @dataclass
@@ -52,6 +53,7 @@ class Accounting:
         self.served: dict[str, Served] = {}  # pod UID -> what Allocate gave it
         self._holdings: dict[str, tuple[str, Holding | None]] = {}  # pod UID -> (resourceVersion, holding)
         self._edited: set[str] = set()  # UIDs of pods whose GPU annotations were edited after Allocate
+        self._unreadable: dict[str, str] = {}  # pod UID -> why its annotations cannot be read, as reported
 
     def key(self, inventory: GpuInventory) -> tuple[object, ...]:
         """What :meth:`ledger` is built from, cheap to compare: the inventory and the pods' mirror (its count
@@ -83,6 +85,8 @@ class Accounting:
         for uid in [uid for uid in self.served if uid not in present]:
             del self.served[uid]
         self._edited &= present
+        for uid in [uid for uid in self._unreadable if uid not in present]:
+            del self._unreadable[uid]
         for uid in [uid for uid in self._holdings if uid not in present]:
             del self._holdings[uid]
 
@@ -93,6 +97,8 @@ class Accounting:
         if cached is not None and cached[0] == version:
             return cached[1]
         holding = holding_from_pod(pod, unit=self.unit, resources=self.resources)
+        if holding is not None and holding.problem is not None:
+            self._report_unreadable(pod, holding)
         holding = self._as_served(pod, holding)
         self._holdings[uid] = (version, holding)
         return holding
@@ -121,3 +127,25 @@ class Accounting:
             log.warning("%s", message)
             self.outbox.event(pod, EVENT_EDITED, message, warning=True)
         return dataclasses.replace(holding, gpus=given, pending=0)
+
+    def _report_unreadable(self, pod: PodBody, holding: Holding) -> None:
+        """A pod whose GPU annotations or request cannot be read is counted at what its spec asks, on no
+        GPU (``holding_from_pod``); its owner hears why once per reason, however often the pod is edited."""
+        uid = uid_of(pod)
+        if self._unreadable.get(uid) == holding.problem:
+            return
+        self._unreadable[uid] = holding.problem or ""
+        self.metrics.unreadable_pods.inc()
+        unit = self.unit.value
+        if holding.gpus:
+            counted = ", ".join(f"{amount} {unit} on GPU {index}" for index, amount in sorted(holding.gpus.items()))
+        elif holding.pending:
+            counted = f"{holding.pending} {unit} against the node, on no GPU"
+        else:
+            counted = "nothing: its spec asks for no GPU memory"
+        message = (
+            f"the GPU annotations of pod {holding.namespace}/{holding.name} cannot be read ({holding.problem}); "
+            f"gpushared counts it at what its spec asks: {counted}"
+        )
+        log.warning("%s", message[:1000])
+        self.outbox.event(pod, EVENT_UNREADABLE, message[:1000], warning=True)

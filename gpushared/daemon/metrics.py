@@ -124,6 +124,11 @@ class Metrics:
             "Pods whose GPU annotations were edited after Allocate; the daemon counts the GPUs it gave",
             registry=self.registry,
         )
+        self.unreadable_pods = Counter(
+            "gpushared_unreadable_pods",
+            "Pods whose GPU annotations could not be read, once per reason: counted at their spec amounts",
+            registry=self.registry,
+        )
         self.registrations = Counter(
             "gpushared_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
         )

@@ -114,6 +114,10 @@ class ClusterCache:
     def allocation_edits(self) -> int:
         return self.state.allocation_edits
 
+    @property
+    def unreadable_pods(self) -> int:
+        return len(self.state.unreadable)
+
     # --- binds (reservations) -----------------------------------------------------------------------------
 
     def reserve(

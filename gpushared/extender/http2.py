@@ -221,7 +221,8 @@ class Http2Protocol(asyncio.Protocol):
         target = headers.get(b":path", b"").decode("utf-8", "replace")
         stream = _Stream(self.loop)
         length = headers.get(b"content-length", b"")
-        if length.isdigit() and int(length) > self.config.max_body_bytes:
+        # More digits than any body could need is too large too (and past 4,300 int() would raise).
+        if length.isdigit() and (len(length) > 18 or int(length) > self.config.max_body_bytes):
             stream.too_large = True
             stream.wake()
         self.streams[sid] = stream

@@ -88,6 +88,11 @@ class Metrics:
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
             registry=self.registry,
         )
+        self.unreadable_pods = Gauge(
+            "gpushared_extender_unreadable_pods",
+            "Bound pods whose GPU annotations cannot be read: counted at their spec amounts on their node, on no GPU",
+            registry=self.registry,
+        )
         self.loop_lag = Gauge(
             "gpushared_extender_event_loop_lag_max_seconds",
             "The longest the event loop was late to a 20 ms timer since start: how long one request held it",

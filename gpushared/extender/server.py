@@ -67,6 +67,7 @@ def build_app(
     metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
     metrics.unconfirmed.set_function(cache.unconfirmed)
     metrics.allocation_edits.set_function(functools.partial(getattr, cache, "allocation_edits"))
+    metrics.unreadable_pods.set_function(functools.partial(getattr, cache, "unreadable_pods"))
     metrics.watch_restarts.informers = [cache.nodes, cache.pods]
     metrics.leader.set_function(lambda: 1.0 if leader() is None else 0.0)
     routes = Routes(scheduler, config, ready=ready_and_fresh, leader=leader, metrics=metrics)

@@ -101,6 +101,9 @@ class ClusterState:
         self.node_of: dict[str, str] = {}
         #: bound pods whose annotations were edited to name other GPUs, kept on theirs (``_choice_kept``)
         self.allocation_edits = 0
+        #: UIDs of bound pods whose GPU annotations or request cannot be read: counted at their spec amounts
+        #: as pending on their node (``Holding.problem``), never dropped
+        self.unreadable: set[str] = set()
         self._mix = RequestMix()
         #: (milli-CPU, GPU memory units, GPUs, models allowed) -> running pods of that kind on gpushared nodes
         self._kinds: Counter[ModelKind] = Counter()
@@ -322,6 +325,8 @@ class ClusterState:
             holding = self._holding(pod, state)
             if holding is not None:
                 state.ledger.add(holding)
+                if holding.problem is not None:
+                    self._unreadable(holding)
             self._kinds[_kind(cpu, holding, gpu_models(pod, self.model_label))] += 1
 
     def _uncount(self, state: NodeState, uid: str) -> None:
@@ -332,6 +337,7 @@ class ClusterState:
         cpu = cpu_of(pod)
         state.cpu_requested -= cpu
         state.cpu_version += 1
+        self.unreadable.discard(uid)
         if state.ledger is not None:
             self.changed(state.name)
             kind = _kind(cpu, state.ledger.remove(uid), gpu_models(pod, self.model_label))
@@ -348,6 +354,16 @@ class ClusterState:
         state.ledger = None if state.inventory is None else Ledger.build(state.inventory)
         for pod in state.pods.values():
             self._count(state, pod)
+
+    def _unreadable(self, holding: Holding) -> None:
+        if holding.uid not in self.unreadable:
+            self.unreadable.add(holding.uid)
+            log.warning(
+                "pod %s/%s: counted at its spec amounts on its node, as its GPU annotations cannot be read: %s",
+                holding.namespace,
+                holding.name,
+                holding.problem,
+            )
 
     def _holding(self, pod: PodBody, state: NodeState) -> Holding | None:
         assert state.inventory is not None

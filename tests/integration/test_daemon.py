@@ -18,6 +18,7 @@ from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.fakes.apiserver import Fault
 from tests.fakes.kubelet import AdmissionError
+from tests.builders import pod
 from tests.harness import GPU_MEM, NODE, Daemon, uuids, wait_until
 
 TOTAL_UNITS = 16 + 12 + 24 + 8
@@ -152,6 +153,33 @@ def test_a_gpu_choice_edited_after_allocate_keeps_the_gpu_the_kubelet_gave(daemo
     with pytest.raises(AdmissionError, match="would bring GPU 1 to 14 GiB of 12 GiB"):
         daemon.admit(other)
     assert "gpushared_allocation_edits_total 1.0" in daemon.metrics_text()
+
+
+def test_a_poisoned_pod_is_counted_at_its_spec_and_the_daemon_keeps_serving(daemon: Daemon) -> None:
+    """Defect (issue #39): a pod whose ALIYUN_COM_GPU_MEM_IDX held a 5,000-digit integer (even one asking for
+    no GPU, created with spec.nodeName set) made the daemon exit with status 1 within 2 s, on every restart."""
+    started(daemon)
+    for name, amount, key in (
+        ("poison-idx", 0, contract.ALIYUN_GPU_MEM_IDX),
+        ("poison-alloc", 4, contract.POD_ALLOCATION),
+        ("poison-mps", 4, contract.POD_MPS_THREAD_PERCENTAGE),
+    ):
+        body = pod(name, *([amount] if amount else []), node=NODE)
+        body["metadata"]["annotations"][key] = (
+            '{"version":1,"unit":"GiB","containers":[{"name":"c0","gpus":[{"index":' + "1" * 5000 + "}]}]}"
+            if key == contract.POD_ALLOCATION
+            else "9" * 5000
+        )
+        daemon.api.create(body)
+    wait_until(lambda: any(r == "GPUAnnotationUnreadable" for r, _ in daemon.events("poison-alloc")), message="event")
+    time.sleep(2.5)  # the crash came within 2 s
+    assert daemon.process is not None and daemon.process.poll() is None
+    pods = {p["name"]: p for p in daemon.status()["pods"]}
+    assert pods["poison-alloc"]["pending"] == 4 and pods["poison-mps"]["pending"] == 4
+    assert "gpushared_unreadable_pods_total 3.0" in daemon.metrics_text()
+    # Allocate goes on: a well-formed pod on GPU 3 (8 GiB) gets its GPU.
+    (allocation,) = daemon.admit(daemon.place("fine", 4, gpu=3))
+    assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == daemon.nvml.gpus[3].uuid
 
 
 def test_allocate_a_single_container_pod(daemon: Daemon) -> None:

@@ -548,3 +548,30 @@ def test_bind_is_one_write_the_binding_with_the_choice(api: FakeApiServer, exten
 
 def test_the_synced_cache_is_kept_out_of_the_garbage_collectors_walks(extender: Extender) -> None:
     wait_until(lambda: "kept out of the garbage collector's walks" in extender.log(), timeout=10)
+
+
+def test_poisoned_annotations_neither_fail_the_verbs_nor_free_memory(
+    api: FakeApiServer, extender: Extender, spawn: Callable[..., Extender]
+) -> None:
+    """Defect (issue #39): a 9,000-digit mps-active-thread-percentage made filter and prioritize answer 500;
+    a bound pod with a 5,000-digit ALIYUN_COM_GPU_MEM_IDX stopped a restarted extender's ledger rebuild at
+    that pod, forgetting the pods after it, and other pods were bound onto full GPUs (20/16 GiB)."""
+    poisoned = created(api, "poisoned", 4, annotations={contract.POD_MPS_THREAD_PERCENTAGE: "9" * 9000})
+    for verb in ("filter", "prioritize"):
+        status, result = extender.post(verb, {"Pod": poisoned, "NodeNames": ["n1"], "Nodes": None})
+        assert status == 200, result
+    assert "mps-active-thread-percentage" in extender.filter(poisoned, "n1")[1]["Error"]
+    # n1's GPU 0 (16 GiB): 12 GiB bound by the extender, 4 by a pod created bound with a poisoned index.
+    assert extender.bind(created(api, "fill", 12), "n1")[1] == {"Error": ""}
+    _, inspected = extender.inspect("n1")
+    gpu = next(d for d in inspected["nodes"][0]["devs"] if d["usedGPU"] == 12)
+    bound = pod("bound-poison", 4, node="n1", annotations={contract.ALIYUN_GPU_MEM_IDX: "1" * 5000})
+    api.create(bound)
+    extender.stop()
+    again = spawn(api, name="again")
+    again.wait_ready()
+    _, after = again.inspect("n1")
+    assert next(d for d in after["nodes"][0]["devs"] if d["id"] == gpu["id"])["usedGPU"] == 12
+    assert after["nodes"][0]["usedGPU"] == 16  # the poisoned pod's 4 GiB held on the node, on no GPU
+    assert "gpushared_extender_unreadable_pods 1.0" in again.get("/metrics")[1].decode()
+    again.stop()

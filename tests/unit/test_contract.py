@@ -186,3 +186,41 @@ def test_framework_allocation_of_alibabas_closed_scheduler() -> None:
     assert contract.parse_framework_allocation('{"0":{"1":4},"1":{"1":2}}') == {0: {1: 4}, 1: {1: 2}}
     with pytest.raises(ContractError, match=r"scheduler\.framework\.gpushare\.allocation"):
         contract.parse_framework_allocation('{"0":3}')
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("1" * 5000, "at most 19 digits"),  # past CPython's 4,300 digits int() raises ValueError, not ours
+        ("9" * 21, "at most 19 digits"),
+        ("9223372036854775808", "64-bit"),
+        ("²", "expected a decimal integer"),  # str.isdigit() says yes, int() says no
+        ("-", "expected a decimal integer"),
+        ("--1", "expected a decimal integer"),
+    ],
+)
+def test_parse_int_is_bounded_before_it_converts(text: str, reason: str) -> None:
+    with pytest.raises(ContractError, match=reason) as info:
+        contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, text, minimum=-(2**64))
+    assert len(str(info.value)) < 300
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("[" * 100_000 + "]" * 100_000, "nested deeper than 16"),
+        ('{"version":' + "1" * 5000 + "}", "not a valid number"),
+        ('{"version":1e' + "9" * 40 + "}", "not a valid number"),
+        ('"' + "x" * (256 * 1024) + '"', "longer than 262144"),
+        ('{"a":"[[[[[[[[[[[[[[[[[[[[[[[[[["}', "'version' must be a positive integer"),  # brackets in strings
+    ],
+)
+def test_json_annotations_are_bounded(text: str, reason: str) -> None:
+    with pytest.raises(ContractError, match=reason):
+        contract.parse_allocation(text)
+
+
+def test_an_error_names_a_value_it_cannot_print() -> None:
+    """repr() of an integer past 4,300 digits raises; the error says what it was instead."""
+    error = ContractError(key="k", value=10**5000, reason="too big")
+    assert str(error) == "k: too big (got an integer of 16610 bits)"

@@ -107,7 +107,16 @@ def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identi
     docs = documents("admission-policy.yaml")
     policies = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicy"}
     bindings = {d["spec"]["policyName"]: d for d in docs if d["kind"] == "ValidatingAdmissionPolicyBinding"}
-    assert set(policies) == set(bindings) == {"gpushared-frozen-allocation", "gpushared-node-scope"}
+    assert (
+        set(policies)
+        == set(bindings)
+        == {
+            "gpushared-frozen-allocation",
+            "gpushared-tenant-annotations",
+            "gpushared-node-scope-pods",
+            "gpushared-node-scope-nodes",
+        }
+    )
     assert all(b["spec"]["validationActions"] == ["Deny"] for b in bindings.values())
     frozen = policies["gpushared-frozen-allocation"]["spec"]
     keys = next(v["expression"] for v in frozen["variables"] if v["name"] == "keys")
@@ -120,13 +129,10 @@ def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identi
     }
     # the daemon's own writes after bind stay allowed
     assert contract.ALIYUN_GPU_MEM_ASSIGNED not in named and contract.ALIYUN_GPU_MEM_ASSUME_TIME not in named
-    scope = policies["gpushared-node-scope"]["spec"]
-    assert "gpushared-node-" in scope["matchConditions"][0]["expression"]
-    assert {r for rule in scope["matchConstraints"]["resourceRules"] for r in rule["resources"]} == {
-        "pods",
-        "nodes",
-        "nodes/status",
-    }
+    for name, resources in (("pods", {"pods"}), ("nodes", {"nodes", "nodes/status"})):
+        scope = policies[f"gpushared-node-scope-{name}"]["spec"]
+        assert "gpushared-node-" in scope["matchConditions"][0]["expression"]
+        assert {r for rule in scope["matchConstraints"]["resourceRules"] for r in rule["resources"]} == resources
 
 
 def images(docs: list[dict[str, Any]]) -> list[str]:
