@@ -92,6 +92,8 @@ def holding_from_pod(
     except ContractError as exc:
         gpus = None
         problems.append(str(exc))
+    if not gpus:
+        gpus = None  # an empty choice (Alibaba's framework allocation may be "{}") is no choice: pending
     if gpus is None and request.total == 0 and not problems:
         return None
     pending = request.total if gpus is None else 0

@@ -20,7 +20,7 @@ from gpushared.extender.cache import ClusterCache
 from gpushared.extender.config import ServerConfig
 from gpushared.extender.priming import Primer
 from gpushared.extender.scheduler import Scheduler
-from gpushared.extender.server import build_app, serve
+from gpushared.extender.server import Heartbeat, build_app, serve
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.lease import LeaderElector
@@ -78,6 +78,7 @@ class Extender:
             rooms=settings.policy.reads_rooms,
         )
         lease = settings.lease
+        self.heartbeat = Heartbeat()
         self.elector = (
             LeaderElector(
                 api.rest,
@@ -87,6 +88,7 @@ class Extender:
                 lease_seconds=lease.seconds,
                 renew_deadline=lease.seconds * 2 / 3,
                 retry_seconds=lease.seconds / 7.5,
+                alive=self.heartbeat.alive,
             )
             if lease is not None
             else None
@@ -101,7 +103,9 @@ class Extender:
         )
         primer = Primer(scheduler, ready=lambda: self.ready()[0])
         self.cache.pending_seen = primer.offer
-        self.app = build_app(scheduler, settings.server, ready=self.ready, leader=self.leader, primer=primer)
+        self.app = build_app(
+            scheduler, settings.server, ready=self.ready, leader=self.leader, primer=primer, heartbeat=self.heartbeat
+        )
 
     def ready(self) -> tuple[bool, str]:
         if not self.prepared.is_set():

@@ -139,9 +139,11 @@ class ClusterCache:
 
     def settle(self, assumed: Assumed, read: PodBody | None) -> Settlement | None:
         """Apply what a read-back of the pod showed (None: 404); None when the watch settled it meanwhile."""
-        with self.state.lock:
-            shown = self.pods.get(assumed.namespace, assumed.name)
-            return self.reservations.settle(assumed, read, shown=shown)
+        # What the watch shows is read first, outside the cache's lock: the pod informer holds its own lock
+        # while its handler waits for the cache's, and the other order deadlocked them (issue #39). The
+        # watch showing the pod in between settles it there (``settle`` then answers None).
+        shown = self.pods.get(assumed.namespace, assumed.name)
+        return self.reservations.settle(assumed, read, shown=shown)
 
     def unconfirmed(self) -> int:
         return self.reservations.unconfirmed()

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import logging
 import ssl
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -40,6 +41,25 @@ METRICS = web.AppKey("metrics", Metrics)
 ROUTES = web.AppKey("routes", Routes)
 #: What the extender offers in the TLS handshake, preferred first.
 ALPN = ("h2", "http/1.1")
+#: A loop that has not run its 20 ms timer for this long is wedged: its Lease is not renewed (a third of
+#: the renew deadline, so a follower takes over within one lease duration of the wedge).
+LOOP_ALIVE_SECONDS = 3.0
+
+
+class Heartbeat:
+    """When the event loop last ran a timer. The verbs, the probes and the Lease all depend on the loop: a
+    leader renews its Lease only while this is recent (a loop wedged by a deadlock once kept renewing from
+    its election thread, and the follower forwarded every verb to it)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.last = clock()
+
+    def beat(self) -> None:
+        self.last = self.clock()
+
+    def alive(self, within: float = LOOP_ALIVE_SECONDS) -> bool:
+        return self.clock() - self.last < within
 
 
 def build_app(
@@ -50,6 +70,7 @@ def build_app(
     leader: Leader = lambda: None,
     metrics: Metrics | None = None,
     primer: Primer | None = None,
+    heartbeat: Heartbeat | None = None,
 ) -> web.Application:
     """The aiohttp application: every path goes to :meth:`Routes.answer`, which HTTP/2 calls too; with a
     ``primer``, the pending pods' sizes are priced between the verbs (``priming``)."""
@@ -101,7 +122,7 @@ def build_app(
 
     app.on_cleanup.append(close)
     app.cleanup_ctx.append(_settling(scheduler))
-    app.cleanup_ctx.append(_watching_the_loop(metrics, ready))
+    app.cleanup_ctx.append(_watching_the_loop(metrics, ready, heartbeat or Heartbeat()))
     if primer is not None:
         metrics.primed.primer = primer
         app.cleanup_ctx.append(_in_background("prime", primer.run))
@@ -139,16 +160,18 @@ def _settling(scheduler: Scheduler) -> Callable[[web.Application], Any]:
     return _in_background("settle-binds", settle_forever)
 
 
-def _watching_the_loop(metrics: Metrics, ready: Ready) -> Callable[[web.Application], Any]:
-    """The longest the loop was late to a timer, counted from the first time the extender is ready: the
-    first sync holds the interpreter on purpose."""
+def _watching_the_loop(metrics: Metrics, ready: Ready, heartbeat: Heartbeat) -> Callable[[web.Application], Any]:
+    """The loop's heartbeat, and the longest the loop was late to a timer, counted from the first time the
+    extender is ready: the first sync holds the interpreter on purpose."""
 
     async def probe_forever() -> None:
         worst = 0.0
         clock = asyncio.get_running_loop().time
         while not ready()[0]:
+            heartbeat.beat()
             await asyncio.sleep(LAG_PROBE_SECONDS)
         while True:
+            heartbeat.beat()
             asked = clock()
             await asyncio.sleep(LAG_PROBE_SECONDS)
             lag = clock() - asked - LAG_PROBE_SECONDS

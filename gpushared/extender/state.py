@@ -13,7 +13,6 @@ changed, so its answers are never older than the ledger.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
 from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.policies import NodeCpu
+from gpushared.kube.locks import CACHE, RankedLock
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class ClusterState:
         self.clock = clock
         #: told the name of every node whose ledger changed
         self.changed = changed
-        self.lock = threading.RLock()
+        #: taken inside the informers' handlers, so never held while asking an informer for anything
+        self.lock = RankedLock("extender cache", CACHE)
         self.nodes: dict[str, NodeState] = {}
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
         self.node_of: dict[str, str] = {}

@@ -28,6 +28,7 @@ import urllib3
 
 from gpushared.core.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
 from gpushared.kube.errors import KubeError
+from gpushared.kube.locks import INFORMER, RankedLock
 from gpushared.kube.rest import REQUEST_TIMEOUT, Lister
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class Informer(Generic[B]):
         self.relist_seconds = relist_seconds
         self.handler: Handler[B] | None = handler
         self._objects: dict[Key, B] = {}
-        self._lock = threading.Condition()
+        # Handlers run under this lock; they may take the cache's (a higher rank), never the other way round.
+        self._lock = threading.Condition(RankedLock(f"informer {name}", INFORMER))  # type: ignore[arg-type]
         self._synced = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"informer-{name}", daemon=True)

@@ -38,8 +38,13 @@ class LeaderElector:
         renew_deadline: float = 10.0,
         retry_seconds: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
+        alive: Callable[[], bool] = lambda: True,
     ) -> None:
+        """``alive``: whether the process can still serve what leading means (the extender: its event loop
+        answers). While it says no, the Lease is neither taken nor renewed, so a replica whose verbs hang
+        lets it pass to another within one lease duration instead of keeping followers forwarding to it."""
         self.rest = rest
+        self.alive = alive
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -105,6 +110,10 @@ class LeaderElector:
             return None
 
     def _try(self) -> None:
+        if not self.alive():
+            if self._renewed_at is not None:
+                log.error("not renewing the lease %s/%s: this replica is not answering", self.namespace, self.name)
+            return
         lease = self._read()
         if lease is None:
             self._create()

@@ -16,9 +16,9 @@ import pytest
 from gpushared import contract
 from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
+from tests.builders import pod
 from tests.fakes.apiserver import Fault
 from tests.fakes.kubelet import AdmissionError
-from tests.builders import pod
 from tests.harness import GPU_MEM, NODE, Daemon, uuids, wait_until
 
 TOTAL_UNITS = 16 + 12 + 24 + 8

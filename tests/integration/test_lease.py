@@ -1,0 +1,54 @@
+"""Leader election on the fake API server: a replica that cannot answer lets the Lease go (issue #39)."""
+
+from __future__ import annotations
+
+import threading
+
+from gpushared.kube.lease import LeaderElector
+from tests.fakes.apiserver import FakeApiServer
+from tests.harness import wait_until
+
+
+def elector(api: FakeApiServer, identity: str, alive: threading.Event) -> LeaderElector:
+    return LeaderElector(
+        api.rest(),
+        namespace="kube-system",
+        name="gpushared-extender",
+        identity=identity,
+        lease_seconds=1.5,
+        renew_deadline=1.0,
+        retry_seconds=0.2,
+        alive=alive.is_set,
+    )
+
+
+def holder(api: FakeApiServer) -> str:
+    lease = api.get("leases", "gpushared-extender", "kube-system") or {}
+    return str((lease.get("spec") or {}).get("holderIdentity") or "")
+
+
+def test_a_leader_whose_loop_stops_answering_stops_renewing_and_the_follower_takes_over() -> None:
+    """Defect: a leader whose event loop was deadlocked kept renewing its Lease every 2 s from the election
+    thread, and the follower forwarded every verb to it. Renewal now waits on the loop's heartbeat."""
+    a_alive, b_alive = threading.Event(), threading.Event()
+    a_alive.set()
+    b_alive.set()
+    with FakeApiServer() as api:
+        a = elector(api, "a", a_alive)
+        a.start()
+        wait_until(lambda: a.leading, message="a leads")
+        b = elector(api, "b", b_alive)
+        b.start()
+        try:
+            wait_until(lambda: b.holder == "a", message="b sees a")
+            assert not b.leading
+            a_alive.clear()  # a's loop wedges
+            wait_until(lambda: not a.leading, timeout=3, message="a stops leading within its renew deadline")
+            wait_until(lambda: b.leading and holder(api) == "b", timeout=5, message="b takes the Lease")
+            assert not a.leading
+            a_alive.set()  # a answers again: it follows, it does not take the Lease back
+            wait_until(lambda: a.holder == "b", message="a sees b")
+            assert holder(api) == "b" and not a.leading
+        finally:
+            a.stop()
+            b.stop()
