@@ -89,6 +89,7 @@ class Extender:
                 renew_deadline=lease.seconds * 2 / 3,
                 retry_seconds=lease.seconds / 7.5,
                 alive=self.heartbeat.alive,
+                on_lead=self._took_the_lease,
             )
             if lease is not None
             else None
@@ -100,6 +101,7 @@ class Extender:
             policy=settings.policy,
             resources=settings.resources,
             rank_in_filter=settings.rank_in_filter,
+            may_bind=lambda: self.leader() is None,
         )
         primer = Primer(scheduler, ready=lambda: self.ready()[0])
         self.cache.pending_seen = primer.offer
@@ -111,6 +113,12 @@ class Extender:
         if not self.prepared.is_set():
             return False, "the cache has not synced with the API server yet"
         return True, ""
+
+    def _took_the_lease(self) -> None:
+        """A new leader binds nothing its predecessor may still have in flight (``reservations.fenced``).
+        Before the first sync there is nothing to read: the fence is armed when the cache is ready."""
+        if self.prepared.is_set():
+            self.cache.arm_fence()
 
     def leader(self) -> str | None:
         """Serve here when leading (or not electing); else the leader's URL, from its Lease identity."""
@@ -150,6 +158,7 @@ class Extender:
         cache = self.cache
         if cache.nodes.wait_synced(SYNC_WAIT_SECONDS) and cache.pods.wait_synced(SYNC_WAIT_SECONDS):
             cache.warm()
+            cache.arm_fence()  # a process killed before this one may have left Bindings in flight
             gc.freeze()
             log.info("cache synced; %d objects kept out of the garbage collector's walks", gc.get_freeze_count())
             self.prepared.set()

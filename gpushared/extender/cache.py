@@ -15,12 +15,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from gpushared.contract import GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, awaits_node, slim_pod
+from gpushared.contract import ContractError, GpuInventory, ResourceNames
+from gpushared.core.bodies import NodeBody, PodBody, awaits_node, slim_pod, uid_of
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Holding
 from gpushared.core.policies import NodeRank, Policy, PricingContext
-from gpushared.core.requests import PodRequest
+from gpushared.core.requests import PodRequest, pod_request
 from gpushared.core.verdicts import GpuVerdict
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reservations import LANDING_SECONDS, Assumed, Settlement
@@ -147,3 +147,31 @@ class ClusterCache:
 
     def unconfirmed(self) -> int:
         return self.reservations.unconfirmed()
+
+    def arm_fence(self) -> int:
+        """Fence binds after a start or a takeover (``reservations.fenced``) for the pods waiting for a node
+        whose Binding an earlier extender may have in flight: those it could have placed. A pod that fits
+        on no node now could not have been: its Binding, if any, would land on memory this cache shows
+        free (nothing since has been bound by this extender), and one whose request cannot be read no
+        extender binds. The watch's pods are read first, outside the cache's lock (the lock order)."""
+        names = self.state.node_names()
+        fits: dict[tuple[int, int, bool], bool] = {}
+        doubtful = set()
+        for pod in self.pods.objects():
+            if not awaits_node(pod):
+                continue
+            try:
+                request = pod_request(pod, resources=self.state.resources)
+            except ContractError:
+                continue
+            if not request.total:
+                continue
+            shape = (request.per_gpu, request.gpus, request.mps)
+            if shape not in fits:
+                fits[shape] = bool(self.index.filter(names, request)[0])
+            if fits[shape]:
+                doubtful.add(uid_of(pod))
+        return self.reservations.arm_fence(doubtful)
+
+    def fenced(self) -> str | None:
+        return self.reservations.fenced()

@@ -109,6 +109,12 @@ class Metrics:
             ("protocol",),
             registry=self.registry,
         )
+        self.in_doubt = Gauge(
+            "gpushared_extender_fenced_pods",
+            "Pods pending when this extender started or took the Lease whose Bindings an earlier extender may "
+            "still have in flight: while not 0, binds wait (at most --binding-landing-seconds)",
+            registry=self.registry,
+        )
         self.unconfirmed = Gauge(
             "gpushared_extender_unconfirmed_binds",
             "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",

@@ -17,6 +17,15 @@ each other. That count must outlive the write until the cluster says where the p
 
 :func:`settle` is the decision, a pure function of the reservation, what the API server answered and the
 time; the cache applies it, and the extender's settler task makes the reads.
+
+- **an earlier extender's Binding can land after it is gone.** A process killed (or a leader stopped)
+  with a Binding held at the API server leaves no reservation anyone can read: its successor, counting
+  from the watch, would give that memory to another pod, and then the first Binding lands (measured
+  20/16 GiB). So after a start, and after taking the Lease, an extender *fences* its binds
+  (:func:`fenced`): until ``LANDING_SECONDS`` have passed, it binds nothing while any pod that was
+  waiting for a node when it started (one whose Binding an earlier extender may have in flight) is still
+  unbound and not deleted. Pods that wait for nothing cost nothing: with none pending at the start, or
+  once each is bound or gone, binds go on at once.
 """
 
 from __future__ import annotations
@@ -98,3 +107,15 @@ def settle(assumed: Assumed, read: PodBody | None, *, now: float, landing: float
     if now - assumed.since < landing:
         return Settlement(Action.WAIT, f"{what}: the pod is not bound yet; the Binding may still land")
     return Settlement(Action.RELEASE, f"{what}: the pod is still unbound {landing:.0f} s after the Binding")
+
+
+def fenced(*, now: float, until: float, in_doubt: int) -> str | None:
+    """Why a bind must wait, or None: before ``until`` (the start or the takeover plus the landing window)
+    while ``in_doubt`` pods that were pending then are still unbound, an earlier extender's Binding may
+    yet land on the memory this bind would take."""
+    if in_doubt <= 0 or now >= until:
+        return None
+    return (
+        f"binds wait {until - now:.0f} s more for Bindings an earlier extender may still have in flight "
+        f"({in_doubt} pods pending when this extender started or took over are still unbound)"
+    )

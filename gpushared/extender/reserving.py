@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from gpushared.contract import GpuInfo, MemoryUnit
 from gpushared.core.binding import bind_annotations
-from gpushared.core.bodies import PodBody, annotations_of, key_of, meta_of, node_of, slim_pod, uid_of
+from gpushared.core.bodies import PodBody, annotations_of, awaits_node, key_of, meta_of, node_of, slim_pod, uid_of
 from gpushared.core.policies import Policy
 from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import explain
@@ -27,6 +27,7 @@ from gpushared.extender.reservations import (
     Action,
     Assumed,
     Settlement,
+    fenced,
     settle,
 )
 from gpushared.extender.state import ClusterState, Rejected
@@ -63,6 +64,37 @@ class Reservations:
         self._unanswered: dict[str, set[str]] = {}
         #: when the pod watch was last caught lagging behind a read-back (None: never)
         self._lag_seen: float | None = None
+        #: binds are fenced until then while pods in doubt remain (``reservations.fenced``)
+        self._fence_until = 0.0
+        #: UIDs of the pods waiting for a node when the fence was armed, not seen bound or gone since
+        self._in_doubt: set[str] = set()
+
+    def arm_fence(self, doubtful: set[str]) -> int:
+        """After a start or a takeover: fence binds for the landing window while any pod of ``doubtful``
+        (UIDs of pods waiting for a node that an earlier extender could have placed) stays unbound; returns
+        how many are in doubt."""
+        with self.state.lock:
+            self._in_doubt = {uid for uid in doubtful if uid not in self.state.node_of}
+            self._fence_until = self.state.clock() + self.landing_seconds
+            if self._in_doubt:
+                log.warning(
+                    "binds fenced for up to %.0f s: %d pods were waiting for a node, and an earlier extender may "
+                    "have their Bindings in flight",
+                    self.landing_seconds,
+                    len(self._in_doubt),
+                )
+            return len(self._in_doubt)
+
+    def fenced(self) -> str | None:
+        """Why binds must wait now (``reservations.fenced``), or None."""
+        with self.state.lock:
+            if self._in_doubt and self.state.clock() >= self._fence_until:
+                self._in_doubt.clear()
+            return fenced(now=self.state.clock(), until=self._fence_until, in_doubt=len(self._in_doubt))
+
+    def in_doubt(self) -> int:
+        """Pods whose Bindings an earlier extender may have in flight, while binds are fenced for them."""
+        return 0 if self.fenced() is None else len(self._in_doubt)
 
     def reserve(
         self, name: str, pod: PodBody, request: PodRequest, *, policy: Policy, now_ns: int
@@ -141,8 +173,11 @@ class Reservations:
         with self.state.lock:
             if old is not None and (new is None or uid_of(old) != uid_of(new)):
                 self._settled(uid_of(old))
+                self._in_doubt.discard(uid_of(old))
             if new is not None and node_of(new):
                 self._settled(uid_of(new))
+            if new is not None and not awaits_node(new):
+                self._in_doubt.discard(uid_of(new))
 
     def due(self, *, limit: int) -> list[Assumed]:
         """Reservations to read back now: binds the watch has not confirmed within CONFIRM_SECONDS, and

@@ -46,8 +46,12 @@ class Scheduler:
         resources: ResourceNames,
         clock: Callable[[], int] = time.time_ns,
         rank_in_filter: bool = False,
+        may_bind: Callable[[], bool] = lambda: True,
     ) -> None:
         self.cache = cache
+        #: asked again right before a Binding is written: a leader that lost its Lease while the bind read
+        #: the pod writes nothing (its successor may be counting that memory already)
+        self.may_bind = may_bind
         self.api = api
         self.policy = policy
         self.resources = resources
@@ -128,6 +132,11 @@ class Scheduler:
             request = pod_request(pod, resources=self.resources)
         except ContractError as exc:
             raise BindError(f"{where}: {exc}") from None
+        fence = self.cache.fenced()
+        if fence is not None:
+            raise BindError(f"{where}: {fence}")
+        if not self.may_bind():
+            raise BindError(f"{where}: this extender stopped leading before it could bind; kube-scheduler retries")
         reserved = self.cache.reserve(args.node, pod, request, policy=self.policy, now_ns=self.clock())
         if isinstance(reserved, Rejected):
             raise BindError(f"{where}: {reserved.reason}")

@@ -87,6 +87,7 @@ def build_app(
 
     metrics.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
     metrics.unconfirmed.set_function(cache.unconfirmed)
+    metrics.in_doubt.set_function(cache.reservations.in_doubt)
     metrics.allocation_edits.set_function(functools.partial(getattr, cache, "allocation_edits"))
     metrics.unreadable_pods.set_function(functools.partial(getattr, cache, "unreadable_pods"))
     metrics.watch_restarts.informers = [cache.nodes, cache.pods]

@@ -39,12 +39,15 @@ class LeaderElector:
         retry_seconds: float = 2.0,
         clock: Callable[[], float] = time.monotonic,
         alive: Callable[[], bool] = lambda: True,
+        on_lead: Callable[[], None] = lambda: None,
     ) -> None:
         """``alive``: whether the process can still serve what leading means (the extender: its event loop
         answers). While it says no, the Lease is neither taken nor renewed, so a replica whose verbs hang
         lets it pass to another within one lease duration instead of keeping followers forwarding to it."""
         self.rest = rest
         self.alive = alive
+        #: called on the election thread each time this replica takes the Lease (not when it renews it)
+        self.on_lead = on_lead
         self.namespace = namespace
         self.name = name
         self.identity = identity
@@ -164,4 +167,8 @@ class LeaderElector:
         if not was_mine:
             self.transitions += 1
             log.info("now leading (lease %s/%s, identity %s)", self.namespace, self.name, self.identity)
+            try:
+                self.on_lead()
+            except Exception:
+                log.exception("taking the lease %s/%s: on_lead failed", self.namespace, self.name)
         self._renewed_at = sent  # the time the write was sent: conservative when the answer was slow

@@ -117,7 +117,7 @@ def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(
 
 
 def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callable[..., Extender]) -> None:
-    args = ["--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3"]
+    args = ["--leader-elect", "--lease-namespace", "default", "--lease-seconds", "3", "--binding-landing-seconds", "4"]
     first = spawn(cluster, name="first", args=args)
     second = spawn(cluster, name="second", args=args)
     first.wait_ready(60)
@@ -136,18 +136,23 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     assert "bound pod default/p-" not in follower.log()  # every bind was made by the leader
     assert "bound pod default/p-" in leader.log()
     assert leader_gauge(leader) == 1.0 and leader_gauge(follower) == 0.0
+    # A node joins, so a late pod fits somewhere however full the others were packed (the filter keeps the
+    # nodes binpack ranks best: the run above may leave no GiB free elsewhere); a pod that fits there waits.
+    cluster.create(gpu_node("late-node", 16))
+    cluster.create(pod("waiting", 1))
     # The leader dies without giving up its lease: the follower takes over once the lease runs out.
     assert leader.process is not None
     leader.process.kill()
     leader.process.wait()
     wait_until(lambda: holder().endswith(f":{follower.port}"), timeout=30, message="failover")
-    # A node that joins after the failover, so a late pod fits somewhere however full the others were packed
-    # (the filter keeps the nodes binpack ranks best: the run above may leave no GiB free elsewhere).
-    cluster.create(gpu_node("late-node", 16))
     late = cluster.create(pod("late", 1))
     names = [*(f"node-{i:03d}" for i in range(NODES)), "late-node"]
     passing = wait_until(lambda: follower.filter(late, *names)[1]["NodeNames"], timeout=20, message="late-node seen")
+    # A pod that fits ("waiting") was pending when the leader died: the old leader may have its Binding in flight,
+    # so the new one binds nothing until it lands or the landing window (4 s here) has passed (issue #39).
     status, result = follower.bind(late, passing[0])
+    assert status == 200 and "may still have in flight" in result["Error"], result
+    status, result = wait_until(lambda: (r := follower.bind(late, passing[0]))[1] == {"Error": ""} and r, timeout=10)
     assert (status, result) == (200, {"Error": ""})
     assert leader_gauge(follower) == 1.0  # it answers the scheduler itself now
     follower.stop()

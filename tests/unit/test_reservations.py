@@ -11,7 +11,15 @@ from gpushared import contract
 from gpushared.core.policies import BINPACK
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected
-from gpushared.extender.reservations import CONFIRM_SECONDS, LANDING_SECONDS, Action, Assumed, ghost_uid, settle
+from gpushared.extender.reservations import (
+    CONFIRM_SECONDS,
+    LANDING_SECONDS,
+    Action,
+    Assumed,
+    fenced,
+    ghost_uid,
+    settle,
+)
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node
 
@@ -131,3 +139,50 @@ def test_a_second_bind_of_a_pod_whose_binding_was_created_is_refused() -> None:
     again = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=2)  # type: ignore[arg-type]
     assert again == Rejected("it is already bound to node n1 (the watch has not shown it yet)")
     assert not fits(cache, 10) and fits(cache, 6)
+
+
+@pytest.mark.parametrize(
+    ("now", "until", "in_doubt", "waits"),
+    [
+        (0.0, 120.0, 3, True),  # just started, three pods pending then still unbound
+        (119.0, 120.0, 1, True),
+        (120.0, 120.0, 1, False),  # the landing window has passed: nothing can land any more
+        (5.0, 120.0, 0, False),  # nothing was pending, or each is bound or gone: binds go on at once
+    ],
+)
+def test_binds_are_fenced_only_while_an_earlier_binding_can_land(
+    now: float, until: float, in_doubt: int, waits: bool
+) -> None:
+    reason = fenced(now=now, until=until, in_doubt=in_doubt)
+    assert (reason is not None) is waits
+    if reason:
+        assert f"{in_doubt} pods" in reason and f"{until - now:.0f} s" in reason
+
+
+def test_the_fence_holds_pods_that_fit_until_each_is_seen_bound_or_gone() -> None:
+    """A killed extender's successor (issue #39, defect 3): the pods pending at its start that it could place
+    are in doubt; one the watch then shows bound or deleted is not; one that fits nowhere never was."""
+    now = [0.0]
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        clock=lambda: now[0],
+        landing_seconds=30.0,
+    )
+    cache.nodes.handler(None, gpu_node("n1", inv=inventory(16), cpu="8"))  # type: ignore[misc]
+    small, other, huge = pod("small", 4, uid="s"), pod("other", 2, uid="o"), pod("huge", 40, uid="h")
+    for body in (small, other, huge):
+        cache.pods._set(body)  # the watch's mirror, as listed
+    assert cache.arm_fence() == 2
+    assert cache.fenced() is not None and "2 pods" in cache.fenced()  # type: ignore[operator]
+    bound = {**small, "spec": {**small["spec"], "nodeName": "n1"}}
+    cache.pods._apply({"type": "MODIFIED", "object": bound}, "2")  # the earlier extender's Binding landed
+    assert "1 pods" in (cache.fenced() or "")
+    cache.pods._apply({"type": "DELETED", "object": other}, "3")
+    assert cache.fenced() is None
+    assert cache.arm_fence() == 0  # armed again (a takeover): "huge" fits nowhere, "small" is bound
+    cache.pods._set({**pod("late", 1, uid="l")})
+    assert cache.arm_fence() == 1
+    now[0] = 30.0
+    assert cache.fenced() is None  # the window has passed
