@@ -69,7 +69,8 @@ class Daemon:
             "kubeconfig": str(kubeconfig),
             "kubeletDir": str(self.kubelet.root),
             "logLevel": "debug",
-            "metrics": {"address": "127.0.0.1", "port": self.metrics_port},
+            # the TCP port answers anyone, without names; the tests read the full status from the local socket
+            "metrics": {"address": "127.0.0.1", "port": self.metrics_port, "socket": str(self.status_socket)},
             "health": {"recoverAfterSeconds": 2},
             # GPUs changed by a test are seen within half a second, not the default five
             "gpuPollSeconds": 0.5,
@@ -125,17 +126,31 @@ class Daemon:
         assert self.process is not None
         return self.process.wait(timeout)
 
-    def status(self) -> dict[str, Any]:
-        import urllib.request
+    @property
+    def status_socket(self) -> Path:
+        return self.kubelet.root / "gpushared-status.sock"  # short: a unix socket's path has 107 bytes at most
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/status", timeout=5) as response:
-            return json.load(response)  # type: ignore[no-any-return]
+    def status(self) -> dict[str, Any]:
+        """The full status, as `gpushared status` reads it (the local socket: names included)."""
+        from gpushared.daemon.endpoints import get_local
+
+        return json.loads(get_local(self.status_socket, "/status"))  # type: ignore[no-any-return]
 
     def metrics_text(self) -> str:
+        from gpushared.daemon.endpoints import get_local
+
+        return get_local(self.status_socket, "/metrics").decode()
+
+    def public(self, path: str) -> tuple[int, bytes]:
+        """What anyone on the network gets from the TCP port."""
+        import urllib.error
         import urllib.request
 
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as response:
-            return str(response.read().decode())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}{path}", timeout=5) as response:
+                return response.status, response.read()
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.read()
 
     # --- the cluster side ---------------------------------------------------------------------------------
 

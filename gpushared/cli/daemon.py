@@ -76,14 +76,25 @@ def serve(config_path: Path | None, **flags: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's status as JSON.")
 def status(config_path: Path | None, as_json: bool) -> None:
     """Show the running daemon's GPUs, their health and who holds them."""
+    from gpushared.daemon.endpoints import get_local
+
     config = _load(config_path, {})
-    host = "127.0.0.1" if config.metrics_address in ("0.0.0.0", "::") else config.metrics_address
-    url = f"http://{f'[{host}]' if ':' in host else host}:{config.metrics_port}/status"
-    try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            body = json.load(response)
-    except (urllib.error.URLError, OSError) as exc:
-        raise click.ClickException(f"the daemon does not answer at {url}: {exc}") from None
+    # The local socket answers with names (root only); the TCP port, as anyone may ask it, without them
+    # unless metrics.podNames is on.
+    socket_path = config.metrics_socket
+    if socket_path is not None and socket_path.exists():
+        try:
+            body = json.loads(get_local(socket_path, "/status"))
+        except (OSError, ValueError) as exc:
+            raise click.ClickException(f"the daemon does not answer at {socket_path}: {exc}") from None
+    else:
+        host = "127.0.0.1" if config.metrics_address in ("0.0.0.0", "::") else config.metrics_address
+        url = f"http://{f'[{host}]' if ':' in host else host}:{config.metrics_port}/status"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                body = json.load(response)
+        except (urllib.error.URLError, OSError) as exc:
+            raise click.ClickException(f"the daemon does not answer at {url}: {exc}") from None
     if as_json:
         click.echo(json.dumps(body, indent=2))
         return
@@ -171,12 +182,15 @@ def render_status(body: dict[str, Any]) -> str:
     for gpu in body["gpus"]:
         health = "healthy" if gpu["healthy"] else f"UNHEALTHY ({gpu['problem']})"
         used = f"{gpu['used']}/{gpu['memory']}"
-        lines.append(f"{gpu['index']:<4}{gpu['uuid']:<42}{gpu['model'][:23]:<24}{used:<20}{health}")
+        uuid = gpu.get("uuid") or "(hidden)"
+        lines.append(f"{gpu['index']:<4}{uuid:<42}{gpu['model'][:23]:<24}{used:<20}{health}")
     if body.get("links"):
         indices = [gpu["index"] for gpu in body["gpus"]]
         numa = [gpu.get("numa") for gpu in body["gpus"]]
         lines += ["", *link_matrix_lines(indices, body["links"], numa), LINK_LEGEND]
-    if body["pods"]:
+    if isinstance(body["pods"], int):  # the TCP port's answer to anyone: counted, not named
+        lines += ["", f"{body['pods']} pods hold GPU memory; {body.get('names', 'names hidden')}"]
+    elif body["pods"]:
         lines += ["", f"{'POD':<40}{'GPU(' + unit + ')':<16}{'ASSIGNED':<10}CONTAINERS"]
         for pod in body["pods"]:
             gpus = ", ".join(f"{i}:{a}" for i, a in pod["gpus"].items()) or f"pending:{pod['pending']}"

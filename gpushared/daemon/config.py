@@ -23,6 +23,8 @@ from gpushared.core.memory import Enforcement, MemoryPolicy
 DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+#: Where the full status (pod names, GPU UUIDs, paths) is served to local root callers: `gpushared status`.
+DEFAULT_STATUS_SOCKET = Path("/run/gpushared/status.sock")
 #: Beside dcgm-exporter's 9400, which GPU nodes often run too, not on it (metrics.port where 9402 is taken).
 DEFAULT_METRICS_PORT = 9402
 
@@ -47,6 +49,8 @@ class Config:
     driver_root: Path
     metrics_address: str
     metrics_port: int
+    metrics_pod_names: bool
+    metrics_socket: Path | None
     health_enabled: bool
     ignored_xids: tuple[int, ...]
     recover_after: float
@@ -148,6 +152,15 @@ def _absolute(value: Any) -> Path:
     return path
 
 
+def _optional_path(value: Any) -> Path | None:
+    text = _text(value) if value != "" else ""
+    if not text:
+        return None
+    if not text.startswith("/"):
+        raise ValueError("must be an absolute path, or empty for none")
+    return Path(text)
+
+
 def _address(value: Any) -> str:
     text = _text(value).strip()
     if text.startswith("[") and text.endswith("]"):
@@ -218,6 +231,8 @@ OPTIONS = (
     Option("driver_root", "driverRoot", _absolute, lambda: Path("/")),
     Option("metrics_address", "metrics.address", _address, lambda: "0.0.0.0"),
     Option("metrics_port", "metrics.port", _port, lambda: DEFAULT_METRICS_PORT),
+    Option("metrics_pod_names", "metrics.podNames", _boolean, lambda: False),
+    Option("metrics_socket", "metrics.socket", _optional_path, lambda: DEFAULT_STATUS_SOCKET),
     Option("health_enabled", "health.enabled", _boolean, lambda: True),
     Option("ignored_xids", "health.ignoredXids", _xids, lambda: DEFAULT_IGNORED_XIDS),
     Option("recover_after", "health.recoverAfterSeconds", _seconds, lambda: 300.0),

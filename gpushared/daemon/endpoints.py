@@ -1,36 +1,153 @@
 """The daemon's HTTP endpoints for people and Prometheus: ``/metrics``, ``/status`` (JSON) and ``/healthz``.
 
-Read-only, on a thread of their own: nothing asked here changes the daemon or waits on its loop. The
+Read-only, on threads of their own: nothing asked here changes the daemon or waits on its loop. The
 kubelet speaks to the daemon over gRPC elsewhere (``gpushared.deviceplugin.server``).
+
+Two listeners, two audiences (issue #39, defect 4):
+
+- the **TCP port** (``metrics.address``:``metrics.port``, 9402 on every address by default) is reachable by
+  anyone on the network, so it answers without names: ``/metrics`` without the per-pod and per-container
+  series (their labels name namespaces and pods), ``/status`` without pods' names, GPU UUIDs or paths
+  (:func:`anonymous`). ``metrics.podNames: true`` serves everything there, for clusters whose network
+  keeps others off the port, as the extender's ``--public-pod-names`` does.
+- the **local socket** (``metrics.socket``, ``/run/gpushared/status.sock``, mode 0600: root only) serves
+  everything to the callers the filesystem authenticates: ``gpushared status``.
+
+Each listener serves at most ``MAX_CONNECTIONS`` connections at once and closes the rest as it accepts
+them; a connection gets ``IDLE_SECONDS`` per read and ``REQUEST_SECONDS`` in all. 1,017 idle connections
+once took every descriptor of the process (a thread each, no limit), and the pod watch, API writes and
+PodResources failed with EMFILE.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import socket
+import socketserver
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
+
+#: Connections served at once, per listener; more are closed as they are accepted.
+MAX_CONNECTIONS = 16
+#: A connection that sends nothing for this long is closed.
+IDLE_SECONDS = 5.0
+#: A connection is closed this long after it was accepted, whatever it is doing (a client trickling bytes).
+REQUEST_SECONDS = 10.0
+#: Series whose labels name namespaces, pods or containers: only for callers allowed to see names.
+NAMED_FAMILIES = frozenset(
+    {
+        "gpushared_pod_gpu_memory_bytes",
+        "gpushared_container_gpu_memory_used_bytes",
+        "gpushared_container_gpu_memory_allocated_bytes",
+    }
+)
+#: What /status tells a caller who may not see names: the daemon's state and each GPU by index.
+_ANONYMOUS_KEYS = ("version", "state", "registered", "kubeletWatching", "nvml", "node", "resource", "unit", "links")
+_ANONYMOUS_GPU_KEYS = ("index", "model", "memory", "used", "healthy", "problem", "numa")
 
 
-def serve(
-    address: str, port: int, *, registry: CollectorRegistry, status: Callable[[], dict[str, Any]]
-) -> ThreadingHTTPServer:
-    """Start answering on ``address``:``port`` (an IPv6 address takes ``::``-style listening); the caller
-    stops the server it is given (``shutdown``, ``server_close``)."""
+def anonymous(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` without what names tenants or the machine's layout: pods' names, GPU UUIDs, the kubelet's
+    directory, MPS pipes; pods are counted, not listed."""
+    shown = {key: status[key] for key in _ANONYMOUS_KEYS if key in status}
+    shown["gpus"] = [{key: gpu.get(key) for key in _ANONYMOUS_GPU_KEYS} for gpu in status.get("gpus") or []]
+    shown["pods"] = len(status.get("pods") or [])
+    shown["names"] = "hidden: `gpushared status` on the node, or metrics.podNames: true"
+    return shown
+
+
+class _Unnamed:
+    """The registry's families without the named ones, for ``generate_latest``."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        return (family for family in self.registry.collect() if family.name not in NAMED_FAMILIES)
+
+
+class _Bounded(socketserver.ThreadingMixIn):
+    """At most ``MAX_CONNECTIONS`` handler threads; a connection past them is closed as it is accepted."""
+
+    daemon_threads = True
+    block_on_close = False
+    #: the kernel's queue of connections not yet accepted (socketserver's default is 5)
+    request_queue_size = 128
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.refused = 0
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+
+class _TcpServer(_Bounded, ThreadingHTTPServer):
+    pass
+
+
+class _Tcp6Server(_TcpServer):
+    """An IPv6 listen address (``::`` also takes IPv4 where the kernel's bindv6only is off, its default)."""
+
+    address_family = socket.AF_INET6
+
+
+class _UnixServer(_Bounded, socketserver.UnixStreamServer):
+    pass
+
+
+def _handler(registry: CollectorRegistry, status: Callable[[], dict[str, Any]], *, names: bool) -> type:
+    exposed: Any = registry if names else _Unnamed(registry)
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = IDLE_SECONDS
+
+        def setup(self) -> None:
+            super().setup()
+            self._deadline = threading.Timer(REQUEST_SECONDS, self._cut)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+        def finish(self) -> None:
+            self._deadline.cancel()
+            with contextlib.suppress(OSError):
+                super().finish()
+
+        def _cut(self) -> None:
+            with contextlib.suppress(OSError):
+                self.connection.shutdown(socket.SHUT_RDWR)
+
         def log_message(self, format: str, *args: Any) -> None:
             pass
 
+        def address_string(self) -> str:
+            return str(self.client_address[0]) if isinstance(self.client_address, tuple) else "local"
+
         def do_GET(self) -> None:
             if self.path == "/metrics":
-                body, kind = generate_latest(registry), CONTENT_TYPE_LATEST
+                body, kind = generate_latest(exposed), CONTENT_TYPE_LATEST
             elif self.path == "/status":
-                body, kind = json.dumps(status()).encode(), "application/json"
+                shown = status() if names else anonymous(status())
+                body, kind = json.dumps(shown).encode(), "application/json"
             elif self.path == "/healthz":
                 body, kind = b"ok\n", "text/plain"
             else:
@@ -42,13 +159,83 @@ def serve(
             self.end_headers()
             self.wfile.write(body)
 
-    server = (ThreadingHTTPServer6 if ":" in address else ThreadingHTTPServer)((address, port), Handler)
-    server.daemon_threads = True
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    return server
+    return Handler
 
 
-class ThreadingHTTPServer6(ThreadingHTTPServer):
-    """An IPv6 listen address (``::`` also takes IPv4 where the kernel's bindv6only is off, its default)."""
+class Endpoints:
+    """The TCP listener and, where a path is given, the local socket; ``close`` stops both."""
 
-    address_family = socket.AF_INET6
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        *,
+        registry: CollectorRegistry,
+        status: Callable[[], dict[str, Any]],
+        pod_names: bool = False,
+        local: Path | None = None,
+    ) -> None:
+        servers: list[socketserver.BaseServer] = []
+        if port:
+            server_class = _Tcp6Server if ":" in address else _TcpServer
+            servers.append(server_class((address, port), _handler(registry, status, names=pod_names)))
+        if local is not None:
+            local.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                local.unlink()  # left by a daemon that was killed
+            umask = os.umask(0o177)  # created 0600: root only
+            try:
+                servers.append(_UnixServer(str(local), _handler(registry, status, names=True)))
+            finally:
+                os.umask(umask)
+        self.servers = servers
+        self.local = local
+        for server in servers:
+            threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+
+    @property
+    def refused(self) -> int:
+        """Connections closed at once because every slot was taken."""
+        return sum(getattr(server, "refused", 0) for server in self.servers)
+
+    def close(self) -> None:
+        for server in self.servers:
+            server.shutdown()
+            server.server_close()
+        if self.local is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.local.unlink()
+
+
+def serve(
+    address: str,
+    port: int,
+    *,
+    registry: CollectorRegistry,
+    status: Callable[[], dict[str, Any]],
+    pod_names: bool = False,
+    local: Path | None = None,
+) -> Endpoints:
+    """Start answering on ``address``:``port`` (``port`` 0: not at all) and on the socket ``local``."""
+    return Endpoints(address, port, registry=registry, status=status, pod_names=pod_names, local=local)
+
+
+def get_local(path: Path, target: str, *, timeout: float = 5.0) -> bytes:
+    """GET ``target`` from the local socket (``gpushared status``)."""
+    import http.client
+
+    class Connection(http.client.HTTPConnection):
+        def connect(self) -> None:
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(timeout)
+            self.sock.connect(str(path))
+
+    connection = Connection("localhost", timeout=timeout)
+    try:
+        connection.request("GET", target)
+        response = connection.getresponse()
+        if response.status != 200:
+            raise OSError(f"{path}: {target} answered {response.status}")
+        return response.read()
+    finally:
+        connection.close()

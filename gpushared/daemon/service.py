@@ -13,7 +13,6 @@ import os
 import signal
 import threading
 import time
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -106,7 +105,7 @@ class Service:
         self.memory: MemoryWatcher | None = None  # set with the manager
         self.kubelet: KubeletLink | None = None
         self.node: NodePublisher | None = None
-        self._http: ThreadingHTTPServer | None = None
+        self._http: endpoints.Endpoints | None = None
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
         self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
         self._forget_due = 0.0  # and of the next dropping of what was served to pods now gone
@@ -157,12 +156,14 @@ class Service:
                 check_message_size(inventory_of(self.gpus.devices, unit=self.config.memory_unit, health=self.health))
             except DeviceListTooLarge as exc:
                 raise FatalError(str(exc)) from None
-        if self.config.metrics_port:
+        if self.config.metrics_port or self.config.metrics_socket is not None:
             self._http = endpoints.serve(
                 self.config.metrics_address,
                 self.config.metrics_port,
                 registry=self.metrics.registry,
                 status=self.status,
+                pod_names=self.config.metrics_pod_names,
+                local=self.config.metrics_socket,
             )
         self._connect()
 
@@ -269,8 +270,7 @@ class Service:
         if self.manager is not None:
             self.manager.flush(timeout=3.0)
         if self._http is not None:
-            self._http.shutdown()
-            self._http.server_close()
+            self._http.close()
         self.backend.stop()
 
     # --- the loop ------------------------------------------------------------------------------------------------

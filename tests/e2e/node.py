@@ -8,12 +8,12 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from gpushared.daemon.endpoints import get_local
 from tests.e2e import versions
 from tests.e2e.images import build_busybox_image, build_pause_image
 from tests.e2e.layout import (
@@ -230,7 +230,8 @@ state = "{base}/state"
             "deviceListStrategy": ["envvar"],
             "deviceNodes": True,
             "devRoot": str(gpus.dev_root),
-            "metrics": {"address": "127.0.0.1", "port": c.ports.daemon_metrics},
+            # the port names no one; the tests read what root on the node reads, from the local socket
+            "metrics": {"address": "127.0.0.1", "port": c.ports.daemon_metrics, "socket": str(self.status_socket)},
             # The real nvidia-cuda-mps-control: its control daemons run without a GPU (servers cannot).
             "mps": {
                 "enabled": True,
@@ -250,17 +251,18 @@ state = "{base}/state"
         self.cluster.processes.stop("gpushared")
         self.start_daemon(memory_unit=memory_unit)
 
+    @property
+    def status_socket(self) -> Path:
+        return self.cluster.state / "gpushared-status.sock"
+
     def daemon_metrics(self) -> str:
-        url = f"http://127.0.0.1:{self.cluster.ports.daemon_metrics}/metrics"
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.read().decode()  # type: ignore[no-any-return]
+        """The daemon's /metrics with the per-pod series, as root on the node reads it (the local socket)."""
+        return get_local(self.status_socket, "/metrics", timeout=2).decode()
 
     def daemon_status(self) -> dict[str, Any]:
         """``gpushared status --json``'s source: the daemon's /status; empty while it does not answer."""
         try:
-            url = f"http://127.0.0.1:{self.cluster.ports.daemon_metrics}/status"
-            with urllib.request.urlopen(url, timeout=2) as response:
-                return json.load(response)  # type: ignore[no-any-return]
+            return json.loads(get_local(self.status_socket, "/status", timeout=2))  # type: ignore[no-any-return]
         except OSError:
             return {}
 

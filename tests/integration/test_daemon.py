@@ -416,12 +416,10 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
     body = json.loads(subprocess.run([*run, "--json"], capture_output=True, text=True, check=True, env=env).stdout)
     assert body["gpus"][2]["used"] == 3
     assert body["registered"] and body["kubeletWatching"]  # the fake kubelet keeps ListAndWatch open
-    import urllib.request
-
     from prometheus_client.parser import text_string_to_metric_families
 
     def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        text = urllib.request.urlopen(f"http://127.0.0.1:{daemon.metrics_port}/metrics", timeout=5).read().decode()
+        text = daemon.metrics_text()
         return {
             (s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text)
@@ -443,6 +441,77 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
     )
     assert samples[("gpushared_allocate_seconds_count", ())] == 1
     assert samples[("gpushared_allocations_total", ())] == 1
+
+
+def test_the_network_port_names_no_one_and_the_local_socket_is_root_only(daemon: Daemon) -> None:
+    """Defect (issue #39): :9402 listened on every address and showed namespaces and pod names, GPU UUIDs and
+    the kubelet's directory to anyone. The TCP port now answers without them; the local socket (0600) with."""
+    started(daemon)
+    daemon.admit(daemon.place("secret-pod", 3, gpu=2))
+    wait_until(lambda: "secret-pod" in daemon.metrics_text(), message="the per-pod series")
+    status, metrics = daemon.public("/metrics")
+    assert status == 200
+    assert b"secret-pod" not in metrics and b"namespace=" not in metrics
+    assert b"gpushared_gpu_memory_allocated_bytes" in metrics  # the GPU series stay
+    status, body = daemon.public("/status")
+    shown = json.loads(body)
+    assert status == 200 and shown["pods"] == 1 and shown["gpus"][2]["used"] == 3
+    text = body.decode()
+    assert "secret-pod" not in text and daemon.nvml.gpus[2].uuid not in text and str(daemon.kubelet.root) not in text
+    assert daemon.status_socket.stat().st_mode & 0o777 == 0o600
+    assert daemon.status()["pods"][0]["name"] == "secret-pod"
+    # A cluster that wants names on the port says so.
+    daemon.stop()
+    daemon.write_config(metrics={"address": "127.0.0.1", "port": daemon.metrics_port, "podNames": True,
+                                 "socket": str(daemon.status_socket)})  # fmt: skip
+    started(daemon)
+    assert b"secret-pod" in daemon.public("/status")[1]
+
+
+def test_thousands_of_idle_connections_neither_exhaust_descriptors_nor_stop_allocate(daemon: Daemon) -> None:
+    """Defect (issue #39): 1,017 idle connections to :9402 took every descriptor (a thread per connection, the
+    soft limit 1,024 systemd leaves without LimitNOFILE); the pod watch, API writes and PodResources failed with
+    EMFILE. The daemon runs here under that same limit, and 3,000 connections are opened and held."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 8192), hard))  # room for this test's own sockets
+    daemon.launcher = ["prlimit", "--nofile=1024:1024", "--"]
+    try:
+        started(daemon)
+        held: list[socket.socket] = []
+        try:
+            for _ in range(3000):
+                connection = socket.socket()
+                connection.settimeout(0.5)
+                try:
+                    connection.connect(("127.0.0.1", daemon.metrics_port))
+                except OSError:
+                    connection.close()
+                    continue
+                held.append(connection)
+            # While they are held: Allocate answers, the pod watch sees new pods, the API is written to.
+            for i, gpu in enumerate((0, 1, 2, 3)):
+                (allocation,) = daemon.admit(daemon.place(f"flood-{i}", 2, gpu=gpu))
+                assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == daemon.nvml.gpus[gpu].uuid
+            wait_until(
+                lambda: all(
+                    (p := daemon.api.get("pods", f"flood-{i}", "default"))
+                    and p["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED] == "true"
+                    for i in range(4)
+                ),
+                message="ASSIGNED written",
+            )
+            assert daemon.status()["registered"]
+        finally:
+            for connection in held:
+                connection.close()
+        assert daemon.public("/healthz") == (200, b"ok\n")
+        assert daemon.process is not None and daemon.process.poll() is None
+        assert "Too many open files" not in daemon.log()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
 def test_a_missing_node_stops_the_daemon_with_the_reason(daemon: Daemon) -> None:
