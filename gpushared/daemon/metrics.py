@@ -129,6 +129,11 @@ class Metrics:
             "Pods whose GPU annotations could not be read, once per reason: counted at their spec amounts",
             registry=self.registry,
         )
+        self.inventory_restored = Counter(
+            "gpushared_inventory_restored",
+            "Times the node's GPU inventory annotation was found changed by someone else and written again",
+            registry=self.registry,
+        )
         self.registrations = Counter(
             "gpushared_kubelet_registrations", "Successful registrations with the kubelet", registry=self.registry
         )

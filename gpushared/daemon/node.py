@@ -12,10 +12,12 @@ from typing import Any
 
 from gpushared import contract
 from gpushared.contract import GpuInventory, ResourceNames
+from gpushared.core.bodies import NodeBody, annotations_of
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.metrics import Metrics
 from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
 from gpushared.kube.api import Api, KubeError, NotFound
+from gpushared.kube.informer import Informer
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +80,17 @@ class NodePublisher:
         resources: ResourceNames,
         usage_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        metrics: Metrics | None = None,
     ) -> None:
         self.api = api
+        self.metrics = metrics
         self.node = node
         self.resources = resources
         self.usage_seconds = usage_seconds
         self.clock = clock
         self.checked = False
+        #: foreign edits of the inventory annotation undone
+        self.restored = 0
         self._published: str | None = None
         self._published_count: int | None = None
         #: the use that went out last, GPU index -> MiB, and when
@@ -97,6 +103,24 @@ class NodePublisher:
     def published(self) -> bool:
         """Whether the inventory went out and was not refused since."""
         return self._published is not None
+
+    def seen(self, old: NodeBody | None, new: NodeBody | None) -> None:
+        """The node as its watch shows it (on the watch's thread). An inventory annotation that is not the
+        one this daemon wrote is someone else's edit: the next tick writes ours again. An inflated GPU once
+        stayed until the daemon's own next change, and the extender bound a pod there that Allocate then
+        refused (issue #39, defect 5)."""
+        if new is None or self._published is None:
+            return
+        shown = annotations_of(new).get(contract.NODE_INVENTORY)
+        if shown != self._published:
+            log.warning(
+                "node %s: its GPU inventory annotation was changed by someone else; writing the daemon's again",
+                self.node,
+            )
+            self.restored += 1
+            if self.metrics is not None:
+                self.metrics.inventory_restored.inc()
+            self._published = None  # the tick writes it again
 
     def check(self) -> None:
         """Raises :class:`FatalError` when the node does not exist: the configuration names another machine."""
@@ -157,3 +181,14 @@ class NodePublisher:
             abs(mib - self._usage.get(index, 0)) > step for index, mib in usage.items()
         )
         return dict(usage) if moved else None
+
+
+def node_watch(api: Api, node: str, publisher: NodePublisher, *, watch_seconds: int = 300) -> Informer[NodeBody]:
+    """A watch of this daemon's own Node (``metadata.name``): one object, events only when it changes."""
+    return Informer(
+        api.rest.lister("/api/v1/nodes", what=f"node {node}"),
+        name=f"node {node}",
+        handler=publisher.seen,
+        field_selector=f"metadata.name={node}",
+        watch_seconds=watch_seconds,
+    )

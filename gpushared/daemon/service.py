@@ -20,6 +20,7 @@ import sdnotify
 
 from gpushared import __version__
 from gpushared.contract import ResourceNames
+from gpushared.core.bodies import NodeBody
 from gpushared.daemon import config as config_module
 from gpushared.daemon import endpoints
 from gpushared.daemon.config import Config
@@ -31,10 +32,11 @@ from gpushared.daemon.manager import Manager, inventory_of
 from gpushared.daemon.memory import GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, missing_mps_privilege, settings_of
-from gpushared.daemon.node import KubeletLink, NodePublisher
+from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
 from gpushared.deviceplugin.podresources.client import list_pod_devices
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
+from gpushared.kube.informer import Informer
 from gpushared.kube.podwatch import PodWatch
 from gpushared.nvml.backend import GpuBackend
 
@@ -105,6 +107,7 @@ class Service:
         self.memory: MemoryWatcher | None = None  # set with the manager
         self.kubelet: KubeletLink | None = None
         self.node: NodePublisher | None = None
+        self.node_watch: Informer[NodeBody] | None = None
         self._http: endpoints.Endpoints | None = None
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
         self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
@@ -178,7 +181,11 @@ class Service:
             raise FatalError(str(exc) if isinstance(exc, KubeError) else f"{self.config.kubeconfig}: {exc}") from None
         self.api = api
         self.node = NodePublisher(
-            api, self.config.node_name, resources=self.resources, usage_seconds=self.config.inventory_usage_seconds
+            api,
+            self.config.node_name,
+            resources=self.resources,
+            usage_seconds=self.config.inventory_usage_seconds,
+            metrics=self.metrics,
         )
         self._serve()
 
@@ -204,8 +211,11 @@ class Service:
 
     def _serve(self) -> None:
         assert self.api is not None
+        assert self.node is not None
         self.pods = PodWatch(self.api, self.config.node_name)
         self.pods.start()
+        self.node_watch = node_watch(self.api, self.config.node_name, self.node)
+        self.node_watch.start()
         if self.config.mps_enabled:
             self.mps = MpsSupervisor(
                 settings=settings_of(self.config),
@@ -267,6 +277,8 @@ class Service:
             log.info("MPS control daemons keep running (gpushared mps stop quits them)")
         if self.pods is not None:
             self.pods.stop()
+        if self.node_watch is not None:
+            self.node_watch.stop()
         if self.manager is not None:
             self.manager.flush(timeout=3.0)
         if self._http is not None:

@@ -182,6 +182,26 @@ def test_a_poisoned_pod_is_counted_at_its_spec_and_the_daemon_keeps_serving(daem
     assert allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] == daemon.nvml.gpus[3].uuid
 
 
+def test_a_foreign_edit_of_the_inventory_is_undone_within_seconds(daemon: Daemon) -> None:
+    """Defect (issue #39): GPU 3 inflated from 8 to 80 GiB in the node's inventory annotation lasted until the
+    daemon's own next change (30 s and more); the extender bound a 40 GiB pod there that Allocate refused."""
+    from kubernetes import client
+
+    started(daemon)
+    ours = daemon.inventory_annotations()[contract.NODE_INVENTORY]
+    inflated = json.loads(ours)
+    inflated["gpus"][3]["memory"], inflated["gpus"][3]["memoryMiB"] = 80, 80 * 1024
+    forged = json.dumps(inflated)
+    core = client.CoreV1Api(daemon.api.client())
+    core.patch_node(NODE, {"metadata": {"annotations": {contract.NODE_INVENTORY: forged}}})
+    assert daemon.inventory_annotations()[contract.NODE_INVENTORY] == forged
+    started_at = time.monotonic()
+    wait_until(lambda: daemon.inventory_annotations()[contract.NODE_INVENTORY] == ours, timeout=5, message="restored")
+    assert time.monotonic() - started_at < 5
+    assert daemon.inventory().gpus[3].memory == 8
+    assert "gpushared_inventory_restored_total 1.0" in daemon.metrics_text()
+
+
 def test_allocate_a_single_container_pod(daemon: Daemon) -> None:
     started(daemon)
     body = daemon.place("one", 4, gpu=1)

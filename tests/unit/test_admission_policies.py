@@ -194,3 +194,19 @@ def test_each_node_scope_policy_reads_only_fields_of_the_kind_it_matches() -> No
         "nodes",
         "nodes/status",
     }
+
+
+def test_only_gpushared_writes_a_nodes_gpu_inventory() -> None:
+    """Defect (issue #39): GPU 3 inflated from 8 to 80 GiB in the inventory annotation stayed, and the extender
+    bound a 40 GiB pod there that Allocate then refused."""
+    before = {"metadata": {"name": "n1", "annotations": {contract.NODE_INVENTORY: '{"version":1,"gpus":[8]}'}}}
+    after = {"metadata": {"name": "n1", "annotations": {contract.NODE_INVENTORY: '{"version":1,"gpus":[80]}'}}}
+    for resource in ("nodes", "nodes/status"):
+        message = admit("gpushared-node-inventory", operation="UPDATE", obj=after, old=before, resource=resource)
+        assert message is not None and "written by the node's gpushared daemon alone" in message
+        for user in (NODE_SA + "n1", "system:serviceaccount:kube-system:gpushared-node"):
+            assert admit("gpushared-node-inventory", operation="UPDATE", obj=after, old=before, user=user) is None
+    labelled = {"metadata": {**before["metadata"], "labels": {"team": "a"}}}
+    assert admit("gpushared-node-inventory", operation="UPDATE", obj=labelled, old=before, resource="nodes") is None
+    bare = {"metadata": {"name": "n1"}}
+    assert admit("gpushared-node-inventory", operation="UPDATE", obj=after, old=bare, resource="nodes") is not None

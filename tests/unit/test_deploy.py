@@ -113,6 +113,7 @@ def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identi
         == {
             "gpushared-frozen-allocation",
             "gpushared-tenant-annotations",
+            "gpushared-node-inventory",
             "gpushared-node-scope-pods",
             "gpushared-node-scope-nodes",
         }
