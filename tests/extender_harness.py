@@ -110,6 +110,13 @@ class Extender:
                 "debug",
                 *self.args,
                 *extra,
+                # on loopback, without client certificates unless the test gives a CA: bind anyway (a tree
+                # older than the flag, in scripts/ab_extender.py, binds without it)
+                *(
+                    ["--insecure-bind"]
+                    if not {"--client-ca", "--no-insecure-bind"} & set(self.args) and self._knows_insecure_bind()
+                    else []
+                ),
             ],
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=log,
@@ -118,6 +125,10 @@ class Extender:
             cwd=self.cwd,
         )
         return self
+
+    def _knows_insecure_bind(self) -> bool:
+        source = Path(self.cwd or Path(__file__).resolve().parents[1]) / "gpushared" / "cli" / "extender.py"
+        return not source.exists() or "--insecure-bind" in source.read_text()
 
     def wait_ready(self, timeout: float = 20) -> None:
         wait_until(lambda: self.get("/readyz")[0] == 200, timeout=timeout, message=f"{self.name} ready")

@@ -51,6 +51,13 @@ ENV = "GPUSHARED_EXTENDER"
     help="/inspect names pods to callers without a client certificate too.",
 )
 @click.option(
+    "--insecure-bind/--no-insecure-bind",
+    default=False,
+    show_default=True,
+    help="Without --client-ca, answer bind anyway: anyone who reaches the port can then bind pods "
+    "(benchmarks on loopback only). Without either, bind answers 403.",
+)
+@click.option(
     "--webhook-scheduler",
     default="gpushared-scheduler",
     show_default=True,
@@ -117,6 +124,7 @@ def main(
     client_ca: Path | None,
     client_names: tuple[str, ...],
     public_pod_names: bool,
+    insecure_bind: bool,
     webhook_scheduler: str,
     max_body_mib: int,
     max_nodes: int,
@@ -144,7 +152,9 @@ def main(
         chosen = policy_named(policy)
     except ContractError as exc:
         raise click.BadParameter(exc.reason, param_hint="--policy") from None
-    _check_tls(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, where=f"{address}:{port}")
+    _check_tls(
+        tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, insecure_bind=insecure_bind, where=f"{address}:{port}"
+    )
     try:
         api = Api(connect(kubeconfig))
         binder = AsyncApi(api.rest.credentials)
@@ -161,6 +171,7 @@ def main(
         client_ca=client_ca,
         client_names=frozenset(client_names),
         public_pod_names=public_pod_names,
+        insecure_bind=insecure_bind,
         webhook_scheduler=webhook_scheduler,
     )
     lease = app.LeaseSettings(namespace=lease_namespace, name=lease_name, identity=identity, seconds=lease_seconds)
@@ -178,7 +189,9 @@ def main(
     app.run(settings, api=api, binder=binder)
 
 
-def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, where: str) -> None:
+def _check_tls(
+    *, tls_cert: Path | None, tls_key: Path | None, client_ca: Path | None, insecure_bind: bool, where: str
+) -> None:
     if (tls_cert is None) != (tls_key is None):
         raise click.UsageError("--tls-cert and --tls-key go together")
     if client_ca is not None and tls_cert is None:
@@ -190,10 +203,15 @@ def _check_tls(*, tls_cert: Path | None, tls_key: Path | None, client_ca: Path |
         tls_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise click.ClickException(f"TLS: {exc}") from None
-    if client_ca is None:
+    if client_ca is None and insecure_bind:
         log.warning(
-            "no --client-ca: anyone who reaches %s may filter and bind pods; see docs/install.md (mutual TLS)",
+            "no --client-ca and --insecure-bind: anyone who reaches %s may bind pods; see docs/install.md (mutual TLS)",
             where,
+        )
+    elif client_ca is None:
+        log.error(
+            "no --client-ca: bind answers 403 to everyone (kube-scheduler included) until the extender has "
+            "client authentication; see docs/install.md (mutual TLS)"
         )
 
 

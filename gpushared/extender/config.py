@@ -28,5 +28,8 @@ class ServerConfig:
     client_names: frozenset[str] = frozenset()
     #: /inspect names pods to callers without a client certificate too
     public_pod_names: bool = False
+    #: without client_ca, bind anyway: anyone who reaches the port can then bind any pod whose UID it knows
+    #: (benchmarks and tests on loopback; never a cluster)
+    insecure_bind: bool = False
     #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
     webhook_scheduler: str = GPUSHARED_SCHEDULER

@@ -39,6 +39,11 @@ Leader = Callable[[], str | None]
 #: forward it again.
 FORWARDED = "X-Gpushared-Forwarded"
 JSON = "application/json"
+#: Admission reviews decoded at once, on a worker thread (``Routes.mutate``).
+WEBHOOK_THREADS = 1
+#: The largest admission review the webhook reads: kube-apiserver takes request bodies of at most 3 MiB,
+#: so a pod it asks about is no larger; anyone else's larger review is refused unread (413).
+MAX_REVIEW_BYTES = 3 * 2**20 + 64 * 2**10
 TEXT = "text/plain; charset=utf-8"
 
 
@@ -87,6 +92,7 @@ class Routes:
         self.leader = leader
         self.metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._webhook_slots = asyncio.Semaphore(WEBHOOK_THREADS)
         prefix = config.prefix.rstrip("/")
         self._inspect = f"{prefix}/inspect/"
         self._table: dict[str, dict[str, Handler]] = {
@@ -154,7 +160,7 @@ class Routes:
         async def serve(call: Call) -> Answer:
             started = time.perf_counter()
             try:
-                refused = None if stateless else self._unauthenticated(call)
+                refused = None if stateless else self._unauthenticated(call, name)
                 if refused is not None:
                     errors.inc()
                     log.warning("%s from %s refused: %s", name, call.remote, refused[1])
@@ -198,10 +204,17 @@ class Routes:
 
         return serve
 
-    def _unauthenticated(self, call: Call) -> tuple[int, str] | None:
+    def _unauthenticated(self, call: Call, verb: str = "") -> tuple[int, str] | None:
         """The HTTP status and reason the caller may not use the verbs with (None: it may): 401 without a
-        client certificate, 403 with one whose name is not allowed. Without --client-ca anyone may."""
+        client certificate, 403 with one whose name is not allowed. Without --client-ca anyone may read
+        (filter, prioritize), and nobody may bind unless --insecure-bind says so: a bind changes the
+        cluster, and without client certificates anyone who knows a pod's UID could bind it anywhere."""
         if self.config.client_ca is None:
+            if verb == "bind" and not self.config.insecure_bind:
+                return 403, (
+                    "bind needs client authentication: start the extender with --tls-cert, --tls-key and "
+                    "--client-ca (or --insecure-bind, where anyone who reaches this port may bind pods)"
+                )
             return None
         names = certificate_names(call.ssl_object)
         if names is None:
@@ -237,7 +250,23 @@ class Routes:
         """The mutating admission webhook: the API server calls it for every pod created in the namespaces
         its configuration selects. Stateless (``verb``): the answer depends on the pod alone. No client
         certificate is asked for, because the API server presents none unless configured to; a caller gets
-        only a patch for the object it sent, and nothing changes here."""
+        only a patch for the object it sent, and nothing changes here.
+
+        Anyone who reaches the port may send it reviews: one is read only up to ``MAX_REVIEW_BYTES`` (what
+        the API server can send), and decoding it (and freeing it) is done on a worker thread, one review
+        at a time, so the event loop waits at most for one decode (a C call that holds the interpreter)
+        and answers the other routes between them. 16 clients sending 5.9 MiB reviews of small objects
+        held the loop 171 ms and /healthz about a second when every decode ran on the loop (issue #39)."""
+        if len(raw) > MAX_REVIEW_BYTES:
+            self.metrics.errors.labels(verb="mutate").inc()
+            return json_answer(
+                {"Error": f"mutate: an admission review of {len(raw)} bytes; the API server sends at most 3 MiB"},
+                status=413,
+            )
+        async with self._webhook_slots:
+            return await asyncio.to_thread(self._mutate, raw)
+
+    def _mutate(self, raw: bytes) -> Answer:
         review = wire.parse_admission_review(raw)
         patch: tuple[dict[str, Any], ...] = ()
         if review.pod is not None and review.operation == "CREATE":

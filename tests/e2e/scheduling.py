@@ -36,7 +36,7 @@ class Scheduling:
     def start_extender(self, *extra: str) -> None:
         c = self.cluster
         pki = self.extender_certs
-        tls = [] if self.extender_plain else [
+        tls = ["--insecure-bind"] if self.extender_plain else [
             "--tls-cert", pki / "extender.crt",
             "--tls-key", pki / "extender.key",
             "--client-ca", pki / "ca.crt",
