@@ -18,10 +18,11 @@ import yaml
 
 from gpushared.contract import ContractError, MemoryUnit
 from gpushared.core.exposure import ExposurePolicy, Strategy, parse_strategies
+from gpushared.core.health import APPLICATION_XIDS
 from gpushared.core.memory import Enforcement, MemoryPolicy
 
 DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
-DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68, 109)
+DEFAULT_IGNORED_XIDS = APPLICATION_XIDS
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: Where the full status (pod names, GPU UUIDs, paths) is served to local root callers: `gpushared status`.
 DEFAULT_STATUS_SOCKET = Path("/run/gpushared/status.sock")

@@ -127,11 +127,11 @@ class GpuReader:
             if event is None:
                 continue
             metrics.gpu_events.labels(kind=event.kind, xid=str(event.xid)).inc()
-            counted = self.health.event(
+            verdict = self.health.event(
                 event.uuid, kind=event.kind, xid=event.xid, all_uuids=[g.uuid for g in self.devices]
             )
             target = event.uuid or "all GPUs"
-            if counted:
-                log.error("%s on %s: unhealthy for %.0fs", event.kind.upper(), target, self.health.recover_after)
+            if verdict.counts:
+                log.error("%s on %s: unhealthy for %.0fs", verdict.reason, target, verdict.seconds)
             else:
-                log.info("XID %d on %s ignored (application error)", event.xid, target)
+                log.info("%s on %s: ignored", verdict.reason, target)

@@ -1,8 +1,8 @@
 """Which GPUs are healthy: XID and ECC events take a GPU out, a quiet period brings it back.
 
 NVIDIA's plugin never lets a GPU recover, so one stray XID costs a node its GPU until a restart. Here a
-GPU is unhealthy for ``recover_after`` seconds after its last critical event. Application XIDs (a kernel
-of one pod faulting, 13, 31, 43, 45, 68, 109 by default) say nothing about the GPU and are ignored. When
+GPU is unhealthy for ``recover_after`` seconds after its last critical event; which events are critical
+is ``core.health.judge_event``'s table (application XIDs and corrected ECC errors are not). When
 NVML fails on one GPU (GPU_IS_LOST on its memory info), that GPU alone is unhealthy, as after an event;
 when NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
 A GPU whose MPS control daemon does not answer is unhealthy for as long as that lasts (a condition, not
@@ -15,6 +15,8 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+from gpushared.core.health import EventVerdict, judge_event
 
 _NVML_FAILED = "NVML failed on this GPU"
 
@@ -38,16 +40,17 @@ class Health:
         self._backend_down: Mark | None = None
         self._backend_back: float | None = None
 
-    def event(self, uuid: str | None, *, kind: str, xid: int, all_uuids: Iterable[str]) -> bool:
-        """Record an event; False when it is ignored. ``uuid`` None means the driver could not say which GPU."""
-        if kind == "xid" and xid in self.ignored:
-            return False
+    def event(self, uuid: str | None, *, kind: str, xid: int, all_uuids: Iterable[str]) -> EventVerdict:
+        """Record an event as ``core.health.judge_event`` rules; ``uuid`` None means the driver could not say
+        which GPU (then it counts for all of them)."""
+        verdict = judge_event(kind, xid, ignored_xids=self.ignored, recover_after=self.recover_after)
+        if not verdict.counts:
+            return verdict
         now = self.clock()
-        reason = f"XID {xid}" if kind == "xid" else {"dbe": "double-bit ECC error", "sbe": "single-bit ECC error"}[kind]
         with self._lock:
             for target in [uuid] if uuid else list(all_uuids):
-                self._marks[target] = Mark(reason=reason, since=now)
-        return True
+                self._marks[target] = Mark(reason=verdict.reason, since=now)
+        return verdict
 
     def gpu_failed(self, uuid: str, reason: str) -> bool:
         """NVML failed on this one GPU: it is unhealthy until it has read well for the quiet period, as after

@@ -15,14 +15,14 @@ class Clock:
 
 def test_application_xids_are_ignored() -> None:
     health = Health(ignored_xids=[13, 31], recover_after=10, clock=Clock())
-    assert health.event("GPU-a", kind="xid", xid=13, all_uuids=["GPU-a"]) is False
+    assert not health.event("GPU-a", kind="xid", xid=13, all_uuids=["GPU-a"]).counts
     assert health.problem("GPU-a") is None
 
 
 def test_a_critical_xid_marks_one_gpu_until_it_has_been_quiet() -> None:
     clock = Clock()
     health = Health(ignored_xids=[13], recover_after=10, clock=clock)
-    assert health.event("GPU-a", kind="xid", xid=79, all_uuids=["GPU-a", "GPU-b"])
+    assert health.event("GPU-a", kind="xid", xid=79, all_uuids=["GPU-a", "GPU-b"]).counts
     assert (health.problem("GPU-a"), health.problem("GPU-b")) == ("XID 79", None)
     clock.now += 6
     health.event("GPU-a", kind="dbe", xid=0, all_uuids=[])  # a new event restarts the quiet period
