@@ -1,16 +1,25 @@
 """The fault suite: the extender under concurrent load while the world around it breaks (``make chaos``).
 
 Each scenario starts a fake API server with GPU nodes and two extender replicas (leader election, mutual
-TLS, as deploy/ ships them), schedules pods from several threads as kube-scheduler does (filter, pick a
-passing node, bind; filter again after a refusal), breaks something while it does, mends it, waits for
-the extenders to settle, and then counts from the API server's own objects:
+TLS, as deploy/ ships them), schedules more pods than the cluster holds (an over-commit attempt: their
+requests add up to at least 1.25 times its GPU memory) from several threads as kube-scheduler does
+(filter, pick a passing node, bind; filter again after a refusal), breaks something while it does, mends
+it, waits for the extenders to settle, and then counts from the API server's own objects, never from the
+extenders' books or answers:
 
-- GPUs over capacity (the bound pods' allocations against each GPU's memory; for pods whose annotations a
-  scenario forged, the allocation their Binding wrote, which is where their containers run);
+- GPUs over capacity (the bound pods' allocations against each GPU's memory as its daemon published it;
+  for pods whose annotations a scenario forged, the allocation their Binding wrote, which is where their
+  containers run);
 - pods bound without a GPU allocation, and pods with one but unbound;
 - binds lost (the extender answered success, the pod is not bound there) and unauthenticated binds
-  (a caller without the scheduler's certificate got a bind through);
-- the slowest /healthz answer while it ran (a probe every 20 ms).
+  (pods bound where a caller without the scheduler's certificate asked);
+- answers 500 or worse from the verbs;
+- /healthz probes (every 20 ms, 1 s timeout) that failed or timed out while the replica ran, and the
+  slowest that answered.
+
+Each scenario has a deadline (``--deadline``, 300 s): one that does not finish in time is a failure
+("hung"), its processes are killed and the next scenario runs. The last scenario drives the node daemon and
+counts from what the kubelet got.
 
     .venv/bin/python scripts/chaos.py [--pods 200] [--nodes 30] [--threads 8] [--only NAME ...] [--json FILE]
 
@@ -43,6 +52,7 @@ from gpushared.core.ledger import Ledger, holding_from_pod
 from tests.builders import GPU_MEM, pod
 from tests.extender_harness import Extender, gpu_node
 from tests.fakes.apiserver import FakeApiServer, Fault
+from tests.harness import NODE
 from tests.pki import Authority, Pair
 
 
@@ -56,6 +66,14 @@ class Outcome:
     annotated_but_unbound: list[str] = field(default_factory=list)
     lost_binds: list[str] = field(default_factory=list)
     unauthenticated_binds: list[str] = field(default_factory=list)
+    #: verbs answered 500 or worse (a caller's bad input gets 4xx or an error in the body, never that)
+    server_errors: list[str] = field(default_factory=list)
+    #: /healthz probes of a running replica that failed or took longer than PROBE_TIMEOUT
+    healthz_failures: list[str] = field(default_factory=list)
+    #: the scenario did not finish within --deadline
+    hung: bool = False
+    #: what the pods asked for over what the cluster's GPUs hold
+    demand_ratio: float = 0.0
     healthz_max_ms: float = 0.0
     #: the longest either extender's event loop was held (its own probe): what blocks /healthz
     loop_lag_max_ms: float = 0.0
@@ -70,6 +88,9 @@ class Outcome:
             or self.annotated_but_unbound
             or self.lost_binds
             or self.unauthenticated_binds
+            or self.server_errors
+            or self.healthz_failures
+            or self.hung
         )
 
 
@@ -94,7 +115,19 @@ class World:
         self.written: dict[str, dict[str, str]] = {}
         #: pods the load was told were bound, and where
         self.told: dict[str, str] = {}
-        self.stray_binds: list[str] = []
+        #: each node's GPUs as its daemon published them at the start: the truth the counts hold pods to
+        self.inventories = {
+            n["metadata"]["name"]: contract.parse_inventory(n["metadata"]["annotations"][contract.NODE_INVENTORY])
+            for n in self.api.objects("nodes")
+        }
+        #: binds a caller without the scheduler's certificate asked for: pod name -> node
+        self.forged_binds: dict[str, str] = {}
+        #: verbs answered 500 or worse
+        self.server_errors: list[str] = []
+        #: pods a scenario created bound to a node itself, around the extender (a tenant can)
+        self.bypassed: set[str] = set()
+        #: replicas stopped on purpose (SIGSTOP): not probed until they run again
+        self.stopped: set[str] = set()
         self.lock = threading.Lock()
 
     def _extender(self, name: str) -> Extender:
@@ -152,6 +185,9 @@ def schedule(world: World, bodies: list[dict[str, Any]], *, threads: int, progre
         for _ in range(300):
             replica = rng.choice(world.replicas)
             status, result = getattr(replica, method)(*args)
+            if status >= 500 and status != 503:
+                with world.lock:
+                    world.server_errors.append(f"{method} answered {status}: {str(result)[:120]}")
             if status in (0, 503):  # restarting, not the leader yet, or stale: kube-scheduler retries
                 time.sleep(0.1)
                 continue
@@ -190,26 +226,61 @@ def schedule(world: World, bodies: list[dict[str, Any]], *, threads: int, progre
         thread.join(900)
 
 
+#: A /healthz that has not answered after this long is a failure: the promise is 100 ms.
+PROBE_TIMEOUT = 1.0
+
+
+def probe_healthz(world: World, replica: Extender) -> tuple[str, float]:
+    """One /healthz: ("ok" | "refused" | why it failed, seconds). Refused: nothing listens yet (a replica
+    starting again after a kill), which is no answer to count."""
+    import http.client
+    import ssl
+
+    context = ssl.create_default_context(cafile=str(world.pki.cert))
+    pair = world.pairs["scheduler"]
+    context.load_cert_chain(str(pair.cert), str(pair.key))
+    started = time.perf_counter()
+    connection = http.client.HTTPSConnection("127.0.0.1", replica.port, timeout=PROBE_TIMEOUT, context=context)
+    try:
+        connection.request("GET", "/healthz")
+        status = connection.getresponse().status
+        outcome = "ok" if status == 200 else f"answered {status}"
+    except ConnectionRefusedError:
+        outcome = "refused"
+    except TimeoutError:
+        outcome = f"no answer within {PROBE_TIMEOUT:.0f} s"
+    except OSError as exc:
+        outcome = f"failed: {exc}"
+    finally:
+        connection.close()
+    return outcome, time.perf_counter() - started
+
+
 @contextmanager
-def healthz_probe(world: World) -> Iterator[list[float]]:
+def healthz_probe(world: World) -> Iterator[tuple[list[float], list[str]]]:
+    """Every 20 ms, each running replica's /healthz: the slowest answer, and every probe that failed."""
     slowest = [0.0]
+    failures: list[str] = []
     stop = threading.Event()
 
     def probe() -> None:
         while not stop.is_set():
             for replica in world.replicas:
-                if replica.process is None or replica.process.poll() is not None:
+                if replica.process is None or replica.process.poll() is not None or replica.name in world.stopped:
                     continue
-                started = time.perf_counter()
-                status, _ = replica.get("/healthz")
-                if status == 200:
-                    slowest[0] = max(slowest[0], time.perf_counter() - started)
+                outcome, seconds = probe_healthz(world, replica)
+                if replica.process.poll() is not None or replica.name in world.stopped:
+                    continue  # killed or stopped while it was asked
+                if outcome == "ok":
+                    slowest[0] = max(slowest[0], seconds)
+                elif outcome != "refused":
+                    failures.append(f"/healthz of {replica.name}: {outcome}")
             time.sleep(0.02)
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
     try:
-        yield slowest
+        yield slowest, failures
     finally:
         stop.set()
         thread.join()
@@ -344,6 +415,8 @@ class Hostile(Breaker):
                 "PodUID": target["metadata"]["uid"],
                 "Node": rng.choice(self.world.nodes),
             }
+            with self.world.lock:  # counted from the API server at the end: is the pod bound where it asked?
+                self.world.forged_binds.setdefault(forged_bind["PodName"], forged_bind["Node"])
             for replica, body, verb in (
                 (rng.choice(trusted), {"Pod": huge, "NodeNames": self.world.nodes}, "filter"),
                 (rng.choice(trusted), {"Pod": pod("many", 1), "NodeNames": ["n"] * 20_000}, "filter"),
@@ -354,10 +427,10 @@ class Hostile(Breaker):
                 status, result = replica.post(verb, body)
                 sent += 1
                 if verb == "bind" and status == 200 and isinstance(result, dict) and result.get("Error") == "":
+                    self.notes.append(f"a bind without a certificate was answered as done: {forged_bind}")
+                if status >= 500 and status != 503:
                     with self.world.lock:
-                        self.world.stray_binds.append(f"{forged_bind['PodName']} -> {forged_bind['Node']}")
-                elif status >= 500 or status == 0:
-                    self.notes.append(f"{verb} answered {status}")
+                        self.world.server_errors.append(f"hostile {verb} answered {status}")
             time.sleep(0.05)
         self.notes.append(f"{sent} hostile requests")
 
@@ -382,6 +455,161 @@ class Forged(Breaker):
         self.notes.append(f"forged the allocation of {len(victims)} bound pods")
 
 
+class BindingsUnderChurn(Bindings):
+    """Bindings answered 500 while every watch is cut, again and again: the event loop settling binds and
+    the pod informer applying events once deadlocked each other here (30-42 s in, 2 of 2 runs)."""
+
+    def __init__(self, world: World, total: int) -> None:
+        super().__init__(world, total, status=500)
+
+    def break_(self) -> None:
+        super().break_()
+        for _ in range(15):
+            self.world.api.cut_watches()
+            time.sleep(0.3)
+
+
+class BindingInFlight(Breaker):
+    """A Binding held at the API server while its extender dies. The suite binds pod ``inflight`` to a node
+    with one GPU, as large as the GPU's free memory, through the leader, with that Binding held 6 s and then
+    applied; while it is held the leader is killed (kill -9, started again at once) or stopped (SIGSTOP
+    for 8 s: the follower takes the Lease meanwhile). Then it asks the new leader to bind a pod of the same
+    size to the same node, as kube-scheduler would once the node looks free again. Before the fence the
+    new leader bound it, and the first Binding landed on top: 20/16 GiB."""
+
+    def __init__(self, world: World, total: int, *, stop: bool) -> None:
+        super().__init__(world, total)
+        self.stop = stop
+
+    def break_(self) -> None:
+        world = self.world
+        leader = world.leader() or world.replicas[0]
+        node, room = self._node_with_room(leader)
+        if node is None:
+            self.notes.append("no node with room: nothing held")
+            return
+        first = world.api.create(pod("inflight", room))
+        second = world.api.create(pod("inflight-again", room))
+        fault = Fault(method="POST", path=r"/pods/inflight/binding$", delay=6.0, times=1)
+        world.api.inject(fault)
+        answer: list[Any] = []
+        threading.Thread(target=lambda: answer.append(leader.bind(first, node)), daemon=True).start()
+        wait(lambda: fault.hits > 0 or answer, 30, "the Binding held at the API server")
+        if not fault.hits:
+            self.notes.append(f"the leader did not write the Binding: {answer}")
+            return
+        assert leader.process is not None
+        if self.stop:
+            world.stopped.add(leader.name)
+            leader.process.send_signal(signal.SIGSTOP)
+            self.notes.append(f"stopped leader {leader.name} (SIGSTOP) with a Binding of {room} GiB to {node} held")
+        else:
+            leader.process.send_signal(signal.SIGKILL)
+            self.notes.append(f"killed leader {leader.name} (SIGKILL) with a Binding of {room} GiB to {node} held")
+            world.restart(leader)
+        held_until = time.monotonic() + 6.5
+        other = next(r for r in world.replicas if r is not leader)
+        # kube-scheduler trying the same room again once someone leads: the follower once the Lease (3 s) is
+        # its own, or the killed leader started again, whichever takes it
+        wait(lambda: world.leader() not in (None, leader) or not self.stop, 15, "a new leader")
+        deadline_at = max(held_until, time.monotonic() + 2)
+        answers = []
+        while time.monotonic() < deadline_at:
+            replica = world.leader() or other
+            status, result = replica.bind(second, node)
+            answers.append((status, (result or {}).get("Error", "") if isinstance(result, dict) else result))
+            if status == 200 and result == {"Error": ""}:
+                with world.lock:
+                    world.told["inflight-again"] = node
+                break
+            time.sleep(0.3)
+        fenced = sum(1 for _, error in answers if "may still have in flight" in str(error))
+        self.notes.append(f"the second bind was refused {fenced} times as fenced; last answer {answers[-1:]}")
+        time.sleep(max(0.0, deadline_at - time.monotonic()))  # the held Binding has landed by now
+        if self.stop:
+            leader.process.send_signal(signal.SIGCONT)
+            world.stopped.discard(leader.name)
+        where = {
+            name: (world.api.get("pods", name, "default") or {}).get("spec", {}).get("nodeName")
+            for name in ("inflight", "inflight-again")
+        }
+        self.notes.append(f"then: {where}")
+
+    def _node_with_room(self, leader: Extender) -> tuple[str | None, int]:
+        """A node with one GPU and free memory on it, as the leader counts it (its binds included): the held
+        Binding and a second pod of its size can only go to that GPU."""
+        for name, inventory in sorted(self.world.inventories.items(), key=lambda item: len(item[1].gpus)):
+            if len(inventory.gpus) != 1:
+                continue
+            status, report = leader.inspect(name)
+            if status != 200:
+                continue
+            [gpu] = report["nodes"][0]["devs"]
+            room = gpu["totalGPU"] - gpu["usedGPU"]
+            if room > 0:
+                return name, room
+        return None, 0
+
+
+#: What tenants write into the annotations the contract reads (issue #39): each would once crash the daemon
+#: or stop the extender's ledger rebuild, or answer 500.
+POISONS = {
+    contract.ALIYUN_GPU_MEM_IDX: "1" * 5000,
+    contract.POD_ALLOCATION: '{"version":1,"unit":"GiB","containers":[{"name":"c0","gpus":[{"index":'
+    + "1" * 5000
+    + ',"uuid":"x","amount":1}]}]}',
+    contract.POD_MPS_THREAD_PERCENTAGE: "9" * 9000,
+    contract.ALIYUN_FRAMEWORK_ALLOCATION: "{}",
+    contract.ALIYUN_GPU_MEM_POD: "[" * 50_000,
+}
+
+
+class Poisoned(Breaker):
+    """Poisoned annotations on create and on edit. Before the load: pods created bound to nodes (around the
+    extender) with each poison, and pending pods with each. At the break: the owners of 20 pods the load
+    bound write the poisons into them, one replica is killed and started again (its ledgers are rebuilt
+    from those pods: the rebuild once stopped at a poisoned pod and forgot the rest), and the pending
+    poisoned pods are filtered, prioritized and bound (once answered 500)."""
+
+    def __init__(self, world: World, total: int) -> None:
+        super().__init__(world, total)
+        self.pending = []
+        for i, (key, value) in enumerate(POISONS.items()):
+            world.api.create(pod(f"poisoned-bound-{i}", 1, node=world.nodes[i], annotations={key: value}))
+            world.bypassed.add(f"poisoned-bound-{i}")
+            self.pending.append(world.api.create(pod(f"poisoned-{i}", 2, annotations={key: value})))
+
+    def break_(self) -> None:
+        from kubernetes import client
+
+        core = client.CoreV1Api(self.world.api.client())
+        with self.world.lock:
+            victims = list(self.world.written)[:20]
+        for i, name in enumerate(victims):
+            key, value = list(POISONS.items())[i % len(POISONS)]
+            core.patch_namespaced_pod(name, "default", {"metadata": {"annotations": {key: value}}})
+        self.notes.append(f"poisoned the annotations of {len(victims)} bound pods")
+        victim = self.world.replicas[0]
+        assert victim.process is not None
+        victim.process.send_signal(signal.SIGKILL)
+        self.world.restart(victim)
+        wait(lambda: victim.get("/readyz")[0] == 200, 60, f"{victim.name} ready again")
+        for body in self.pending:
+            for replica in self.world.replicas:
+                for verb, request in (
+                    ("filter", {"Pod": body, "NodeNames": self.world.nodes}),
+                    ("prioritize", {"Pod": body, "NodeNames": self.world.nodes}),
+                ):
+                    status, _ = replica.post(verb, request)
+                    if status >= 500 and status != 503:
+                        with self.world.lock:
+                            self.world.server_errors.append(f"{verb} of {body['metadata']['name']}: {status}")
+                status, _ = replica.bind(body, self.world.nodes[0])
+                if status >= 500 and status != 503:
+                    with self.world.lock:
+                        self.world.server_errors.append(f"bind of {body['metadata']['name']}: {status}")
+
+
 SCENARIOS: dict[str, Callable[[World, int], Breaker]] = {
     "baseline": Breaker,
     "watch stalled (open, silent)": WatchStalled,
@@ -394,22 +622,67 @@ SCENARIOS: dict[str, Callable[[World, int], Breaker]] = {
         w, n, applied=True, delay=10.5, status=504
     ),
     "Bindings slow (3 s)": lambda w, n: Bindings(w, n, delay=3.0),
+    "Bindings answered 500 under watch churn": BindingsUnderChurn,
     "extender kill -9 and restart": lambda w, n: ExtenderKill(w, n, leader=False),
     "leader kill -9": lambda w, n: ExtenderKill(w, n, leader=True),
+    "leader kill -9 with a Binding in flight": lambda w, n: BindingInFlight(w, n, stop=False),
+    "leader SIGSTOP with a Binding in flight": lambda w, n: BindingInFlight(w, n, stop=True),
     "hostile callers": Hostile,
     "forged annotations": Forged,
+    "poisoned annotations on create and edit": Poisoned,
 }
 
 
+#: The pods of a scenario ask for at least this much of the cluster's GPU memory.
+OVERCOMMIT = 1.25
+
+
+class Hung(Exception):
+    """A scenario ran past its deadline: a hang is a failure, not a stuck CI."""
+
+
+@contextmanager
+def deadline(seconds: int) -> Iterator[None]:
+    """Raise :class:`Hung` in the main thread once ``seconds`` have passed."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise Hung
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def run(name: str, args: argparse.Namespace, work: Path, pki: Authority, pairs: dict[str, Pair]) -> Outcome:
-    started = time.monotonic()
-    world = World(args, work / name.replace(" ", "-"), pki, pairs)
     outcome = Outcome(scenario=name, pods=args.pods)
+    started = time.monotonic()
+    try:
+        with deadline(args.deadline):
+            _run(name, outcome, args, work=work, pki=pki, pairs=pairs)
+    except Hung:
+        outcome.hung = True
+    outcome.seconds = round(time.monotonic() - started, 1)
+    return outcome
+
+
+def _run(
+    name: str, outcome: Outcome, args: argparse.Namespace, *, work: Path, pki: Authority, pairs: dict[str, Pair]
+) -> None:
+    world = World(args, work / name.replace(" ", "-"), pki, pairs)
     try:
         rng = random.Random(args.seed)
-        bodies = [world.api.create(pod(f"p-{i:04d}", rng.randint(1, 12))) for i in range(args.pods)]
-        breaker = SCENARIOS[name](world, args.pods)
-        with healthz_probe(world) as slowest:
+        capacity = sum(inventory.total for inventory in world.inventories.values())
+        sizes = [rng.randint(1, 12) for _ in range(args.pods)]
+        while sum(sizes) < OVERCOMMIT * capacity:  # more than fits: every scenario tries to over-commit
+            sizes.append(rng.randint(1, 12))
+        outcome.pods, outcome.demand_ratio = len(sizes), round(sum(sizes) / capacity, 2)
+        bodies = [world.api.create(pod(f"p-{i:04d}", size)) for i, size in enumerate(sizes)]
+        breaker = SCENARIOS[name](world, len(bodies))
+        with healthz_probe(world) as (slowest, failures):
             schedule(world, bodies, threads=args.threads, progress=breaker.progress)
             breaker.finish()
             settle(world)
@@ -421,12 +694,14 @@ def run(name: str, args: argparse.Namespace, work: Path, pki: Authority, pairs: 
             settle(world)
             outcome.loop_lag_max_ms = max(loop_lag(r) for r in world.replicas)
         outcome.healthz_max_ms = round(slowest[0] * 1000, 1)
+        outcome.healthz_failures = failures[:20] + ([f"... {len(failures) - 20} more"] if len(failures) > 20 else [])
         outcome.notes = breaker.notes
         count(world, outcome)
+    except Hung:
+        outcome.notes.append(f"did not finish within {args.deadline} s")
+        raise
     finally:
         world.close()
-    outcome.seconds = round(time.monotonic() - started, 1)
-    return outcome
 
 
 def loop_lag(replica: Extender) -> float:
@@ -462,7 +737,7 @@ def count(world: World, outcome: Outcome) -> None:
     for name, body in pods.items():
         node = body["spec"].get("nodeName")
         annotations = (body.get("metadata") or {}).get("annotations") or {}
-        if node and contract.POD_ALLOCATION not in annotations:
+        if node and contract.POD_ALLOCATION not in annotations and name not in world.bypassed:
             outcome.bound_without_allocation.append(name)
         if not node and contract.POD_ALLOCATION in annotations:
             outcome.annotated_but_unbound.append(name)
@@ -475,7 +750,10 @@ def count(world: World, outcome: Outcome) -> None:
             by_node.setdefault(node, []).append(truth)
     for node in world.api.objects("nodes"):
         name = node["metadata"]["name"]
-        inventory = contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY])
+        # the GPUs as the node's daemon found them (a scenario may forge the annotation on the API server)
+        inventory = world.inventories.get(name) or contract.parse_inventory(
+            node["metadata"]["annotations"][contract.NODE_INVENTORY]
+        )
         ledger = Ledger.build(inventory)
         for body in by_node.get(name, []):
             holding = holding_from_pod(body, unit=MemoryUnit.GIB)  # type: ignore[arg-type]
@@ -486,7 +764,12 @@ def count(world: World, outcome: Outcome) -> None:
             for g in inventory.gpus
             if ledger.used(g.index) > g.memory
         ]
-    outcome.unauthenticated_binds = list(world.stray_binds)
+    outcome.unauthenticated_binds = [
+        f"{name} -> {node}"
+        for name, node in world.forged_binds.items()
+        if (pods.get(name) or {}).get("spec", {}).get("nodeName") == node and world.told.get(name) != node
+    ]
+    outcome.server_errors = list(world.server_errors)
 
 
 # --- the node daemon: the kubelet admitting pods while the API server hangs and a GPU is lost -----------------
@@ -499,37 +782,85 @@ class NodeOutcome:
     admitted: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     wrong_gpu: list[str] = field(default_factory=list)
+    #: GPUs given more memory than they have, summed from what the kubelet's containers were given
     over_capacity: list[str] = field(default_factory=list)
+    #: pods annotated for a GPU without room (as a broken or forged placement would) that got it anyway
+    overcommits_admitted: list[str] = field(default_factory=list)
+    overcommits_tried: int = 0
+    #: times the daemon process exited (poisoned pods once crash-looped it)
+    daemon_exits: int = 0
+    #: forged inventories still on the Node 5 s after the edit
+    forgeries_left: list[str] = field(default_factory=list)
+    #: connections to the metrics port held open while Allocate went on
+    connections_held: int = 0
+    hung: bool = False
     allocate_max_ms: float = 0.0
     seconds: float = 0.0
 
     @property
     def clean(self) -> bool:
-        return not (self.wrong_gpu or self.over_capacity)
+        return not (
+            self.wrong_gpu
+            or self.over_capacity
+            or self.overcommits_admitted
+            or self.daemon_exits
+            or self.forgeries_left
+            or self.hung
+        )
 
 
-def run_node(args: argparse.Namespace, work: Path) -> NodeOutcome:
-    """One node (4 fake GPUs of 16, 12, 24 and 8 GiB) and pods placed on it as the extender places them,
-    each admitted right after its bind, one at a time as the kubelet does. A quarter of the way in, the API
-    server hangs for pod reads and the daemon's pod watch stalls (each call must answer within its 2 s
-    budget); half-way, that ends and GPU 3 fails in NVML (GPU_IS_LOST) until three quarters. Then every
-    refused pod is admitted again. Counts: containers given another GPU than their allocation names, GPUs
-    over capacity in the daemon's books, and the slowest Allocate or GetPreferredAllocation."""
+def run_node_within(args: argparse.Namespace, work: Path) -> NodeOutcome:
+    outcome = NodeOutcome(scenario=NODE_SCENARIO)
     started = time.monotonic()
-    outcome = NodeOutcome(scenario="node daemon: API server hang during Allocate, NVML error on GPU 3")
-    with node_world(work) as daemon:
+    try:
+        with deadline(args.deadline):
+            run_node(args, work, outcome)
+    except Hung:
+        outcome.hung = True
+    outcome.seconds = round(time.monotonic() - started, 1)
+    return outcome
+
+
+NODE_SCENARIO = (
+    "node daemon: API server hang during Allocate, NVML error on GPU 3, poisoned pods, 3,000 idle connections, "
+    "a forged inventory, over-commits"
+)
+
+
+def run_node(args: argparse.Namespace, work: Path, outcome: NodeOutcome) -> None:
+    """One node (4 fake GPUs of 16, 12, 24 and 8 GiB; the daemon under systemd's default limit of 1,024
+    descriptors) and pods placed on it as the extender places them, each admitted right after its bind, one
+    at a time as the kubelet does. Before the load, pods with poisoned annotations are created on the node.
+    A quarter of the way in, the API server hangs for pod reads and the daemon's pod watch stalls (each call
+    must answer within its 2 s budget), and 3,000 connections to the metrics port are opened and held;
+    half-way, that ends and GPU 3 fails in NVML (GPU_IS_LOST) until three quarters, when someone inflates
+    GPU 3 in the node's inventory annotation. Then every refused pod is admitted again, and pods annotated
+    for GPUs without room are admitted (an over-commit attempt: each must be refused).
+
+    Counts, from what the kubelet got: containers given another GPU than their allocation names, GPUs
+    given more than they have, over-commits admitted; and daemon exits, forgeries still there 5 s on."""
+    import socket
+
+    with node_world(work, launcher=["prlimit", "--nofile=1024:1024", "--"]) as daemon:
         plan = plan_for_node(args)
         node = NodeAdmissions(daemon, outcome)
         quarter = max(1, len(plan) // 4)
         hang = Fault(method="GET", path=r"/pods/n-\d+$", delay=30.0, times=None)
         gpu_mem = contract.DEFAULT_RESOURCES.gpu_mem
+        for i, (key, value) in enumerate(POISONS.items()):
+            daemon.api.create(pod(f"poisoned-{i}", 1 + i % 2, node=NODE, annotations={key: value}))
+        held: list[socket.socket] = []
         for i, (amount, gpu) in enumerate(plan):
             if i == quarter:
                 daemon.api.stall_watches()
                 daemon.api.inject(hang)
+                held = hold_connections(daemon.metrics_port, 3000)
+                outcome.connections_held = len(held)
             elif i == 2 * quarter:
                 daemon.api.faults.remove(hang)
                 daemon.api.stall_watches(False)
+                for connection in held:
+                    connection.close()
                 daemon.nvml.gpus[3].errors = {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}
                 daemon.nvml.write()
                 daemon.kubelet.wait_for(gpu_mem, capacity=52)
@@ -537,22 +868,60 @@ def run_node(args: argparse.Namespace, work: Path) -> NodeOutcome:
                 daemon.nvml.gpus[3].errors = {}
                 daemon.nvml.write()
                 daemon.kubelet.wait_for(gpu_mem, capacity=60, timeout=30)
+                forge_inventory(daemon, outcome)
             # bound just now, as the extender binds: while the watch is stalled the daemon must read it
             node.admit(daemon.place(f"n-{i:03d}", amount, gpu=gpu), gpu)
         node.admit_refused_again()
+        node.overcommit()
         outcome.containers = len(plan)
         outcome.allocate_max_ms = round(max((t for _, t in daemon.kubelet.timings), default=0.0) * 1000, 1)
-        outcome.over_capacity = [
-            f"GPU {gpu['index']}: {gpu['used']}/{gpu['memory']}"
-            for gpu in daemon.status()["gpus"]
-            if gpu["used"] > gpu["memory"]
-        ]
-    outcome.seconds = round(time.monotonic() - started, 1)
-    return outcome
+        outcome.over_capacity = node.over_capacity()
+        if daemon.process is not None and daemon.process.poll() is not None:
+            outcome.daemon_exits += 1
+
+
+def hold_connections(port: int, count: int) -> list[Any]:
+    """``count`` TCP connections to ``port`` opened and left idle (those the daemon closes at once too)."""
+    import resource
+    import socket
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < count + 1024:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, count + 4096), hard))
+    held = []
+    for _ in range(count):
+        connection = socket.socket()
+        connection.settimeout(0.5)
+        try:
+            connection.connect(("127.0.0.1", port))
+        except OSError:
+            connection.close()
+            continue
+        held.append(connection)
+    return held
+
+
+def forge_inventory(daemon: Any, outcome: NodeOutcome) -> None:
+    """Someone inflates GPU 3 (8 GiB) to 80 in the Node's inventory annotation; the daemon's must be back
+    within 5 s."""
+    from kubernetes import client
+
+    ours = daemon.inventory_annotations()[contract.NODE_INVENTORY]
+    inflated = json.loads(ours)
+    inflated["gpus"][3]["memory"], inflated["gpus"][3]["memoryMiB"] = 80, 80 * 1024
+    core = client.CoreV1Api(daemon.api.client())
+    core.patch_node(NODE, {"metadata": {"annotations": {contract.NODE_INVENTORY: json.dumps(inflated)}}})
+    deadline_at = time.monotonic() + 5
+    while time.monotonic() < deadline_at:
+        shown = json.loads(daemon.inventory_annotations()[contract.NODE_INVENTORY])
+        if shown["gpus"][3]["memory"] == 8:
+            return
+        time.sleep(0.1)
+    outcome.forgeries_left.append("GPU 3 still 80 GiB in the inventory 5 s after the edit")
 
 
 @contextmanager
-def node_world(work: Path) -> Iterator[Any]:
+def node_world(work: Path, *, launcher: list[str] | None = None) -> Iterator[Any]:
     """The daemon serving, registered with the fake kubelet, its inventory on the Node."""
     from tests.fakes.kubelet import FakeKubelet
     from tests.fakes.nvml import FakeNvml, build_library
@@ -568,6 +937,7 @@ def node_world(work: Path) -> Iterator[Any]:
         notify = NotifySocket(root / "notify.sock")
         nvml = FakeNvml.with_sizes(work / "nvml.json", library, 16384, 12288, 24576, 8192)
         daemon = Daemon(api=api, kubelet=kubelet, nvml=nvml, notify=notify, workdir=work)
+        daemon.launcher = launcher or []
         daemon.start()
         try:
             notify.wait_for("READY=1")
@@ -581,14 +951,16 @@ def node_world(work: Path) -> Iterator[Any]:
 
 
 def plan_for_node(args: argparse.Namespace) -> list[tuple[int, int]]:
-    """(amount, GPU) of pods of 1-3 GiB on random GPUs with room, as the extender would place them."""
+    """(amount, GPU) of pods of 1-3 GiB on random GPUs with room, as the extender would place them, up to
+    three quarters of the node: the rest is room for the over-commit attempts to be the daemon's to refuse
+    (the kubelet's own count of devices refuses what the node as a whole has no room for)."""
     rng = random.Random(args.seed)
     room = {0: 16, 1: 12, 2: 24, 3: 8}
     plan = []
     for _ in range(args.node_pods):
         amount = rng.randint(1, 3)
         fits = [g for g, free in room.items() if free >= amount]
-        if not fits:
+        if not fits or sum(room.values()) - amount < 15:
             break
         gpu = rng.choice(fits)
         room[gpu] -= amount
@@ -603,6 +975,8 @@ class NodeAdmissions:
         self.daemon, self.outcome = daemon, outcome
         self.uuids = [g.uuid for g in daemon.nvml.gpus]
         self.refused: list[tuple[dict[str, Any], int]] = []
+        #: (GPU UUID, GiB) of every container the kubelet was given a GPU for
+        self.answers: list[tuple[str, int]] = []
 
     def admit(self, body: dict[str, Any], gpu: int) -> None:
         from tests.fakes.kubelet import AdmissionError
@@ -621,8 +995,40 @@ class NodeAdmissions:
             return
         self.outcome.admitted += 1
         for allocation in allocations:
-            if allocation.response.envs["NVIDIA_VISIBLE_DEVICES"] != self.uuids[gpu]:
+            envs = allocation.response.envs
+            if envs["NVIDIA_VISIBLE_DEVICES"] != self.uuids[gpu]:
                 self.outcome.wrong_gpu.append(f"{name}/{allocation.name}")
+            self.answers.append((envs["NVIDIA_VISIBLE_DEVICES"], int(envs[contract.ENV_GPU_MEM_CONTAINER])))
+
+    def overcommit(self) -> None:
+        """Pods annotated for each GPU with more than the GPU has left (a broken or forged placement): the
+        daemon must refuse every one."""
+        free = dict(enumerate((16, 12, 24, 8)))
+        for gpu, amount in self.given().items():
+            free[gpu] -= amount
+        # Only where the node as a whole has room, so the kubelet's own count of devices lets it through and
+        # the daemon is the one to refuse.
+        for gpu, left in free.items():
+            if sum(free.values()) < left + 1:
+                continue
+            self.outcome.overcommits_tried += 1
+            body = self.daemon.place(f"over-{gpu}", left + 1, gpu=gpu)
+            before = self.outcome.admitted
+            self.admit(body, gpu)
+            if self.outcome.admitted > before:
+                self.outcome.overcommits_admitted.append(f"over-{gpu}: {left + 1} GiB on GPU {gpu} with {left} left")
+
+    def given(self) -> dict[int, int]:
+        """GiB per GPU the kubelet's containers were given, from the answers it got."""
+        given: dict[int, int] = {}
+        for uuid, amount in self.answers:
+            gpu = self.uuids.index(uuid)
+            given[gpu] = given.get(gpu, 0) + amount
+        return given
+
+    def over_capacity(self) -> list[str]:
+        sizes = (16, 12, 24, 8)
+        return [f"GPU {gpu}: {amount}/{sizes[gpu]}" for gpu, amount in self.given().items() if amount > sizes[gpu]]
 
     def admit_refused_again(self) -> None:
         """The pod's controller replaces a refused pod; here the same pod is admitted again."""
@@ -643,6 +1049,8 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", help="scenarios whose name contains one of these words")
     parser.add_argument("--node-pods", type=int, default=40, help="pods admitted in the node daemon's scenario")
     parser.add_argument("--json", type=Path, help="write the outcomes here too")
+    parser.add_argument("--deadline", type=int, default=300, help="seconds a scenario may take; past them it hung")
+    parser.add_argument("--runs", type=int, default=1, help="run every scenario this many times in a row")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="gpushared-chaos-"))
     pki = Authority(work / "pki")
@@ -653,32 +1061,49 @@ def main() -> int:
     names = [n for n in SCENARIOS if not args.only or any(word in n for word in args.only)]
     outcomes = []
     print(f"{'scenario':<54} {'bound':>7} {'over':>5} {'no-alloc':>8} {'unbound':>7} {'lost':>5} {'unauth':>6} "
-          f"{'healthz':>9} {'loop':>8} {'secs':>6}")  # fmt: skip
-    for name in names:
-        outcome = run(name, args, work, pki, pairs)
-        outcomes.append(outcome)
-        print(
-            f"{name:<54} {outcome.bound:>3}/{outcome.pods:<3} {len(outcome.over_capacity):>5} "
-            f"{len(outcome.bound_without_allocation):>8} {len(outcome.annotated_but_unbound):>7} "
-            f"{len(outcome.lost_binds):>5} {len(outcome.unauthenticated_binds):>6} "
-            f"{outcome.healthz_max_ms:>7.1f}ms {outcome.loop_lag_max_ms:>6.1f}ms {outcome.seconds:>6.1f}",
-            flush=True,
-        )
-        for problem in (outcome.over_capacity + outcome.lost_binds + outcome.unauthenticated_binds + outcome.notes)[:8]:
-            print(f"    {problem}")
-    node: NodeOutcome | None = None
-    if not args.only or any(word in "node daemon" for word in args.only):
-        node = run_node(args, work / "node")
-        print(f"\n{node.scenario}: {node.admitted}/{node.containers} pods admitted, refused meanwhile "
-              f"{node.refused}; containers on another GPU than their allocation: {len(node.wrong_gpu)}; GPUs "
-              f"over capacity: {len(node.over_capacity)}; slowest Allocate {node.allocate_max_ms} ms; "
-              f"{node.seconds} s")  # fmt: skip
-        for problem in (node.wrong_gpu + node.over_capacity)[:8]:
-            print(f"    {problem}")
+          f"{'5xx':>4} {'probes':>6} {'healthz':>9} {'loop':>8} {'secs':>6}")  # fmt: skip
+    nodes: list[NodeOutcome] = []
+    for run_number in range(args.runs):
+        if args.runs > 1:
+            print(f"--- run {run_number + 1} of {args.runs}", flush=True)
+        for name in names:
+            outcome = run(name, args, work, pki, pairs)
+            outcomes.append(outcome)
+            print(
+                f"{name:<54} {outcome.bound:>3}/{outcome.pods:<3} {len(outcome.over_capacity):>5} "
+                f"{len(outcome.bound_without_allocation):>8} {len(outcome.annotated_but_unbound):>7} "
+                f"{len(outcome.lost_binds):>5} {len(outcome.unauthenticated_binds):>6} "
+                f"{len(outcome.server_errors):>4} {len(outcome.healthz_failures):>6} "
+                f"{outcome.healthz_max_ms:>7.1f}ms {outcome.loop_lag_max_ms:>6.1f}ms {outcome.seconds:>6.1f}"
+                + ("  HUNG" if outcome.hung else ""),
+                flush=True,
+            )
+            problems = (
+                outcome.over_capacity
+                + outcome.lost_binds
+                + outcome.unauthenticated_binds
+                + outcome.server_errors
+                + outcome.healthz_failures
+                + outcome.notes
+            )
+            for problem in problems[:8]:
+                print(f"    {problem}")
+        if not args.only or any(word in "node daemon" for word in args.only):
+            node = run_node_within(args, work / f"node-{run_number}")
+            nodes.append(node)
+            print(f"\n{node.scenario}: {node.admitted}/{node.containers} pods admitted, refused meanwhile "
+                  f"{node.refused}; containers on another GPU than their allocation: {len(node.wrong_gpu)}; GPUs "
+                  f"over capacity (what the kubelet got): {len(node.over_capacity)}; over-commits admitted: "
+                  f"{len(node.overcommits_admitted)} of {node.overcommits_tried}; {node.connections_held} connections "
+                  f"held; daemon exits: {node.daemon_exits}; inventory forgeries "
+                  f"left: {len(node.forgeries_left)}; slowest Allocate {node.allocate_max_ms} ms; {node.seconds} s"
+                  + ("  HUNG" if node.hung else ""))  # fmt: skip
+            for problem in (node.wrong_gpu + node.over_capacity + node.overcommits_admitted + node.forgeries_left)[:8]:
+                print(f"    {problem}")
     if args.json:
-        records = [o.__dict__ for o in outcomes] + ([node.__dict__] if node else [])
+        records = [o.__dict__ for o in outcomes] + [node.__dict__ for node in nodes]
         args.json.write_text(json.dumps(records, indent=1) + "\n")
-    clean = all(o.clean for o in outcomes) and (node is None or node.clean)
+    clean = all(o.clean for o in outcomes) and all(node.clean for node in nodes)
     print("all counts 0" if clean else "SOME COUNTS ARE NOT 0", f"(work files in {work})")
     return 0 if clean else 1
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from gpushared import contract
 from gpushared.contract import GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, annotations_of
+from gpushared.core.bodies import NodeBody, annotations_of, version_of
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.metrics import Metrics
 from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
@@ -92,6 +93,10 @@ class NodePublisher:
         #: foreign edits of the inventory annotation undone
         self.restored = 0
         self._published: str | None = None
+        #: the Node's resourceVersion after this daemon's last write: older events are not news
+        self._published_version = 0
+        #: set by the watch when someone else changed the annotation since
+        self._foreign = threading.Event()
         self._published_count: int | None = None
         #: the use that went out last, GPU index -> MiB, and when
         self._usage: dict[int, int] = {}
@@ -109,10 +114,10 @@ class NodePublisher:
         one this daemon wrote is someone else's edit: the next tick writes ours again. An inflated GPU once
         stayed until the daemon's own next change, and the extender bound a pod there that Allocate then
         refused (issue #39, defect 5)."""
-        if new is None or self._published is None:
-            return
-        shown = annotations_of(new).get(contract.NODE_INVENTORY)
-        if shown != self._published:
+        published = self._published
+        if new is None or published is None or version_of(new) <= self._published_version:
+            return  # nothing written yet, or the Node as it was before this daemon's last write
+        if annotations_of(new).get(contract.NODE_INVENTORY) != published:
             log.warning(
                 "node %s: its GPU inventory annotation was changed by someone else; writing the daemon's again",
                 self.node,
@@ -120,7 +125,9 @@ class NodePublisher:
             self.restored += 1
             if self.metrics is not None:
                 self.metrics.inventory_restored.inc()
-            self._published = None  # the tick writes it again
+            # A flag, not _published = None: a write of the tick's under way would set _published after this
+            # and the edit would stay. The next tick writes the inventory again whatever it last wrote.
+            self._foreign.set()
 
     def check(self) -> None:
         """Raises :class:`FatalError` when the node does not exist: the configuration names another machine."""
@@ -154,19 +161,22 @@ class NodePublisher:
         text = self._formatted[1]
         count = len(inventory.gpus)
         patch: dict[str, Any] = {}
-        if text != self._published:
+        foreign = self._foreign.is_set()
+        self._foreign.clear()
+        if text != self._published or foreign:
             patch["metadata"] = {"annotations": {contract.NODE_INVENTORY: text}}
         if count != self._published_count:
             patch["status"] = {"capacity": {self.resources.gpu_count: str(count)}}
         if not patch:
             return
         try:
-            self.api.patch_node_status(self.node, patch)
+            written = self.api.patch_node_status(self.node, patch)
         except KubeError as exc:
             log.warning("publishing the GPU inventory failed: %s; retrying", exc)
             self._published = None
             return
         self._published, self._published_count = text, count
+        self._published_version = version_of(written) if isinstance(written, dict) else 0
         if usage_now is not None:
             self._usage, self._usage_at = usage_now, self.clock()
 

@@ -8,8 +8,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvloop
@@ -61,6 +64,10 @@ class ExtenderSettings:
     def own_url(self) -> str:
         scheme = "https" if self.server.tls_cert else "http"
         return f"{scheme}://{self.advertise_address or self.server.address}:{self.server.port}"
+
+
+#: An event loop that has run no timer for this long is wedged: the process exits (``_watch_the_loop``).
+WEDGED_SECONDS = 60.0
 
 
 class Extender:
@@ -131,6 +138,7 @@ class Extender:
         """Serve until SIGTERM or SIGINT."""
         self.cache.start()
         threading.Thread(target=self._prepare_when_synced, name="prepare", daemon=True).start()
+        threading.Thread(target=self._watch_the_loop, name="liveness", daemon=True).start()
         if self.elector is not None:
             self.elector.start()
 
@@ -147,6 +155,9 @@ class Extender:
             if self.elector is not None:
                 self.elector.stop()
             self.cache.stop()
+
+    def _watch_the_loop(self) -> None:
+        watchdog(self.heartbeat, within=WEDGED_SECONDS, exit=_exit, sleep=time.sleep)
 
     def _prepare_when_synced(self) -> None:
         """Once the first sync is done: warm the cache, keep what it holds out of the garbage collector's
@@ -166,3 +177,23 @@ class Extender:
 
 def run(settings: ExtenderSettings, *, api: Api, binder: AsyncApi) -> None:
     Extender(settings, api=api, binder=binder).run()
+
+
+def watchdog(
+    heartbeat: Heartbeat, *, within: float, exit: Callable[[int], None], sleep: Callable[[float], None]
+) -> None:
+    """The extender's own liveness check, wherever it runs (a pod's livenessProbe on /healthz needs a
+    kubelet; a process on a host has none): an event loop that has run no timer for ``within`` seconds is
+    wedged (a deadlock, a verb that never returns), and the process exits with status 70, for its
+    supervisor (kubelet, systemd) to start it again. Its Lease went to another replica long before."""
+    while True:
+        sleep(1.0)
+        if not heartbeat.alive(within=within):
+            log.critical("the event loop has not run for %.0f s: exiting to be started again", within)
+            exit(70)
+            return
+
+
+def _exit(status: int) -> None:
+    logging.shutdown()
+    os._exit(status)

@@ -52,3 +52,23 @@ def test_a_leader_whose_loop_stops_answering_stops_renewing_and_the_follower_tak
         finally:
             a.stop()
             b.stop()
+
+
+def test_a_wedged_event_loop_ends_the_process() -> None:
+    """Wherever the extender runs, a loop that has run no timer for the bound exits the process (status
+    70) for its supervisor to start again; a loop that beats keeps it."""
+    from gpushared.extender.app import watchdog
+    from gpushared.extender.server import Heartbeat
+
+    now = [0.0]
+    heartbeat = Heartbeat(clock=lambda: now[0])
+    exits: list[int] = []
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+        if now[0] < 30:
+            heartbeat.beat()  # the loop runs for 30 s, then wedges
+
+    watchdog(heartbeat, within=60.0, exit=exits.append, sleep=sleep)
+    assert exits == [70]
+    assert 89.0 <= now[0] <= 91.0  # the last beat at 29 s, then 60 s of silence

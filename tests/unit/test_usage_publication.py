@@ -119,3 +119,43 @@ def test_inspect_details_show_use_beside_allocation() -> None:
     assert table[3].split() == ["NAME", "NAMESPACE", "GPU0(Allocated)", "GPU1(Allocated)"]
     assert table[4].split() == ["p", "default", "4", "0"]
     assert table[5].split() == ["(in", "use,", "MiB)", "5120", "-"]
+
+
+def _node(version: int, text: str) -> dict[str, Any]:
+    return {"metadata": {"name": "n1", "resourceVersion": str(version), "annotations": {contract.NODE_INVENTORY: text}}}
+
+
+def test_a_foreign_edit_is_written_over_even_when_it_lands_during_the_daemons_own_write() -> None:
+    """The Node watch's events against the daemon's writes (issue #39, defect 5): an event older than the
+    daemon's last write is not news; an edit the watch shows while a write of the daemon's is under way is
+    still written over at the next tick (a lost flag once left a forged inventory in place)."""
+    node, api = publisher([0.0])
+    versions = iter(range(10, 100))
+    api.patch_node_status = lambda name, patch: (
+        api.sent.append(patch),
+        {"metadata": {"resourceVersion": str(next(versions))}},
+    )[1]  # type: ignore[method-assign]
+    node.publish(INV)
+    ours = contract.format_inventory(INV)
+    assert len(api.sent) == 1
+    node.seen(None, _node(9, "an older edit, before our write"))  # not news
+    node.publish(INV)
+    assert len(api.sent) == 1
+    forged = ours.replace('"memory":16', '"memory":80', 1)
+    node.seen(None, _node(11, forged))
+    node.publish(INV)
+    assert len(api.sent) == 2 and api.sent[-1]["metadata"]["annotations"][contract.NODE_INVENTORY] == ours
+
+    def write_racing_an_edit(name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        api.sent.append(patch)
+        node.seen(None, _node(13, forged))  # the watch shows an edit made right after ours
+        return {"metadata": {"resourceVersion": "12"}}
+
+    api.patch_node_status = write_racing_an_edit  # type: ignore[method-assign]
+    node.seen(None, _node(12, forged))
+    node.publish(INV)
+    assert len(api.sent) == 3
+    api.patch_node_status = lambda name, patch: (api.sent.append(patch), {"metadata": {"resourceVersion": "14"}})[1]  # type: ignore[method-assign]
+    node.publish(INV)
+    assert len(api.sent) == 4  # the edit seen during the write is written over too
+    assert node.restored == 3
