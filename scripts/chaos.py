@@ -1040,7 +1040,62 @@ class NodeAdmissions:
         return str((self.daemon.api.get("pods", body["metadata"]["name"], "default") or {})["metadata"]["uid"])
 
 
+def table(path: Path) -> str:
+    """docs/reliability.md's table from a --json file of one or more runs: per scenario, the range of pods
+    bound, the largest of each count over the runs, the slowest answers, and the range of seconds."""
+    records = json.loads(path.read_text())
+    by_name: dict[str, list[dict[str, Any]]] = {}
+    for record in records:
+        by_name.setdefault(record["scenario"], []).append(record)
+    counts = (
+        "over_capacity",
+        "bound_without_allocation",
+        "annotated_but_unbound",
+        "lost_binds",
+        "unauthenticated_binds",
+        "server_errors",
+        "healthz_failures",
+    )
+    lines = [
+        "| scenario | runs | bound | over | without allocation | unbound with allocation | lost | unauthenticated "
+        "| 5xx | failed probes | hung | slowest /healthz | loop held | seconds |",
+        "|---" * 14 + "|",
+    ]
+    for name, runs in by_name.items():
+        if "containers" in runs[0]:  # the node daemon's: summarized below the table
+            continue
+        bound = sorted(r["bound"] for r in runs)
+        worst = [max(len(r[key]) for r in runs) for key in counts]
+        seconds = [r["seconds"] for r in runs]
+        lines.append(
+            f"| {name} | {len(runs)} | {bound[0]}-{bound[-1]} of {runs[0]['pods']} | "
+            + " | ".join(str(w) for w in worst)
+            + f" | {sum(r['hung'] for r in runs)} | {max(r['healthz_max_ms'] for r in runs):.1f} ms"
+            f" | {max(r['loop_lag_max_ms'] for r in runs):.1f} ms | {min(seconds):.1f}-{max(seconds):.1f} |"
+        )
+    nodes = [r for r in records if "containers" in r]
+    if nodes:
+        lines += [
+            "",
+            f"Node daemon, {len(nodes)} runs: pods admitted {min(r['admitted'] for r in nodes)}-"
+            f"{max(r['admitted'] for r in nodes)} of {nodes[0]['containers']}; containers on another GPU "
+            f"{max(len(r['wrong_gpu']) for r in nodes)}; GPUs over capacity (kubelet's answers) "
+            f"{max(len(r['over_capacity']) for r in nodes)}; over-commits admitted "
+            f"{max(len(r['overcommits_admitted']) for r in nodes)} of {nodes[0]['overcommits_tried']} tried; "
+            f"connections held {min(r['connections_held'] for r in nodes)}-"
+            f"{max(r['connections_held'] for r in nodes)}; "
+            f"daemon exits {sum(r['daemon_exits'] for r in nodes)}; forged inventories left "
+            f"{max(len(r['forgeries_left']) for r in nodes)}; hung {sum(r['hung'] for r in nodes)}; slowest "
+            f"Allocate {max(r['allocate_max_ms'] for r in nodes):.0f} ms; "
+            f"{min(r['seconds'] for r in nodes):.0f}-{max(r['seconds'] for r in nodes):.0f} s.",
+        ]
+    return "\n".join(lines)
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--table"]:
+        print(table(Path(sys.argv[2])))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", type=int, default=200)
     parser.add_argument("--nodes", type=int, default=30)

@@ -52,6 +52,10 @@ class Scheduling:
                 "--kubeconfig", c.kubeconfig_for("gpushared-extender"),
                 "--leader-elect",
                 "--lease-seconds", "4",
+                # After a restart binds wait while a pending pod's Binding may still land (the fence, design.md
+                # §8); the loopback API server here holds none, so a short window keeps restarts cheap, as
+                # the fault suite's 12 s does.
+                "--binding-landing-seconds", "20",
                 *tls,
                 *extra,
             ],
