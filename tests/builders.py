@@ -13,6 +13,18 @@ from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 
 GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
 GPU_COUNT = contract.DEFAULT_RESOURCES.gpu_count
+#: The pod annotations that record a GPU choice: a Binding writes them (Alibaba's closed scheduler the last).
+CHOICE_KEYS = (
+    contract.POD_ALLOCATION,
+    contract.ALIYUN_GPU_MEM_IDX,
+    contract.ALIYUN_GPU_MEM_POD,
+    contract.ALIYUN_GPU_MEM_DEV,
+    contract.ALIYUN_GPU_MEM_ASSIGNED,
+    contract.ALIYUN_GPU_MEM_ASSUME_TIME,
+    contract.ALIYUN_FRAMEWORK_ALLOCATION,
+)
+#: The pod annotations its owner may set: the MPS opt-in, its thread share, memory enforcement.
+OPT_IN_KEYS = (contract.POD_MPS, contract.POD_MPS_THREAD_PERCENTAGE, contract.POD_MEMORY_ENFORCEMENT)
 
 
 def inventory(*sizes: int, unit: MemoryUnit = MemoryUnit.GIB, mps: bool = False) -> GpuInventory:

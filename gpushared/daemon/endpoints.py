@@ -163,7 +163,8 @@ def _handler(registry: CollectorRegistry, status: Callable[[], dict[str, Any]], 
 
 
 class Endpoints:
-    """The TCP listener and, where a path is given, the local socket; ``close`` stops both."""
+    """Answering on ``address``:``port`` (``port`` 0: not at all) and on the socket ``local`` from the
+    moment it is made; ``close`` stops both."""
 
     def __init__(
         self,
@@ -205,19 +206,6 @@ class Endpoints:
         if self.local is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.local.unlink()
-
-
-def serve(
-    address: str,
-    port: int,
-    *,
-    registry: CollectorRegistry,
-    status: Callable[[], dict[str, Any]],
-    pod_names: bool = False,
-    local: Path | None = None,
-) -> Endpoints:
-    """Start answering on ``address``:``port`` (``port`` 0: not at all) and on the socket ``local``."""
-    return Endpoints(address, port, registry=registry, status=status, pod_names=pod_names, local=local)
 
 
 def get_local(path: Path, target: str, *, timeout: float = 5.0) -> bytes:

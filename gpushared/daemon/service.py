@@ -160,7 +160,7 @@ class Service:
             except DeviceListTooLarge as exc:
                 raise FatalError(str(exc)) from None
         if self.config.metrics_port or self.config.metrics_socket is not None:
-            self._http = endpoints.serve(
+            self._http = endpoints.Endpoints(
                 self.config.metrics_address,
                 self.config.metrics_port,
                 registry=self.metrics.registry,

@@ -16,6 +16,7 @@ import yaml
 from celpy import celtypes
 
 from gpushared import contract
+from tests.builders import CHOICE_KEYS
 
 POLICIES = {
     d["metadata"]["name"]: d["spec"]
@@ -85,18 +86,7 @@ def pod(annotations: dict[str, str] | None = None, *, node: str = "") -> dict[st
     return body
 
 
-WRITTEN_BY_BINDING = [
-    contract.POD_ALLOCATION,
-    contract.ALIYUN_GPU_MEM_IDX,
-    contract.ALIYUN_GPU_MEM_POD,
-    contract.ALIYUN_GPU_MEM_DEV,
-    contract.ALIYUN_GPU_MEM_ASSIGNED,
-    contract.ALIYUN_GPU_MEM_ASSUME_TIME,
-    contract.ALIYUN_FRAMEWORK_ALLOCATION,
-]
-
-
-@pytest.mark.parametrize("key", WRITTEN_BY_BINDING)
+@pytest.mark.parametrize("key", CHOICE_KEYS)
 def test_a_pod_is_never_created_with_what_its_binding_writes(key: str) -> None:
     message = admit("gpushared-tenant-annotations", operation="CREATE", obj=pod({key: "1" * 5000}, node="n1"))
     assert message is not None and "cannot be created with the annotations its Binding writes" in message

@@ -23,24 +23,13 @@ from gpushared.core.requests import pod_request, spec_request
 from gpushared.daemon.accounting import EVENT_UNREADABLE, Accounting
 from gpushared.daemon.metrics import Metrics
 from gpushared.extender.state import ClusterState
-from tests.builders import inventory, pod
+from tests.builders import CHOICE_KEYS, OPT_IN_KEYS, inventory, pod
 from tests.extender_harness import gpu_node
 
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")
 
 #: Every pod annotation key the contract reads.
-POD_KEYS = (
-    contract.ALIYUN_GPU_MEM_IDX,
-    contract.ALIYUN_GPU_MEM_POD,
-    contract.ALIYUN_GPU_MEM_DEV,
-    contract.ALIYUN_GPU_MEM_ASSIGNED,
-    contract.ALIYUN_GPU_MEM_ASSUME_TIME,
-    contract.ALIYUN_FRAMEWORK_ALLOCATION,
-    contract.POD_ALLOCATION,
-    contract.POD_MPS,
-    contract.POD_MPS_THREAD_PERCENTAGE,
-    contract.POD_MEMORY_ENFORCEMENT,
-)
+POD_KEYS = (*CHOICE_KEYS, *OPT_IN_KEYS)
 
 INVENTORY = inventory(16, 16)
 UUIDS = [gpu.uuid for gpu in INVENTORY.gpus]
