@@ -147,6 +147,14 @@ class World:
         )  # fmt: skip
         return extender.start()
 
+    def kill(self, replica: Extender) -> None:
+        """SIGKILL, and wait until it is gone: a probe in flight across the kill is no answer to count."""
+        assert replica.process is not None
+        self.stopped.add(replica.name)
+        replica.process.send_signal(signal.SIGKILL)
+        replica.process.wait(10)
+        self.stopped.discard(replica.name)
+
     def restart(self, replica: Extender) -> None:
         assert replica.process is not None
         replica.process.wait(10)
@@ -266,11 +274,12 @@ def healthz_probe(world: World) -> Iterator[tuple[list[float], list[str]]]:
     def probe() -> None:
         while not stop.is_set():
             for replica in world.replicas:
-                if replica.process is None or replica.process.poll() is not None or replica.name in world.stopped:
+                process = replica.process
+                if process is None or process.poll() is not None or replica.name in world.stopped:
                     continue
                 outcome, seconds = probe_healthz(world, replica)
-                if replica.process.poll() is not None or replica.name in world.stopped:
-                    continue  # killed or stopped while it was asked
+                if process.poll() is not None or replica.process is not process or replica.name in world.stopped:
+                    continue  # killed, started again or stopped while it was asked
                 if outcome == "ok":
                     slowest[0] = max(slowest[0], seconds)
                 elif outcome != "refused":
@@ -362,8 +371,7 @@ class ExtenderKill(Breaker):
     def break_(self) -> None:
         victim = self.world.leader() if self.leader else self.world.replicas[0]
         victim = victim or self.world.replicas[0]
-        assert victim.process is not None
-        victim.process.send_signal(signal.SIGKILL)
+        self.world.kill(victim)
         self.notes.append(f"killed replica {victim.name} with SIGKILL")
         self.victim = victim
         if not self.leader:
@@ -504,7 +512,7 @@ class BindingInFlight(Breaker):
             leader.process.send_signal(signal.SIGSTOP)
             self.notes.append(f"stopped leader {leader.name} (SIGSTOP) with a Binding of {room} GiB to {node} held")
         else:
-            leader.process.send_signal(signal.SIGKILL)
+            world.kill(leader)
             self.notes.append(f"killed leader {leader.name} (SIGKILL) with a Binding of {room} GiB to {node} held")
             world.restart(leader)
         held_until = time.monotonic() + 6.5
@@ -590,8 +598,7 @@ class Poisoned(Breaker):
             core.patch_namespaced_pod(name, "default", {"metadata": {"annotations": {key: value}}})
         self.notes.append(f"poisoned the annotations of {len(victims)} bound pods")
         victim = self.world.replicas[0]
-        assert victim.process is not None
-        victim.process.send_signal(signal.SIGKILL)
+        self.world.kill(victim)
         self.world.restart(victim)
         wait(lambda: victim.get("/readyz")[0] == 200, 60, f"{victim.name} ready again")
         for body in self.pending:
