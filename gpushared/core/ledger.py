@@ -203,6 +203,9 @@ class Ledger:
     _used: dict[int, int] = field(default_factory=dict)
     _mps: dict[int, int] = field(default_factory=dict)
     _shared: dict[int, int] = field(default_factory=dict)
+    #: units held on this node on no known GPU (``Holding.pending``): which GPU they use cannot be read, so
+    #: they are taken from the room of every GPU (``free``): never given away on the one they really use
+    _unplaced: int = 0
     #: changes whenever a holding comes or goes (``add``, ``remove``: nobody else writes it), so what is
     #: derived from a ledger can be kept until then. A plain attribute, not a property: the extender reads it
     #: for every candidate of every call (extender/index.py)
@@ -237,6 +240,7 @@ class Ledger:
     def _count(self, holding: Holding, sign: int) -> None:
         self.version += 1
         modes = self._mps if holding.mps else self._shared
+        self._unplaced += sign * holding.pending
         for index, amount in holding.gpus.items():
             _bump(self._used, index, sign * amount)
             _bump(modes, index, sign)
@@ -251,7 +255,9 @@ class Ledger:
         return self._used.get(index, 0)
 
     def free(self, gpu: GpuInfo) -> int:
-        return gpu.memory - self.used(gpu.index)
+        """What a new pod may take on ``gpu``: its memory less what is held there and what is held on the
+        node on no known GPU (``pending``)."""
+        return gpu.memory - self.used(gpu.index) - self._unplaced
 
     def mode(self, index: int) -> GpuMode:
         if self._mps.get(index):
@@ -269,7 +275,7 @@ class Ledger:
 
     @property
     def pending(self) -> int:
-        return sum(h.pending for h in self._holdings.values())
+        return self._unplaced
 
     @property
     def used_total(self) -> int:
