@@ -1127,12 +1127,20 @@ def main() -> int:
     print(f"{'scenario':<54} {'bound':>7} {'over':>5} {'no-alloc':>8} {'unbound':>7} {'lost':>5} {'unauth':>6} "
           f"{'5xx':>4} {'probes':>6} {'healthz':>9} {'loop':>8} {'secs':>6}")  # fmt: skip
     nodes: list[NodeOutcome] = []
+
+    def save() -> None:
+        """The outcomes so far into --json, after every scenario: a long series stopped early keeps its runs."""
+        if args.json:
+            records = [o.__dict__ for o in outcomes] + [node.__dict__ for node in nodes]
+            args.json.write_text(json.dumps(records, indent=1) + "\n")
+
     for run_number in range(args.runs):
         if args.runs > 1:
             print(f"--- run {run_number + 1} of {args.runs}", flush=True)
         for name in names:
             outcome = run(name, args, work, pki, pairs)
             outcomes.append(outcome)
+            save()
             print(
                 f"{name:<54} {outcome.bound:>3}/{outcome.pods:<3} {len(outcome.over_capacity):>5} "
                 f"{len(outcome.bound_without_allocation):>8} {len(outcome.annotated_but_unbound):>7} "
@@ -1155,6 +1163,7 @@ def main() -> int:
         if not args.only or any(word in "node daemon" for word in args.only):
             node = run_node_within(args, work / f"node-{run_number}")
             nodes.append(node)
+            save()
             print(f"\n{node.scenario}: {node.admitted}/{node.containers} pods admitted, refused meanwhile "
                   f"{node.refused}; containers on another GPU than their allocation: {len(node.wrong_gpu)}; GPUs "
                   f"over capacity (what the kubelet got): {len(node.over_capacity)}; over-commits admitted: "
@@ -1164,9 +1173,7 @@ def main() -> int:
                   + ("  HUNG" if node.hung else ""))  # fmt: skip
             for problem in (node.wrong_gpu + node.over_capacity + node.overcommits_admitted + node.forgeries_left)[:8]:
                 print(f"    {problem}")
-    if args.json:
-        records = [o.__dict__ for o in outcomes] + [node.__dict__ for node in nodes]
-        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    save()
     clean = all(o.clean for o in outcomes) and all(node.clean for node in nodes)
     print("all counts 0" if clean else "SOME COUNTS ARE NOT 0", f"(work files in {work})")
     return 0 if clean else 1
