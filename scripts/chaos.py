@@ -30,10 +30,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import random
 import re
 import signal
+import ssl
 import sys
 import tempfile
 import threading
@@ -148,6 +150,14 @@ class World:
         )  # fmt: skip
         return extender.start()
 
+    @functools.cached_property
+    def probe_context(self) -> ssl.SSLContext:
+        """The scheduler's client certificate, loaded once for the /healthz probes (every 20 ms each)."""
+        context = ssl.create_default_context(cafile=str(self.pki.cert))
+        pair = self.pairs["scheduler"]
+        context.load_cert_chain(str(pair.cert), str(pair.key))
+        return context
+
     def kill(self, replica: Extender) -> None:
         """SIGKILL, and wait until it is gone: a probe in flight across the kill is no answer to count."""
         assert replica.process is not None
@@ -243,13 +253,11 @@ def probe_healthz(world: World, replica: Extender) -> tuple[str, float]:
     """One /healthz: ("ok" | "refused" | why it failed, seconds). Refused: nothing listens yet (a replica
     starting again after a kill), which is no answer to count."""
     import http.client
-    import ssl
 
-    context = ssl.create_default_context(cafile=str(world.pki.cert))
-    pair = world.pairs["scheduler"]
-    context.load_cert_chain(str(pair.cert), str(pair.key))
     started = time.perf_counter()
-    connection = http.client.HTTPSConnection("127.0.0.1", replica.port, timeout=PROBE_TIMEOUT, context=context)
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", replica.port, timeout=PROBE_TIMEOUT, context=world.probe_context
+    )
     try:
         connection.request("GET", "/healthz")
         status = connection.getresponse().status

@@ -84,12 +84,10 @@ class _Bounded(socketserver.ThreadingMixIn):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        self.refused = 0
         super().__init__(*args, **kwargs)
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
-            self.refused += 1
             self.shutdown_request(request)  # type: ignore[attr-defined]
             return
         super().process_request(request, client_address)
@@ -193,11 +191,6 @@ class Endpoints:
         self.local = local
         for server in servers:
             threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-
-    @property
-    def refused(self) -> int:
-        """Connections closed at once because every slot was taken."""
-        return sum(getattr(server, "refused", 0) for server in self.servers)
 
     def close(self) -> None:
         for server in self.servers:
