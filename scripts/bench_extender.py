@@ -61,8 +61,8 @@ from gpushared.core.policies import BINPACK, PricingContext, policy_named
 from gpushared.core.requests import pod_request
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
 from gpushared.extender.scheduler import Scheduler
-from gpushared.extender.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api, connect
 from tests.builders import inventory, pod
@@ -177,20 +177,25 @@ def pending(backend: Backend, name: str, rng: random.Random) -> dict[str, Any]:
 
 
 class InProcess:
-    """The verbs called on the production Scheduler directly."""
+    """The verbs called on the production Scheduler directly, on this thread, which owns the cache: the
+    informers' changes are applied before each verb, as the extender's loop applies them between verbs."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.inbox = scheduler.cache.inbox
+        scheduler.cache.owner.claim()
         self.loop = asyncio.new_event_loop()  # bind is a coroutine, as the extender awaits it
 
     def filter(self, body: dict[str, Any], names: list[str]) -> list[str]:
-        passed, _, _ = self.scheduler.filter(ExtenderArgs(pod=body, node_names=names, nodes=None))
-        return passed
+        self.inbox.drain()
+        return self.scheduler.filter(ExtenderArgs(pod=body, node_names=names, nodes=None)).passed
 
     def prioritize(self, body: dict[str, Any], names: list[str]) -> Any:
+        self.inbox.drain()
         return self.scheduler.prioritize(ExtenderArgs(pod=body, node_names=names, nodes=None))
 
     def bind(self, body: dict[str, Any], node: str) -> None:
+        self.inbox.drain()
         meta = body["metadata"]
         self.loop.run_until_complete(
             self.scheduler.bind(
@@ -283,11 +288,13 @@ def in_process(backend: Backend, names: list[str], args: argparse.Namespace, rng
     cache.start()
     cache.nodes.wait_synced(600)
     cache.pods.wait_synced(600)
-    cache.warm()  # as the extender does before it says ready
+    cache.prepare()  # as the extender does before it says ready: apply what was listed, warm, fence
     synced = time.perf_counter() - started
     policy = policy_named(args.policy)
     binder = AsyncApi(client.rest.credentials)
-    verbs = InProcess(Scheduler(cache=cache, api=binder, policy=policy, resources=contract.DEFAULT_RESOURCES))
+    verbs = InProcess(
+        Scheduler(cache=cache, api=binder, policy=policy, resources=contract.DEFAULT_RESOURCES, rank_in_filter=False)
+    )
     try:
         return {"cacheSyncSeconds": round(synced, 2), **rounds(backend, verbs, names, args, rng)}
     finally:

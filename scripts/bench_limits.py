@@ -18,7 +18,7 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpushared.extender import wire
+from gpushared.extender.http import wire
 from tests.builders import pod
 
 

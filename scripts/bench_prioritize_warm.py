@@ -20,8 +20,8 @@ import bench_extender as bench
 from gpushared import contract
 from gpushared.core.policies import BINPACK
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.http.wire import ExtenderArgs
 from gpushared.extender.scheduler import Scheduler
-from gpushared.extender.wire import ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api, connect
 from tests.fakes.apiserver import FakeApiServer
@@ -45,13 +45,17 @@ def main() -> None:
         try:
             cache.nodes.wait_synced(600)
             cache.pods.wait_synced(600)
-            cache.warm()
+            cache.prepare()  # this thread owns the cache: what was listed is applied here
             time.sleep(1)
             gc.collect()
             gc.freeze()  # as the extender does once synced
             # prioritize never calls the API: no client needed
             scheduler = Scheduler(
-                cache=cache, api=cast(AsyncApi, None), policy=BINPACK, resources=contract.DEFAULT_RESOURCES
+                cache=cache,
+                api=cast(AsyncApi, None),
+                policy=BINPACK,
+                resources=contract.DEFAULT_RESOURCES,
+                rank_in_filter=False,
             )
             bodies = [bench.pending_body(f"warm-{i}", rng) for i in range(CALLS)]
             for body in bodies:  # every size priced on every node once

@@ -143,7 +143,7 @@ def main(
     from gpushared.contract import ContractError, ResourceNames
     from gpushared.core.policies import policy_named
     from gpushared.extender import app
-    from gpushared.extender.config import ServerConfig
+    from gpushared.extender.http.config import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect
 
@@ -172,7 +172,6 @@ def main(
         client_names=frozenset(client_names),
         public_pod_names=public_pod_names,
         insecure_bind=insecure_bind,
-        webhook_scheduler=webhook_scheduler,
     )
     lease = app.LeaseSettings(namespace=lease_namespace, name=lease_name, identity=identity, seconds=lease_seconds)
     settings = app.ExtenderSettings(
@@ -185,6 +184,7 @@ def main(
         binding_landing_seconds=binding_landing_seconds,
         model_label=gpu_model_label,
         rank_in_filter=rank_in_filter,
+        webhook_scheduler=webhook_scheduler,
     )
     app.run(settings, api=api, binder=binder)
 
@@ -196,8 +196,8 @@ def _check_tls(
         raise click.UsageError("--tls-cert and --tls-key go together")
     if client_ca is not None and tls_cert is None:
         raise click.UsageError("--client-ca needs --tls-cert and --tls-key: client certificates come with TLS")
-    from gpushared.extender.config import ServerConfig
-    from gpushared.extender.server import tls_context
+    from gpushared.extender.http.config import ServerConfig
+    from gpushared.extender.http.server import tls_context
 
     try:  # a certificate, key or CA that does not load: say which, before anything starts
         tls_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))

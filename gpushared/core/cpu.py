@@ -48,3 +48,12 @@ def allocatable_cpu(node: NodeBody) -> int | None:
 def holds_cpu(pod: PodBody) -> bool:
     """Whether kube-scheduler counts the pod's CPU against its node: until it has finished."""
     return (pod.get("status") or {}).get("phase") not in ("Succeeded", "Failed")
+
+
+def cpu_of(pod: PodBody) -> int:
+    """The pod's milli-CPU request; 0 for one whose quantities cannot be read (the API server refuses
+    those, so only a body that skipped validation has one; its GPU memory is what must not be lost)."""
+    try:
+        return cpu_request(pod)
+    except ContractError:
+        return 0

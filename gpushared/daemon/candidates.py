@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 #: urllib3's retries). Past it the kubelet gets UNAVAILABLE, and tries the pod again.
 ALLOCATE_BUDGET_SECONDS = 2.0
 #: Tries of the handshake when it may be waiting on the kubelet or the watch (a rejected pod's status,
-#: a just-bound pod's watch event), 0.1 s apart.
+#: a just-bound pod's watch event), RETRY_SECONDS apart.
 ATTEMPTS = 3
+RETRY_SECONDS = 0.1
 
 
 class Candidates:
@@ -64,7 +65,7 @@ class Candidates:
             except handshake.Unidentified as exc:
                 if not exc.retry or attempt == ATTEMPTS - 1:
                     raise
-                time.sleep(0.1)
+                time.sleep(RETRY_SECONDS)
         raise AssertionError("unreachable")
 
     def _gather(self, deadline: float, served: Callable[[str], Collection[str]]) -> list[handshake.Candidate]:

@@ -1,6 +1,11 @@
-"""The extender, wired: the cache and its informers, the scheduler, the HTTP app, leader election, and the
-run until SIGTERM. ``cli/extender.py`` parses options into an :class:`ExtenderSettings` and calls
-:func:`run`; everything the process does from there is here, as the daemon's is in ``daemon/service.py``.
+"""The extender, wired: the cache and its informers, the scheduler, the routes and their transport, leader
+election, and the run until SIGTERM. ``cli/extender.py`` parses options into an :class:`ExtenderSettings`
+and calls :func:`run`; everything the process does from there is here, as the daemon's is in
+``daemon/service.py``.
+
+The event loop's thread owns the cluster state (``cache.ClusterCache``): it claims it before anything
+starts, the informers' changes reach it through the cache's inbox, and the one thing another thread tells
+it (the election thread: this replica took the Lease) is handed over with ``call_soon_threadsafe``.
 """
 
 from __future__ import annotations
@@ -12,26 +17,33 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import uvloop
+from aiohttp import web
 
 from gpushared.contract import ResourceNames
+from gpushared.core.admission import GPUSHARED_SCHEDULER
 from gpushared.core.policies import Policy
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.config import ServerConfig
+from gpushared.extender.http.config import ServerConfig
+from gpushared.extender.http.guard import Guard
+from gpushared.extender.http.server import application, serve
+from gpushared.extender.metrics import Metrics
 from gpushared.extender.priming import Primer
+from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler
-from gpushared.extender.server import Heartbeat, build_app, serve
+from gpushared.extender.tasks import Heartbeat, in_background, settling, watchdog, watching_the_loop
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.lease import LeaderElector
 
 log = logging.getLogger("gpushared.extender")
 
-#: How long the startup thread waits for the first sync; a cache that never syncs never serves either.
-SYNC_WAIT_SECONDS = 24 * 3600.0
+#: How often the event loop looks whether both informers have listed, before the extender is ready.
+LISTED_POLL_SECONDS = 0.05
+#: An event loop that has run no timer for this long is wedged: the process exits (``tasks.watchdog``).
+WEDGED_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -59,6 +71,8 @@ class ExtenderSettings:
     #: filter keeps only the best-ranked nodes, so kube-scheduler wired without prioritizeVerb (deploy/,
     #: Aliyun's wiring) makes the policy's choice; False: every node that fits passes
     rank_in_filter: bool = True
+    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
+    webhook_scheduler: str = GPUSHARED_SCHEDULER
 
     @property
     def own_url(self) -> str:
@@ -66,16 +80,13 @@ class ExtenderSettings:
         return f"{scheme}://{self.advertise_address or self.server.address}:{self.server.port}"
 
 
-#: An event loop that has run no timer for this long is wedged: the process exits (``_watch_the_loop``).
-WEDGED_SECONDS = 60.0
-
-
 class Extender:
-    """One replica: ready once its cache has synced, serving verbs while it leads (or when not electing)."""
+    """One replica: ready once its cache has listed and applied everything, serving verbs while it leads
+    (or when not electing)."""
 
     def __init__(self, settings: ExtenderSettings, *, api: Api, binder: AsyncApi) -> None:
         self.settings = settings
-        self.cache = ClusterCache(
+        self.cache = cache = ClusterCache(
             list_nodes=api.rest.lister("/api/v1/nodes", what="nodes"),
             list_pods=api.rest.lister("/api/v1/pods", what="pods"),
             resources=settings.resources,
@@ -84,48 +95,71 @@ class Extender:
             model_label=settings.model_label,
             rooms=settings.policy.reads_rooms,
         )
-        lease = settings.lease
         self.heartbeat = Heartbeat()
-        self.elector = (
-            LeaderElector(
-                api.rest,
-                namespace=lease.namespace,
-                name=lease.name,
-                identity=f"{lease.identity} {settings.own_url}",
-                lease_seconds=lease.seconds,
-                renew_deadline=lease.seconds * 2 / 3,
-                retry_seconds=lease.seconds / 7.5,
-                alive=self.heartbeat.alive,
-                on_lead=self._took_the_lease,
-            )
-            if lease is not None
-            else None
-        )
-        self.prepared = threading.Event()
+        self.elector = self._elector(api, settings.lease)
+        #: set on the loop once the cache is prepared; read by the probes and the verbs
+        self.prepared = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         scheduler = Scheduler(
-            cache=self.cache,
+            cache=cache,
             api=binder,
             policy=settings.policy,
             resources=settings.resources,
             rank_in_filter=settings.rank_in_filter,
             may_bind=lambda: self.leader() is None,
         )
-        primer = Primer(scheduler, ready=lambda: self.ready()[0])
-        self.cache.pending_seen = primer.offer
-        self.app = build_app(
-            scheduler, settings.server, ready=self.ready, leader=self.leader, primer=primer, heartbeat=self.heartbeat
+        self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
+        cache.pending_seen = self.primer.offer
+        self.metrics = metrics = Metrics()
+        metrics.observe(cache, leading=lambda: self.leader() is None, primer=self.primer)
+        guard = Guard(
+            settings.server, ready=self.ready, leader=self.leader, seconds=metrics.seconds, errors=metrics.errors
+        )
+        self.routes = Routes(
+            scheduler,
+            guard,
+            metrics=metrics,
+            prefix=settings.server.prefix,
+            webhook_scheduler=settings.webhook_scheduler,
+            public_pod_names=settings.server.public_pod_names,
+            max_nodes=settings.server.max_nodes,
+        )
+        self.app = self._application(scheduler)
+
+    def _elector(self, api: Api, lease: LeaseSettings | None) -> LeaderElector | None:
+        if lease is None:
+            return None
+        return LeaderElector(
+            api.rest,
+            namespace=lease.namespace,
+            name=lease.name,
+            identity=f"{lease.identity} {self.settings.own_url}",
+            lease_seconds=lease.seconds,
+            renew_deadline=lease.seconds * 2 / 3,
+            retry_seconds=lease.seconds / 7.5,
+            alive=self.heartbeat.alive,
+            on_lead=self._took_the_lease,
         )
 
-    def ready(self) -> tuple[bool, str]:
-        if not self.prepared.is_set():
-            return False, "the cache has not synced with the API server yet"
-        return True, ""
+    def _application(self, scheduler: Scheduler) -> web.Application:
+        app = application(self.routes, self.settings.server)
 
-    def _took_the_lease(self) -> None:
-        """A new leader binds nothing its predecessor may still have in flight (``reservations.fenced``).
-        Before the first sync there is nothing to read: the fence is armed when the cache is ready."""
-        if self.prepared.is_set():
-            self.cache.arm_fence()
+        async def close(app: web.Application) -> None:
+            await self.routes.close()
+
+        app.on_cleanup.append(close)
+        app.cleanup_ctx.append(in_background("prepare", self._prepare_when_listed))
+        app.cleanup_ctx.append(settling(scheduler))
+        app.cleanup_ctx.append(watching_the_loop(self.metrics, self.ready, self.heartbeat))
+        app.cleanup_ctx.append(in_background("prime", self.primer.run))
+        return app
+
+    def ready(self) -> tuple[bool, str]:
+        """Prepared, and no watch known to be behind: a stale cache would place pods on GPUs already taken."""
+        if not self.prepared:
+            return False, "the cache has not synced with the API server yet"
+        stale = self.cache.stale()
+        return (False, f"the cache is stale: {stale}") if stale else (True, "")
 
     def leader(self) -> str | None:
         """Serve here when leading (or not electing); else the leader's URL, from its Lease identity."""
@@ -134,20 +168,34 @@ class Extender:
         holder = self.elector.holder.rsplit(" ", 1)
         return holder[1] if len(holder) == 2 and holder[1].startswith(("http://", "https://")) else ""
 
+    def _took_the_lease(self) -> None:
+        """On the election thread: the fence is armed on the loop, which owns the cache."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._fence_after_takeover)
+
+    def _fence_after_takeover(self) -> None:
+        """A new leader binds nothing its predecessor may still have in flight (``reservations.fenced``).
+        Before the cache is prepared there is nothing to read: the fence is armed then."""
+        if self.prepared:
+            self.cache.arm_fence()
+
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT."""
-        self.cache.start()
-        threading.Thread(target=self._prepare_when_synced, name="prepare", daemon=True).start()
         threading.Thread(target=self._watch_the_loop, name="liveness", daemon=True).start()
-        if self.elector is not None:
-            self.elector.start()
 
         async def serving() -> None:
+            loop = self._loop = asyncio.get_running_loop()
+            self.cache.owner.claim()  # this thread, the loop's, owns the cluster state from here on
+            self.cache.inbox.attach(loop)
+            self.cache.start()
+            if self.elector is not None:
+                self.elector.start()
             stop = asyncio.Event()
-            loop = asyncio.get_running_loop()
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, stop.set)
-            await serve(self.app, self.settings.server, stop=stop)
+            server = self.settings.server
+            await serve(self.app, self.routes, server, connections=self.metrics.connections, stop=stop)
 
         try:
             uvloop.run(serving())  # cheaper loop turns: docs/benchmarks.md, "What changed, second pass"
@@ -159,39 +207,23 @@ class Extender:
     def _watch_the_loop(self) -> None:
         watchdog(self.heartbeat, within=WEDGED_SECONDS, exit=_exit, sleep=time.sleep)
 
-    def _prepare_when_synced(self) -> None:
-        """Once the first sync is done: warm the cache, keep what it holds out of the garbage collector's
-        walks, and only then say ready.
+    async def _prepare_when_listed(self) -> None:
+        """Once both informers have listed: apply what they listed, warm the index, fence binds, keep what
+        the cache holds out of the garbage collector's walks, and only then say ready.
 
         Cached pods live as long as their pods do, and 150k of them are about a million tracked objects:
         every full collection would walk them all, a pause in the middle of some filter. Frozen, they are
         still freed by reference counting when the watch drops them (they hold no cycles)."""
-        cache = self.cache
-        if cache.nodes.wait_synced(SYNC_WAIT_SECONDS) and cache.pods.wait_synced(SYNC_WAIT_SECONDS):
-            cache.warm()
-            cache.arm_fence()  # a process killed before this one may have left Bindings in flight
-            gc.freeze()
-            log.info("cache synced; %d objects kept out of the garbage collector's walks", gc.get_freeze_count())
-            self.prepared.set()
+        while not self.cache.listed():
+            await asyncio.sleep(LISTED_POLL_SECONDS)
+        self.cache.prepare()  # arms the fence: a process killed before this one may have left Bindings in flight
+        gc.freeze()
+        log.info("cache synced; %d objects kept out of the garbage collector's walks", gc.get_freeze_count())
+        self.prepared = True
 
 
 def run(settings: ExtenderSettings, *, api: Api, binder: AsyncApi) -> None:
     Extender(settings, api=api, binder=binder).run()
-
-
-def watchdog(
-    heartbeat: Heartbeat, *, within: float, exit: Callable[[int], None], sleep: Callable[[float], None]
-) -> None:
-    """The extender's own liveness check, wherever it runs (a pod's livenessProbe on /healthz needs a
-    kubelet; a process on a host has none): an event loop that has run no timer for ``within`` seconds is
-    wedged (a deadlock, a verb that never returns), and the process exits with status 70, for its
-    supervisor (kubelet, systemd) to start it again. Its Lease went to another replica long before."""
-    while True:
-        sleep(1.0)
-        if not heartbeat.alive(within=within):
-            log.critical("the event loop has not run for %.0f s: exiting to be started again", within)
-            exit(70)
-            return
 
 
 def _exit(status: int) -> None:

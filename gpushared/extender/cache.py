@@ -1,35 +1,63 @@
-"""The extender's view of the cluster, fed by informers, never by requests; three parts under one lock.
+"""The extender's view of the cluster, and its one owner.
+
+kube-scheduler keeps one cache of the cluster, changed only by its informers' events and by its own
+``AssumePod`` / ``ForgetPod``, and read by plugins that never own it. So does the extender:
+:class:`ClusterCache` owns
 
 - ``state.ClusterState``: what the informers show — each gpushared node's ledger, CPU and pods, and the
   mix of what pods ask for — through the core's single definition of what a pod holds;
-- ``reserving.Reservations``: binds counted before the watch shows them, until evidence (the watch, a
-  read-back) says where the pod is: the fixes for stalled watches and Bindings that land late;
 - ``index.FilterIndex``: what filter and prioritize read — rooms, reasons and ranks per node, kept until
-  the node's ledger changes.
+  the node's ledger changes;
+- ``reserving.Reservations``: binds counted before the watch shows them (assumed), until evidence (the
+  watch, a read-back) says where the pod is: the fixes for stalled watches and Bindings that land late;
+- the pods waiting for a node, by name: what a bind reads the pod from, and what the fence weighs.
 
-``ClusterCache`` wires them to the two informers and is what the scheduler and the HTTP routes hold.
+All of it is touched by one thread, the event loop's (``inbox.Owner``); the informers' threads only put
+their changes in the inbox, which the loop drains between the verbs. No lock guards any of it: a verb
+runs start to finish on the loop, so what it reads cannot change under it, and two binds to one node
+see each other.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
-from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, awaits_node, slim_pod, uid_of
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.ledger import Holding
-from gpushared.core.policies import NodeRank, Policy, PricingContext
+from gpushared.contract import ContractError, GpuInfo, MemoryUnit, ResourceNames
+from gpushared.core.binding import bind_annotations
+from gpushared.core.bodies import (
+    Key,
+    NodeBody,
+    PodBody,
+    annotations_of,
+    awaits_node,
+    key_of,
+    meta_of,
+    slim_pod,
+    uid_of,
+)
+from gpushared.core.nodes import Rejected
+from gpushared.core.policies import Policy
 from gpushared.core.requests import PodRequest, pod_request
-from gpushared.core.verdicts import GpuVerdict
+from gpushared.core.reservations import LANDING_SECONDS, Action, Assumed, Settlement
+from gpushared.core.verdicts import explain
+from gpushared.extender.inbox import Inbox, Owner
 from gpushared.extender.index import FilterIndex
-from gpushared.extender.reservations import LANDING_SECONDS, Assumed, Settlement
-from gpushared.extender.reserving import Reservation, Reservations
-from gpushared.extender.state import MIX_SECONDS, ClusterState, Rejected
+from gpushared.extender.reserving import Reservations
+from gpushared.extender.state import ClusterState
 from gpushared.kube.informer import Informer
 from gpushared.kube.rest import Lister
 
-__all__ = ["MIX_SECONDS", "ClusterCache", "Rejected", "Reservation"]
+__all__ = ["ClusterCache", "Rejected", "Reservation"]
+
+
+class Reservation(NamedTuple):
+    """A bind's choice, counted in the cache: the GPUs, the annotations that record them, their unit."""
+
+    gpus: list[GpuInfo]
+    annotations: dict[str, str]
+    unit: MemoryUnit
 
 
 class ClusterCache:
@@ -47,21 +75,27 @@ class ClusterCache:
     ) -> None:
         """``rooms``: whether the request mix is told each node's room (only a policy that reads the mix
         uses it; counting 5,000 nodes' rooms for one that does not is a cost on a scheduling call)."""
+        self.owner = Owner()
         self.state = ClusterState(resources=resources, clock=clock, model_label=model_label, rooms=rooms)
         self.index = FilterIndex(self.state)
         self.state.changed = self.index.changed
+        self.reservations = Reservations(clock=clock, landing_seconds=landing_seconds)
+        self.inbox = Inbox(self._apply, self.owner)
         # Short watches: a watch that neither delivers nor ends within watch_seconds + its grace is dead,
         # and is replaced by a relist (Informer.stale).
         self.nodes: Informer[NodeBody] = Informer(
-            list_nodes, name="nodes", handler=self.state.on_node, watch_seconds=watch_seconds
+            list_nodes, name="nodes", handler=self.inbox.handler("nodes"), watch_seconds=watch_seconds
         )
         self.pods: Informer[PodBody] = Informer(
-            list_pods, name="pods", handler=self._on_pod, transform=slim_pod, watch_seconds=watch_seconds
+            list_pods,
+            name="pods",
+            handler=self.inbox.handler("pods"),
+            transform=slim_pod,
+            watch_seconds=watch_seconds,
         )
-        self.reservations = Reservations(
-            self.state, self.index, watch_lags=self.pods.relist, landing_seconds=landing_seconds
-        )
-        #: told every pod the watch shows waiting for a node, on the informer's thread (``priming.Primer``)
+        #: pods waiting for a node, as the watch shows them: what a bind reads its pod from
+        self.pending: dict[Key, PodBody] = {}
+        #: told every pod the watch shows waiting for a node (``priming.Primer``), on the owner's thread
         self.pending_seen: Callable[[PodBody], None] = lambda pod: None
 
     def start(self) -> None:
@@ -72,94 +106,153 @@ class ClusterCache:
         self.nodes.stop()
         self.pods.stop()
 
+    def listed(self) -> bool:
+        """Whether both informers have listed: everything they listed is in the inbox or applied."""
+        return self.nodes.synced and self.pods.synced
+
     def stale(self) -> str | None:
         """Why the cache cannot be trusted right now (a watch silent too long, a relist under way after
         the watch was caught lagging), or None."""
         return self.nodes.stale() or self.pods.stale()
 
-    def _on_pod(self, old: PodBody | None, new: PodBody | None) -> None:
-        with self.state.lock:
-            self.reservations.seen(old, new)
-            self.state.on_pod(old, new, assumed=self.reservations.holds)
-        if new is not None and awaits_node(new):
-            self.pending_seen(new)
-
-    # --- the verbs' reads (index) and the cluster as it is (state) -------------------------------------------
-
-    def judge(self, name: str, pod: PodBody, request: PodRequest) -> tuple[list[GpuVerdict], PricingContext] | Rejected:
-        return self.index.judge(name, pod, request)
-
-    def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
-        return self.index.filter(names, request)
-
-    def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
-        return self.index.node_ranks(names, pod, request, policy)
-
-    def idle_prices(self, names: list[str]) -> list[float]:
-        return self.index.idle_prices(names)
-
-    def warm(self) -> None:
+    def prepare(self) -> None:
+        """Once the informers have listed: apply all they listed, work out every node's room and pricing
+        now (``FilterIndex.warm``), and fence binds for Bindings an earlier extender may have left in
+        flight (``arm_fence``)."""
+        self.inbox.drain()
         self.index.warm()
+        self.arm_fence()
 
-    def request_mix(self) -> RequestMix:
-        return self.state.request_mix()
+    # --- the informers' changes, applied by the owner ------------------------------------------------------
 
-    def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
-        return self.state.snapshot(name)
+    def _apply(self, kind: str, old: Any, new: Any) -> None:
+        if kind == "pods":
+            self.on_pod(old, new)
+        else:
+            self.on_node(old, new)
 
-    def node_names(self) -> list[str]:
-        return self.state.node_names()
+    def on_node(self, old: NodeBody | None, new: NodeBody | None) -> None:
+        self.owner.check("a node event")
+        self.state.on_node(old, new)
 
-    @property
-    def allocation_edits(self) -> int:
-        return self.state.allocation_edits
+    def on_pod(self, old: PodBody | None, new: PodBody | None) -> None:
+        self.owner.check("a pod event")
+        for key in self.reservations.seen(old, new):
+            self.state.remove(key)
+        self.state.on_pod(old, new, assumed=self.reservations.holds)
+        if old is not None and (new is None or uid_of(old) != uid_of(new)):
+            self.pending.pop(key_of(old), None)
+        if new is not None:
+            if awaits_node(new):
+                self.pending[key_of(new)] = new
+                self.pending_seen(new)
+            else:
+                self.pending.pop(key_of(new), None)
 
-    @property
-    def unreadable_pods(self) -> int:
-        return len(self.state.unreadable)
-
-    # --- binds (reservations) -----------------------------------------------------------------------------
+    # --- binds: assume, forget, and what ends a reservation ---------------------------------------------------
 
     def reserve(
         self, name: str, pod: PodBody, request: PodRequest, *, policy: Policy, now_ns: int
     ) -> Reservation | Rejected:
-        return self.reservations.reserve(name, pod, request, policy=policy, now_ns=now_ns)
+        """Choose the pod's GPUs on node ``name`` with ``policy`` and count the pod there at once, with the
+        annotations that record the choice; or say why it cannot go there. From the judgement to the count
+        nothing else runs: two binds to one node never both take the same memory."""
+        self.owner.check("reserve")
+        self.inbox.drain()  # the freshest view: a pod deleted or bound by others a moment ago
+        known = self.reservations.assumed(uid_of(pod))
+        if known is not None:
+            # Its Binding was created and the watch has not shown it yet: a second one would fail, and
+            # counting the pod on another node meanwhile would free the memory it holds on the first.
+            return Rejected(f"it is already bound to node {known.node} (the watch has not shown it yet)")
+        judged = self.index.judge(name, pod, request)
+        if isinstance(judged, Rejected):
+            return judged
+        verdicts, setting = judged
+        choice = policy.choose(verdicts, request, setting)
+        if choice is None:
+            return Rejected(f"it does not fit node {name}: {explain(verdicts, gpus=request.gpus)}")
+        unit = setting.ledger.inventory.unit
+        gpus = [verdict.gpu for verdict in choice]
+        carried = annotations_of(pod)
+        annotations = bind_annotations(request, gpus, unit=unit, now_ns=now_ns, carried=carried.keys())
+        annotated: PodBody = {**pod, "metadata": {**meta_of(pod), "annotations": {**carried, **annotations}}}
+        self.assume(annotated, name)
+        return Reservation(gpus=gpus, annotations=annotations, unit=unit)
 
     def assume(self, pod: PodBody, node: str) -> None:
-        self.reservations.assume(pod, node)
+        """Count a pod this extender is binding, until the watch or a read-back shows where it is
+        (kube-scheduler's ``AssumePod``)."""
+        self.owner.check("assume")
+        slim = slim_pod(pod)  # kept as the watch would keep it; its parts may be shared, so copied, not changed
+        bound: PodBody = {**slim, "spec": {**slim.get("spec", {}), "nodeName": node}}
+        namespace, name = key_of(bound)
+        self.reservations.assume(uid_of(bound), namespace, name, node)
+        self.state.place(bound)
 
     def forget(self, pod: PodBody, node: str) -> None:
-        self.reservations.forget(pod, node)
+        """A Binding the API server refused: it never lands, so its reservation goes at once
+        (kube-scheduler's ``ForgetPod``)."""
+        self.owner.check("forget")
+        uid = uid_of(pod)
+        if self.reservations.forget(uid, node) and self.state.node_of.get(uid) == node:
+            self.state.remove(uid)
 
     def unanswered(self, pod: PodBody, node: str) -> None:
-        self.reservations.unanswered(pod, node)
+        """A Binding whose answer was lost (timeout, cut connection, 5xx): it may land yet. Its memory stays
+        counted on ``node`` under a key of its own until the pod is read back or seen (``reservations``);
+        the pod itself is free to be tried elsewhere meanwhile."""
+        self.owner.check("unanswered")
+        uid = uid_of(pod)
+        if self.state.node_of.get(uid) != node:
+            return  # the watch showed the pod already: it is counted where it is
+        moved = self.reservations.unanswered(uid, node)
+        if moved is None:
+            return
+        body = self.state.nodes[node].pods[uid]
+        self.state.remove(uid)
+        self.state.place({**body, "metadata": {**meta_of(body), "uid": moved.key}})
 
     def due(self, *, limit: int) -> list[Assumed]:
+        """Reservations to read back now (``Reservations.due``)."""
+        self.owner.check("due")
         return self.reservations.due(limit=limit)
 
     def settle(self, assumed: Assumed, read: PodBody | None) -> Settlement | None:
-        """Apply what a read-back of the pod showed (None: 404); None when the watch settled it meanwhile."""
-        # What the watch shows is read first, outside the cache's lock: the pod informer holds its own lock
-        # while its handler waits for the cache's, and the other order deadlocked them (issue #39). The
-        # watch showing the pod in between settles it there (``settle`` then answers None).
-        shown = self.pods.get(assumed.namespace, assumed.name)
-        return self.reservations.settle(assumed, read, shown=shown)
+        """Apply what a read-back of the pod showed (None: 404); None when the watch settled it meanwhile.
 
-    def unconfirmed(self) -> int:
-        return self.reservations.unconfirmed()
+        The inbox is drained first, so a pod the read shows bound that the watch had shown too is settled
+        by the watch: reaching COUNT means the watch is behind the API server, and is listed again."""
+        self.owner.check("settle")
+        self.inbox.drain()
+        outcome = self.reservations.settle(assumed, read)
+        if outcome is None or outcome.action is Action.WAIT:
+            return outcome
+        if outcome.action is Action.COUNT:
+            assert read is not None
+            if self.reservations.lagging():
+                self.pods.relist(f"the pod watch has not shown pod {assumed.namespace}/{assumed.name} bound")
+            for key in self.reservations.settled(assumed.uid):
+                self.state.remove(key)
+            self.state.place(slim_pod(read))
+        elif assumed.unanswered:
+            self.state.remove(assumed.key)
+        elif self.state.node_of.get(assumed.uid) == assumed.node:
+            self.state.remove(assumed.uid)
+        return outcome
 
     def arm_fence(self) -> int:
         """Fence binds after a start or a takeover (``reservations.fenced``) for the pods waiting for a node
         whose Binding an earlier extender may have in flight: those it could have placed. A pod that fits
         on no node now could not have been: its Binding, if any, would land on memory this cache shows
         free (nothing since has been bound by this extender), and one whose request cannot be read no
-        extender binds. The watch's pods are read first, outside the cache's lock (the lock order)."""
+        extender binds."""
+        self.owner.check("arm the fence")
         names = self.state.node_names()
         fits: dict[tuple[int, int, bool], bool] = {}
         doubtful = set()
-        for pod in self.pods.objects():
-            if not awaits_node(pod):
-                continue
+        for pod in self.pending.values():
+            if uid_of(pod) in self.state.node_of:
+                continue  # assumed by this extender
             try:
                 request = pod_request(pod, resources=self.state.resources)
             except ContractError:
@@ -172,6 +265,3 @@ class ClusterCache:
             if fits[shape]:
                 doubtful.add(uid_of(pod))
         return self.reservations.arm_fence(doubtful)
-
-    def fenced(self) -> str | None:
-        return self.reservations.fenced()

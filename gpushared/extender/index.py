@@ -1,29 +1,90 @@
 """What filter and prioritize read: each node's room, reasons and ranks, kept until its ledger changes.
 
-A filter is answered from one table entry per node (``rooms.Rooms``: the most memory free on a GPU a plain
+A filter is answered from one table entry per node (:class:`Rooms`: the most memory free on a GPU a plain
 and an MPS pod may use, ``most_free``), a prioritize from each node's rank for the request, kept in the
-node's memo per request and policy. ``ClusterState`` tells the index of every node whose ledger changed, so
-nothing here is older than the ledger it was worked out from. Everything runs under the state's lock.
+index's memo of the node (:class:`NodeMemo`) per request and policy. The state tells the index of every
+node whose ledger changed, and a memo is read only for the ledger, version and GPU model it was worked out
+for, so nothing here is older than what it was worked out from.
+
+The index reads the cluster through ``core.nodes.ClusterView`` and owns only what it works out; both are
+touched by the cache's owner alone, on one thread (``cache.ClusterCache``): no lock.
+
+The rooms' table is laid out for a filter's lookups: one dict of ints per kind of pod, each node's memory
+unit beside them as a string, keys copied side by side (:meth:`Rooms.compact`), and a stale room marked
+in place rather than popped. Why, and what it measured: docs/benchmarks.md, "What changed, second pass".
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody, gpu_models
+from gpushared.core.cpu import cpu_of
+from gpushared.core.ledger import Ledger
+from gpushared.core.nodes import ClusterView, NodeState, Rejected
 from gpushared.core.policies import NodeRank, Policy, PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import GpuVerdict, explain, idle_gpu_mib, judge, most_free, no_room
-from gpushared.extender.rooms import STALE, Rooms
-from gpushared.extender.state import ClusterState, NodeState, Rejected, Version, cpu_of
+
+#: A node's room that must be worked out again; also what a lookup of a name not in the table gives.
+STALE = -2
+
+#: New nodes added since the last compaction, as a fraction of the table, before it is compacted again.
+REGROWTH = 8
+
+#: Entries a node's memo keeps: one per request size and kind seen since its ledger last changed.
+MEMO_LIMIT = 256
+
+
+class Rooms:
+    """The most memory free on one GPU, per node and per kind of pod (plain, MPS): what a filter reads
+    first. A room is in units of the node's memory unit, -1 when no GPU of the node is usable by that kind
+    of pod, STALE when the node's ledger changed since it was worked out."""
+
+    def __init__(self) -> None:
+        self.plain: dict[str, int] = {}
+        self.mps: dict[str, int] = {}
+        #: name -> the value of the node's MemoryUnit ("" for a node with no ledger)
+        self.units: dict[str, str] = {}
+        self._added = 0
+
+    def __len__(self) -> int:
+        return len(self.plain)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.plain
+
+    def of(self, *, mps: bool) -> dict[str, int]:
+        """The table for one kind of pod: name -> room, STALE, or missing."""
+        return self.mps if mps else self.plain
+
+    def put(self, name: str, *, plain: int, mps: int, unit: str) -> None:
+        """A node's rooms, written in place when the node is in the table already. A filter holds on to the
+        dicts it started with: a compaction here leaves them complete, since the node goes in first."""
+        if name not in self.plain:
+            self._added += 1
+        self.plain[name], self.mps[name], self.units[name] = plain, mps, unit
+        if self._added * REGROWTH > len(self.plain) + 64:
+            self.compact()
+
+    def stale(self, name: str) -> None:
+        if name in self.plain:
+            self.plain[name] = self.mps[name] = STALE
+
+    def compact(self) -> None:
+        """Copy every key, one after another, into new dicts: see the module's docstring."""
+        keys = [name.encode().decode() for name in self.plain]
+        self.plain = dict(zip(keys, self.plain.values(), strict=True))
+        self.mps = dict(zip(keys, self.mps.values(), strict=True))
+        self.units = dict(zip(keys, self.units.values(), strict=True))
+        self._added = 0
 
 
 class RankSlot(NamedTuple):
     """What a node's rank for a pod was worked out from, beside the node's own ledger and CPU: its key in
-    the node's memo (the other entries are ``("room", ...)`` and ``("why", ...)``)."""
+    the node's memo (:attr:`NodeMemo.ranks`)."""
 
-    kind: str  # "rank"
     policy: str
     total: int
     gpus: int
@@ -36,14 +97,33 @@ class RankSlot(NamedTuple):
     pinned: bool
 
 
-#: Entries a node's memo keeps: one per request size and kind seen since its ledger last changed.
-MEMO_LIMIT = 256
+class NodeMemo:
+    """What the index worked out for one node, valid for exactly one ledger at one version and one GPU
+    model (fgd's ranks read the mix as that model sees it): ranks per slot, each with the node's CPU version
+    it read (0 for a policy that reads no CPU); rooms for pods on several GPUs per (GPUs, MPS); and why no
+    GPU fits, per (units, GPUs, MPS)."""
+
+    __slots__ = ("ledger", "model", "ranks", "reasons", "rooms", "version")
+
+    def __init__(self, ledger: Ledger, model: str | None) -> None:
+        self.ledger, self.version, self.model = ledger, ledger.version, model
+        self.ranks: dict[RankSlot, tuple[int, NodeRank | None]] = {}
+        self.rooms: dict[tuple[int, bool], int] = {}
+        self.reasons: dict[tuple[int, int, bool], str] = {}
+
+    def holds_for(self, ledger: Ledger, model: str | None) -> bool:
+        return self.ledger is ledger and self.version == ledger.version and self.model == model
+
+    def full(self) -> bool:
+        return len(self.ranks) + len(self.rooms) + len(self.reasons) >= MEMO_LIMIT
 
 
 class FilterIndex:
-    def __init__(self, state: ClusterState) -> None:
+    def __init__(self, state: ClusterView) -> None:
         self.state = state
         self.rooms = Rooms()
+        #: node name -> its memo; one that no longer holds for the node's ledger is made anew when next read
+        self._memos: dict[str, NodeMemo] = {}
 
     def changed(self, name: str) -> None:
         """The node's ledger changed: its room is worked out again when next asked for."""
@@ -53,97 +133,97 @@ class FilterIndex:
         """The node's verdict per GPU for ``request``, and what a policy weighs there beside the GPU (bind's
         choice), or why the node is not a candidate at all.
 
-        Judged under the cache lock against the live ledger: no copy per node, and the informers cannot
-        change a ledger half-way through.
-        """
-        with self.state.lock:
-            usable = self.state.usable(name, gpus=request.gpus)
-            if isinstance(usable, Rejected):
-                return usable
-            node, ledger = usable
-            context = PricingContext(
-                ledger,
-                mix=self.state.request_mix(),
-                cpu=node.cpu,
-                pod_cpu=cpu_of(pod),
-                model=node.model,
-                pinned=self._pinned(pod),
-            )
-            return judge(ledger, request), context
+        Judged against the live ledger: no copy per node, and nothing changes it half-way through (its owner
+        applies every change on the thread that calls this)."""
+        usable = self.state.usable(name, gpus=request.gpus)
+        if isinstance(usable, Rejected):
+            return usable
+        node, ledger = usable
+        context = PricingContext(
+            ledger,
+            mix=self.state.request_mix(),
+            cpu=node.cpu,
+            pod_cpu=cpu_of(pod),
+            model=node.model,
+            pinned=self._pinned(pod),
+        )
+        return judge(ledger, request), context
 
     def filter(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
         """The nodes with GPUs that fit ``request``, and why each other one does not.
 
-        Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes, under
-        one hold of the lock: a thousand candidates cost a thousand dict lookups. A node whose usable GPUs
-        are too full gets the one reason they all share (``no_room``); only a node with no usable GPU at all
-        is judged GPU by GPU, once per ledger change and request, for what is wrong with each. A pod on
-        several GPUs (rare: training jobs) is answered from each node's memo instead.
+        Answered from each node's most free usable GPU (``most_free``), kept until its ledger changes: a
+        thousand candidates cost a thousand dict lookups. A node whose usable GPUs are too full gets the
+        one reason they all share (``no_room``); only a node with no usable GPU at all is judged GPU by
+        GPU, once per ledger change and request, for what is wrong with each. A pod on several GPUs (rare:
+        training jobs) is answered from each node's memo instead.
         """
         passed: list[str] = []
         failed: dict[str, str] = {}
         need, mps, several = request.per_gpu, request.mps, request.gpus > 1
         full: dict[str, str] = {}  # unit -> the reason of every too-full node
-        with self.state.lock:
-            table, units = self.rooms.of(mps=mps), self.rooms.units
-            for name in names:
-                if several:
-                    room = self._room_for_several(name, request)
-                else:
-                    room = table.get(name, STALE)
-                    if room == STALE:
-                        room = self._room_of(name)[mps]
-                if 0 < need <= room:
-                    passed.append(name)
-                elif need > 0 and room >= 0:
-                    unit = units[name]  # a node with room has a ledger, so a unit
-                    reason = full.get(unit)
-                    if reason is None:
-                        reason = full[unit] = no_room(request, unit=MemoryUnit(unit))
-                    failed[name] = reason
-                else:
-                    failed[name] = self._why_not(name, request)
+        table, units = self.rooms.of(mps=mps), self.rooms.units
+        for name in names:
+            if several:
+                room = self._room_for_several(name, request)
+            else:
+                room = table.get(name, STALE)
+                if room == STALE:
+                    room = self._room_of(name)[mps]
+            if 0 < need <= room:
+                passed.append(name)
+            elif need > 0 and room >= 0:
+                unit = units[name]  # a node with room has a ledger, so a unit
+                reason = full.get(unit)
+                if reason is None:
+                    reason = full[unit] = no_room(request, unit=MemoryUnit(unit))
+                failed[name] = reason
+            else:
+                failed[name] = self._why_not(name, request)
         return passed, failed
 
     def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
         """How ``policy`` ranks each node for the pod (None: it does not fit), kept per node until its
         ledger, its CPU (for a policy that reads it) or what it reads of the request mix changes."""
         keys: list[NodeRank | None] = []
-        with self.state.lock:
-            mix = self.state.request_mix()
-            slot = self._slot(pod, request, policy)
-            pod_cpu, pinned = slot.pod_cpu, slot.pinned
-            usable, gpus, reads_cpu = self.state.usable, request.gpus, policy.reads_cpu
-            for name in names:
-                found = usable(name, gpus=gpus)
-                if isinstance(found, Rejected):
-                    keys.append(None)
-                    continue
-                node, ledger = found
-                version = (ledger.version, node.cpu_version if reads_cpu else 0)
-                known = node.memo.get(slot)
-                if known is None or known[0] != version:
-                    context = PricingContext(
-                        ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model, pinned=pinned
-                    )
-                    appraised = policy.appraise(ledger, request, context)
-                    known = _remember(node, slot, version, None if appraised is None else appraised[0])
-                keys.append(known[1])
+        mix = self.state.request_mix()
+        slot = self._slot(pod, request, policy)
+        pod_cpu, pinned = slot.pod_cpu, slot.pinned
+        usable, gpus, reads_cpu, memos = self.state.usable, request.gpus, policy.reads_cpu, self._memos
+        for name in names:
+            found = usable(name, gpus=gpus)
+            if isinstance(found, Rejected):
+                keys.append(None)
+                continue
+            node, ledger = found
+            memo = memos.get(name)
+            if memo is None or not memo.holds_for(ledger, node.model):
+                memo = self._memo(node, ledger)
+            cpu_version = node.cpu_version if reads_cpu else 0
+            known = memo.ranks.get(slot)
+            if known is None or known[0] != cpu_version:
+                context = PricingContext(
+                    ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model, pinned=pinned
+                )
+                appraised = policy.appraise(ledger, request, context)
+                if memo.full():
+                    memo = self._memo(node, ledger)  # old sizes and mixes: cheaper to forget all than to track
+                known = memo.ranks[slot] = (cpu_version, None if appraised is None else appraised[0])
+            keys.append(known[1])
         return keys
 
     def slot(self, pod: PodBody, request: PodRequest, policy: Policy) -> RankSlot:
         """The key ``policy``'s rank for the pod is kept under in each node's memo: two pods with one slot
         are ranked alike on every node, so the primer prices a slot once (``priming.Primer``)."""
-        with self.state.lock:
-            self.state.request_mix()  # a mix that is due is taken first, as node_ranks takes it
-            return self._slot(pod, request, policy)
+        self.state.request_mix()  # a mix that is due is taken first, as node_ranks takes it
+        return self._slot(pod, request, policy)
 
     def _slot(self, pod: PodBody, request: PodRequest, policy: Policy) -> RankSlot:
         pod_cpu = cpu_of(pod) if policy.reads_cpu else 0
         # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
         pinned = (policy.reads_mix or policy.reads_pressure) and self._pinned(pod)
         mixed = self._mixed(policy)
-        return RankSlot("rank", policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
+        return RankSlot(policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
 
     def _mixed(self, policy: Policy) -> int:
         """Which mix the policy's ranks were worked out under, as far as they read it: a new mix (every
@@ -162,24 +242,23 @@ class FilterIndex:
 
     def idle_prices(self, names: list[str]) -> list[float]:
         """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
-        with self.state.lock:
-            costs: list[float] = []
-            for name in names:
-                node = self.state.nodes.get(name)
-                costs.append(float(idle_gpu_mib(node.ledger if node is not None else None)))
+        nodes = self.state.nodes
+        costs: list[float] = []
+        for name in names:
+            node = nodes.get(name)
+            costs.append(float(idle_gpu_mib(node.ledger if node is not None else None)))
         return costs
 
     def warm(self) -> None:
         """Work out every node's room, and what pricing derives from its ledger, now. Right after a start each
         filter would otherwise judge hundreds of nodes GPU by GPU for the first time (docs/benchmarks.md,
         "Figures behind the code"), and the first prioritize derive for a thousand nodes what any size reads."""
-        with self.state.lock:
-            for name, node in self.state.nodes.items():
-                if self.rooms.of(mps=False).get(name, STALE) == STALE:
-                    self._room_of(name)
-                if node.ledger is not None:
-                    derive_pricing(node.ledger)
-            self.rooms.compact()
+        for name, node in self.state.nodes.items():
+            if self.rooms.of(mps=False).get(name, STALE) == STALE:
+                self._room_of(name)
+            if node.ledger is not None:
+                derive_pricing(node.ledger)
+        self.rooms.compact()
 
     def _room_of(self, name: str) -> tuple[int, int]:
         usable = self.state.usable(name)
@@ -197,29 +276,34 @@ class FilterIndex:
         usable = self.state.usable(name, gpus=request.gpus)
         if isinstance(usable, Rejected):
             return -1
-        node, ledger = usable
-        key = ("room", request.gpus, request.mps)
-        known = node.memo.get(key)
-        if known is None or known[0][0] != ledger.version:
-            room = most_free(ledger, mps=request.mps, gpus=request.gpus)
-            known = _remember(node, key, (ledger.version, 0), room)
-        return int(known[1])
+        memo = self._memo_of(*usable)
+        key = (request.gpus, request.mps)
+        room = memo.rooms.get(key)
+        if room is None:
+            room = memo.rooms[key] = most_free(usable[1], mps=request.mps, gpus=request.gpus)
+        return room
 
     def _why_not(self, name: str, request: PodRequest) -> str:
         """Why no GPU of the node fits: what kube-scheduler shows in the pod's events."""
         usable = self.state.usable(name, gpus=request.gpus)
         if isinstance(usable, Rejected):
             return usable.reason
-        node, ledger = usable
-        key = ("why", request.total, request.gpus, request.mps)
-        why = node.memo.get(key)
-        if why is None or why[0][0] != ledger.version:
-            why = _remember(node, key, (ledger.version, 0), explain(judge(ledger, request), gpus=request.gpus))
-        return str(why[1])
+        memo = self._memo_of(*usable)
+        key = (request.total, request.gpus, request.mps)
+        why = memo.reasons.get(key)
+        if why is None:
+            why = memo.reasons[key] = explain(judge(usable[1], request), gpus=request.gpus)
+        return why
 
+    def _memo_of(self, node: NodeState, ledger: Ledger) -> NodeMemo:
+        """The node's memo for its ledger as it is, with room for one more entry."""
+        memo = self._memos.get(node.name)
+        if memo is None or not memo.holds_for(ledger, node.model) or memo.full():
+            memo = self._memo(node, ledger)
+        return memo
 
-def _remember(node: NodeState, key: tuple[Any, ...], version: Version, value: Any) -> tuple[Version, Any]:
-    if len(node.memo) >= MEMO_LIMIT:
-        node.memo.clear()  # old sizes and mixes: cheaper to forget all than to track which
-    entry = node.memo[key] = (version, value)
-    return entry
+    def _memo(self, node: NodeState, ledger: Ledger) -> NodeMemo:
+        memo = self._memos[node.name] = NodeMemo(ledger, node.model)
+        if len(self._memos) > 2 * len(self.state.nodes) + 64:  # nodes gone: their memos go
+            self._memos = {name: kept for name, kept in self._memos.items() if name in self.state.nodes}
+        return memo

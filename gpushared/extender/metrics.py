@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from gpushared import __version__
+from gpushared.extender.cache import ClusterCache
 
 
 class WatchRestarts(Collector):
@@ -120,3 +121,15 @@ class Metrics:
             "Binds counted in the cache that neither the watch nor a read-back has confirmed yet",
             registry=self.registry,
         )
+
+    def observe(self, cache: ClusterCache, *, leading: Callable[[], bool], primer: Any) -> None:
+        """Read the gauges from the cache (on the event loop, which serves /metrics and owns the cache)."""
+        state, reservations = cache.state, cache.reservations
+        self.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
+        self.unconfirmed.set_function(reservations.unconfirmed)
+        self.in_doubt.set_function(reservations.in_doubt)
+        self.allocation_edits.set_function(lambda: state.allocation_edits)
+        self.unreadable_pods.set_function(lambda: len(state.unreadable))
+        self.watch_restarts.informers = [cache.nodes, cache.pods]
+        self.leader.set_function(lambda: 1.0 if leading() else 0.0)
+        self.primed.primer = primer

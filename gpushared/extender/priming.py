@@ -8,7 +8,7 @@ p99 (docs/benchmarks.md, "Prioritize on a cold cache").
 
 The pod's watch event reaches the extender about when it reaches kube-scheduler, and kube-scheduler runs its
 own queue, filter and score plugins before it calls the extender; when pods come in bursts, the pods behind
-the first wait in its queue. The primer uses that time: the pod informer hands it every pod it shows
+the first wait in its queue. The primer uses that time: the cache hands it every pod the watch shows
 pending (``ClusterCache.pending_seen``), and on the event loop, between the verbs, it prices a slot not
 primed before on every node, a few dozen nodes per turn of the loop so that a verb arriving meanwhile waits
 for one chunk at most. A verb that comes before the primer is done prices the rest itself, as it would have
@@ -29,11 +29,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from gpushared.contract import ContractError
+from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.bodies import PodBody
+from gpushared.core.policies import Policy
 from gpushared.core.requests import pod_request
+from gpushared.extender.cache import ClusterCache
 from gpushared.extender.index import RankSlot
-from gpushared.extender.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -65,14 +66,16 @@ def pacing(owed: float, elapsed: float, *, share: float = SHARE, burst: float = 
 class Primer:
     def __init__(
         self,
-        scheduler: Scheduler,
+        cache: ClusterCache,
         *,
+        policy: Policy,
+        resources: ResourceNames,
         ready: Callable[[], bool],
         chunk: int = CHUNK,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
     ) -> None:
-        self.scheduler = scheduler
+        self.cache, self.policy, self.resources = cache, policy, resources
         self.ready = ready
         self.chunk = chunk
         self.clock, self.sleep = clock, sleep
@@ -81,22 +84,25 @@ class Primer:
         #: seconds the primer paused to stay within its share, since the start
         self.paused_seconds = 0.0
         self._primed: dict[RankSlot, None] = {}  # insertion-ordered: the oldest is dropped first
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         #: slots priced ahead on every node, since the start
         self.slots_primed = 0
 
     def offer(self, pod: PodBody) -> None:
-        """A pod the watch shows pending; called on the informer's thread, so it only queues the pod."""
-        self._seen.append((self.clock(), pod))  # before looking at the event: a drain under way takes it too
-        loop, wake = self._loop, self._wake
-        if loop is not None and wake is not None and not wake.is_set():
-            loop.call_soon_threadsafe(wake.set)
+        """A pod the watch shows pending; called by the cache as it applies the event, so it only queues
+        the pod, to be priced between the verbs."""
+        self._seen.append((self.clock(), pod))
+        if self._wake is not None:
+            self._wake.set()
+
+    def waiting(self) -> int:
+        """Pods offered and not looked at yet."""
+        return len(self._seen)
 
     async def run(self) -> None:
         """Price what the queue brings, forever; from the first time the cache is ready (a slot primed on a
         half-listed cluster would be remembered as primed)."""
-        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self._wake = asyncio.Event()
         while not self.ready():
             await asyncio.sleep(READY_POLL_SECONDS)
         self._wake.set()  # what was offered while the cache synced
@@ -114,25 +120,24 @@ class Primer:
 
     async def prime(self, pod: PodBody) -> bool:
         """Price the pod's slot on every node unless it was primed before; whether it priced."""
-        scheduler = self.scheduler
         try:
-            request = pod_request(pod, resources=scheduler.resources)
+            request = pod_request(pod, resources=self.resources)
         except ContractError:
             return False  # filter says why; nothing to price
         if request.total <= 0:
             return False  # not a GPU pod: prioritize-no-gpu reads no memo
-        cache, policy = scheduler.cache, scheduler.policy
+        cache, policy = self.cache, self.policy
         slot = cache.index.slot(pod, request, policy)
         if slot in self._primed:
             return False
         self._primed[slot] = None
         if len(self._primed) > REMEMBERED:
             del self._primed[next(iter(self._primed))]
-        names = cache.node_names()
+        names = cache.state.node_names()
         for start in range(0, len(names), self.chunk):
             await self._pace()
             began = self.clock()
-            cache.node_ranks(names[start : start + self.chunk], pod, request, policy)
+            cache.index.node_ranks(names[start : start + self.chunk], pod, request, policy)
             self._owed += self.clock() - began
         self.slots_primed += 1
         return True

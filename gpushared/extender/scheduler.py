@@ -14,14 +14,16 @@ import logging
 import re
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.bodies import PodBody, key_of, node_of, uid_of
+from gpushared.core.nodes import Rejected
 from gpushared.core.policies import NodeRank, Policy, best_nodes, node_scores
 from gpushared.core.requests import pod_request
-from gpushared.extender.cache import ClusterCache, Rejected
-from gpushared.extender.reservations import Assumed
-from gpushared.extender.wire import BindingArgs, ExtenderArgs
+from gpushared.core.reservations import Assumed
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import KubeError, NotFound
 
@@ -30,6 +32,15 @@ log = logging.getLogger(__name__)
 
 class BindError(Exception):
     pass
+
+
+class Filtered(NamedTuple):
+    """What filter answers: the nodes that pass, why each other one failed (only when none passes), or an
+    error for the whole pod (its request cannot be read)."""
+
+    passed: list[str]
+    failed: dict[str, str]
+    error: str = ""
 
 
 #: A Kubernetes UID as the API server writes them.
@@ -45,7 +56,7 @@ class Scheduler:
         policy: Policy,
         resources: ResourceNames,
         clock: Callable[[], int] = time.time_ns,
-        rank_in_filter: bool = False,
+        rank_in_filter: bool,
         may_bind: Callable[[], bool] = lambda: True,
     ) -> None:
         self.cache = cache
@@ -64,8 +75,8 @@ class Scheduler:
     async def close(self) -> None:
         await self.api.close()
 
-    def filter(self, args: ExtenderArgs) -> tuple[list[str], dict[str, str], str]:
-        """(nodes that pass, failed node -> reason, error for the whole pod).
+    def filter(self, args: ExtenderArgs) -> Filtered:
+        """The nodes that pass, why each other one failed, or an error for the whole pod.
 
         The reasons go back only when no node passes. kube-scheduler reads an extender's failed nodes only to
         say why a pod fits nowhere (its FitError, the pod's FailedScheduling event, preemption's choice of
@@ -73,38 +84,42 @@ class Scheduler:
         its cycle, and drops them. With ranking in filter nearly every candidate is left out with a reason:
         400-500 of them a pod, 0.2-0.25 ms of Go's JSON decoding alone, and kube-scheduler spent 0.6 ms of
         CPU a pod less without them (docs/benchmarks.md, "The scheduler with the extender")."""
+        self.cache.owner.check("filter")
         try:
             request = pod_request(args.pod, resources=self.resources)
         except ContractError as exc:
-            return [], {}, f"pod {_pod_name(args.pod)}: {exc}"
-        passed, failed = self.cache.filter(args.names, request)
+            return Filtered([], {}, f"pod {_pod_name(args.pod)}: {exc}")
+        index = self.cache.index
+        passed, failed = index.filter(args.names, request)
         if not passed:
-            return [], failed, ""
+            return Filtered([], failed)
         if self.rank_in_filter and len(passed) > 1:
-            best = best_nodes(self.cache.node_ranks(passed, args.pod, request, self.policy))
+            best = best_nodes(index.node_ranks(passed, args.pod, request, self.policy))
             if best:  # none: every node filled since the filter above; prioritize would score them all 0
                 passed = [passed[i] for i in best]
-        return passed, {}, ""
+        return Filtered(passed, {})
 
     def prioritize(self, args: ExtenderArgs) -> list[tuple[str, int]]:
+        self.cache.owner.check("prioritize")
         try:
             request = pod_request(args.pod, resources=self.resources)
         except ContractError:
             return [(name, 0) for name in args.names]
-        keys = self.cache.node_ranks(args.names, args.pod, request, self.policy)
+        keys = self.cache.index.node_ranks(args.names, args.pod, request, self.policy)
         return list(zip(args.names, node_scores(keys), strict=True))
 
     def prioritize_no_gpu(self, args: ExtenderArgs) -> list[tuple[str, int]]:
         """Scores for a pod that asks for no GPU memory: the nodes where it strands the least free GPU memory
         score highest. kube-scheduler calls this for every pod (a second extender entry, without managed
         resources), so pods that do ask for GPU memory get 0 everywhere: ``prioritize`` scores those."""
+        self.cache.owner.check("prioritize-no-gpu")
         try:
             asks_gpu = pod_request(args.pod, resources=self.resources).total > 0
         except ContractError:
             asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
         if asks_gpu:
             return [(name, 0) for name in args.names]
-        keys = [NodeRank(cost) for cost in self.cache.idle_prices(args.names)]
+        keys = [NodeRank(cost) for cost in self.cache.index.idle_prices(args.names)]
         return list(zip(args.names, node_scores(keys), strict=True))
 
     async def bind(self, args: BindingArgs) -> None:
@@ -114,7 +129,7 @@ class Scheduler:
         One API write: the Binding carries the GPU choice as annotations, which kube-apiserver copies onto
         the pod in the same update that sets its node. So no one ever sees the pod bound without its GPUs or
         annotated but unbound, and a Binding that fails leaves nothing on the pod to take back. The choice is
-        counted in the cache before the write, under the cache's lock, so two binds to one node see each
+        counted in the cache before the write, on the loop that owns the cache, so two binds to one node see each
         other; a write the API server refused releases it at once, one whose answer was lost keeps it.
         """
         try:
@@ -132,7 +147,7 @@ class Scheduler:
             request = pod_request(pod, resources=self.resources)
         except ContractError as exc:
             raise BindError(f"{where}: {exc}") from None
-        fence = self.cache.fenced()
+        fence = self.cache.reservations.fenced()
         if fence is not None:
             raise BindError(f"{where}: {fence}")
         if not self.may_bind():
@@ -185,7 +200,7 @@ class Scheduler:
         return len(due)
 
     async def _read(self, args: BindingArgs) -> PodBody:
-        pod = self.cache.pods.get(args.pod_namespace, args.pod_name)
+        pod = self.cache.pending.get((args.pod_namespace, args.pod_name))
         if pod is None or uid_of(pod) != args.pod_uid:
             try:
                 pod = await self.api.get_pod(args.pod_namespace, args.pod_name)

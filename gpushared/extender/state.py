@@ -16,66 +16,24 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
-from gpushared.core.cpu import allocatable_cpu, cpu_request, holds_cpu
+from gpushared.core.cpu import allocatable_cpu, cpu_of, holds_cpu
 from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.policies import NodeCpu
-from gpushared.kube.locks import CACHE, RankedLock
+from gpushared.core.nodes import NodeState, Rejected, usable
 
 log = logging.getLogger(__name__)
 
 #: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
 MIX_SECONDS = 10.0
 
-#: What a memo entry was worked out against: (ledger version, CPU version).
-Version = tuple[int, int]
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """Why a node is no place for the pod: what kube-scheduler shows in the pod's events."""
-
-    reason: str
-
-
-@dataclass
-class NodeState:
-    name: str
-    inventory: GpuInventory | None = None
-    problem: str | None = None  # why the node's GPUs cannot be read
-    #: whether the node's device plugin puts a container on several GPUs: ours does (it writes the inventory
-    #: annotation); Aliyun's, whose nodes only advertise capacity, gives a container one GPU
-    several_gpus: bool = False
-    address: str = ""
-    #: the value of the cluster's GPU-model label on the node (None: no such label)
-    model: str | None = None
-    pods: dict[str, PodBody] = field(default_factory=dict)  # uid -> pod bound here
-    ledger: Ledger | None = None
-    #: milli-CPU pods may request here (None: the node does not say) and that the pods bound here request
-    cpu_allocatable: int | None = None
-    cpu_requested: int = 0
-    #: counts changes of the two: ranks that read CPU are kept per (ledger version, CPU version)
-    cpu_version: int = 0
-    #: the filter index's reasons, rooms and ranks for this ledger: key -> ((ledger version, CPU version),
-    #: value); emptied when the ledger is rebuilt
-    memo: dict[tuple[Any, ...], tuple[Version, Any]] = field(default_factory=dict)
-
-    @property
-    def cpu(self) -> NodeCpu | None:
-        if self.cpu_allocatable is None:
-            return None
-        return NodeCpu(allocatable=self.cpu_allocatable, requested=self.cpu_requested)
-
 
 class ClusterState:
-    """Fed by the node and pod informers' handlers (``on_node``, ``on_pod``) and by binds (``place``,
-    ``remove``); read under ``lock``, which every part of the cache shares."""
+    """Fed by the node and pod informers' events (``on_node``, ``on_pod``) and by binds (``place``,
+    ``remove``), all applied by its owner (``cache.ClusterCache``) on one thread: no lock."""
 
     def __init__(
         self,
@@ -95,8 +53,6 @@ class ClusterState:
         self.clock = clock
         #: told the name of every node whose ledger changed
         self.changed = changed
-        #: taken inside the informers' handlers, so never held while asking an informer for anything
-        self.lock = RankedLock("extender cache", CACHE)
         self.nodes: dict[str, NodeState] = {}
         #: pod uid -> the node it is counted on: a pod's update touches its node, not every node's pods
         self.node_of: dict[str, str] = {}
@@ -125,33 +81,21 @@ class ClusterState:
 
     def usable(self, name: str, *, gpus: int = 1) -> tuple[NodeState, Ledger] | Rejected:
         """The node and its ledger, or why it is no candidate at all for a pod on ``gpus`` GPUs."""
-        state = self.nodes.get(name)
-        if state is None:
-            return Rejected(f"node {name} is not in the extender's cache (unknown node)")
-        if state.problem:
-            return Rejected(f"node {name} is not usable: {state.problem}")
-        if state.ledger is None:
-            return Rejected(
-                f"node {name} is not a gpushared node (no GPU inventory and no {self.resources.gpu_mem} capacity)"
-            )
-        if gpus > 1 and not state.several_gpus:
-            return Rejected(f"node {name} runs Aliyun's device plugin, which gives a container one GPU, not {gpus}")
-        return state, state.ledger
+        return usable(self.nodes.get(name), name, gpus=gpus, resources=self.resources)
 
     def request_mix(self) -> RequestMix:
         """What the pods on gpushared nodes ask for, as of at most MIX_SECONDS ago: the mix moves slowly, and
         a new one invalidates every node's ranks. The kinds are counted as pods come and go, so taking a
         new mix costs the number of distinct kinds, not of pods."""
-        with self.lock:
-            if self.clock() - self._mix_counted >= MIX_SECONDS:
-                self._mix_counted = self.clock()
-                self.mix_generation += 1
-                rooms = self._node_rooms() if self.count_rooms else None
-                mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
-                if mix.pressures() != self._mix.pressures():
-                    self.pressure_generation += 1
-                self._mix = mix
-            return self._mix
+        if self.clock() - self._mix_counted >= MIX_SECONDS:
+            self._mix_counted = self.clock()
+            self.mix_generation += 1
+            rooms = self._node_rooms() if self.count_rooms else None
+            mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
+            if mix.pressures() != self._mix.pressures():
+                self.pressure_generation += 1
+            self._mix = mix
+        return self._mix
 
     def _node_rooms(self) -> Counter[NodeRoom]:
         """The gpushared nodes by what they have left now; a node's room is worked out again only when its
@@ -189,69 +133,64 @@ class ClusterState:
 
     def snapshot(self, name: str) -> tuple[GpuInventory, list[Holding], str] | None:
         """The node's inventory, holdings and address, for inspect."""
-        with self.lock:
-            state = self.nodes.get(name)
-            if state is None or state.ledger is None or state.inventory is None:
-                return None
-            return state.inventory, list(state.ledger.holdings()), state.address
+        state = self.nodes.get(name)
+        if state is None or state.ledger is None or state.inventory is None:
+            return None
+        return state.inventory, list(state.ledger.holdings()), state.address
 
     def node_names(self) -> list[str]:
-        with self.lock:
-            return sorted(n for n, s in self.nodes.items() if s.inventory is not None or s.problem)
+        return sorted(n for n, s in self.nodes.items() if s.inventory is not None or s.problem)
 
     # --- informer handlers ---------------------------------------------------------------------------------
 
     def on_node(self, old: NodeBody | None, new: NodeBody | None) -> None:
-        with self.lock:
-            if new is None:
-                if old is not None:
-                    state = self.nodes.get(meta_of(old).get("name", ""))
-                    if state is not None:
-                        state.inventory, state.problem, state.cpu_allocatable = None, None, None
-                        self._shapes += 1
-                        self._rebuild(state)
-                return
-            name = meta_of(new).get("name", "")
-            state = self.nodes.setdefault(name, NodeState(name=name))
-            addresses = (new.get("status") or {}).get("addresses") or []
-            state.address = next((a.get("address", "") for a in addresses if a.get("type") == "InternalIP"), "")
-            model = (meta_of(new).get("labels") or {}).get(self.model_label) if self.model_label else None
-            if model != state.model:
-                state.model = model
-                state.memo.clear()  # fgd's ranks read the mix as this model sees it
-                self._shapes += 1
-            cpu = allocatable_cpu(new)
-            if cpu != state.cpu_allocatable:
-                state.cpu_allocatable = cpu
-                state.cpu_version += 1
-                self._shapes += 1
-            try:
-                inventory = inventory_from_node(new, resources=self.resources)
-                problem = None
-            except ContractError as exc:
-                inventory, problem = None, f"its GPU inventory cannot be read: {exc}"
-            state.several_gpus = contract.NODE_INVENTORY in annotations_of(new)
-            if inventory == state.inventory and problem == state.problem:
-                state.inventory = inventory  # the same GPUs; what they use (inspect) may be newer
-                return
-            state.inventory, state.problem = inventory, problem
+        if new is None:
+            if old is not None:
+                state = self.nodes.get(meta_of(old).get("name", ""))
+                if state is not None:
+                    state.inventory, state.problem, state.cpu_allocatable = None, None, None
+                    self._shapes += 1
+                    self._rebuild(state)
+            return
+        name = meta_of(new).get("name", "")
+        state = self.nodes.setdefault(name, NodeState(name=name))
+        addresses = (new.get("status") or {}).get("addresses") or []
+        state.address = next((a.get("address", "") for a in addresses if a.get("type") == "InternalIP"), "")
+        model = (meta_of(new).get("labels") or {}).get(self.model_label) if self.model_label else None
+        if model != state.model:
+            state.model = model  # fgd's ranks read the mix as this model sees it: the index keeps them per model
             self._shapes += 1
-            self._rebuild(state)
+        cpu = allocatable_cpu(new)
+        if cpu != state.cpu_allocatable:
+            state.cpu_allocatable = cpu
+            state.cpu_version += 1
+            self._shapes += 1
+        try:
+            inventory = inventory_from_node(new, resources=self.resources)
+            problem = None
+        except ContractError as exc:
+            inventory, problem = None, f"its GPU inventory cannot be read: {exc}"
+        state.several_gpus = contract.NODE_INVENTORY in annotations_of(new)
+        if inventory == state.inventory and problem == state.problem:
+            state.inventory = inventory  # the same GPUs; what they use (inspect) may be newer
+            return
+        state.inventory, state.problem = inventory, problem
+        self._shapes += 1
+        self._rebuild(state)
 
     def on_pod(self, old: PodBody | None, new: PodBody | None, *, assumed: Callable[[str], bool]) -> None:
         """A pod event; ``assumed(uid)`` says whether a bind counts the pod that the watch has not shown yet
         (such a pod is not taken out for the watch showing it unbound)."""
-        with self.lock:
-            if new is None:
-                if old is not None:
-                    self.remove(uid_of(old))
-                return
-            if old is not None and uid_of(old) != uid_of(new):
-                self.remove(uid_of(old))  # re-created under the same name while the watch was down
-            if node_of(new):
-                self.place(new)
-            elif not assumed(uid_of(new)):
-                self.remove(uid_of(new))
+        if new is None:
+            if old is not None:
+                self.remove(uid_of(old))
+            return
+        if old is not None and uid_of(old) != uid_of(new):
+            self.remove(uid_of(old))  # re-created under the same name while the watch was down
+        if node_of(new):
+            self.place(new)
+        elif not assumed(uid_of(new)):
+            self.remove(uid_of(new))
 
     # --- counting ------------------------------------------------------------------------------------------
 
@@ -348,7 +287,6 @@ class ClusterState:
 
     def _rebuild(self, state: NodeState) -> None:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
-        state.memo.clear()
         self.changed(state.name)
         for uid in state.pods:
             self._uncount(state, uid)
@@ -380,12 +318,3 @@ def _kind(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> M
         return cpu, max(holding.gpus.values()), len(holding.gpus), models
     size = sum(holding.gpus.values()) + holding.pending
     return cpu, size, 1 if size else 0, models if size else None
-
-
-def cpu_of(pod: PodBody) -> int:
-    """The pod's milli-CPU request; 0 for one whose quantities cannot be read (the API server refuses
-    those, so only a body that skipped validation has one; its GPU memory is what must not be lost)."""
-    try:
-        return cpu_request(pod)
-    except ContractError:
-        return 0

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from gpushared.core.bodies import NodeBody, PodBody, meta_of, node_of
-from gpushared.kube import credentials
+from gpushared.kube import kubeconfig as kubeconfig_module
 from gpushared.kube.errors import Conflict, KubeError, NoCredentials, NotFound, error_for, status_message
 from gpushared.kube.rest import REQUEST_TIMEOUT, Rest, pod_path, quoted
 
@@ -36,7 +36,7 @@ STRATEGIC_MERGE = "application/strategic-merge-patch+json"
 
 def connect(kubeconfig: Path | None, *, context: str | None = None) -> Rest:
     """A client from ``kubeconfig`` when that file exists, else the pod's in-cluster credentials."""
-    return Rest(credentials.load(kubeconfig, context=context))
+    return Rest(kubeconfig_module.load(kubeconfig, context=context))
 
 
 def default_kubeconfig() -> Path:

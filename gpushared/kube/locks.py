@@ -1,16 +1,17 @@
 """Locks with a rank, so that two threads can never wait on each other.
 
-The extender's informer threads call their handlers while holding the informer's lock, and the handlers
-take the cache's lock; a verb that held the cache's lock and then asked an informer for an object waited
-for the informer's lock the other way round, and the two waited forever (issue #39: the event loop and
-the pod informer, 30-42 s into Bindings answered 500). A :class:`RankedLock` refuses, at once and with
-both names, to be taken by a thread that already holds a lock of its rank or a higher one: locks are taken
-in increasing rank only, so no cycle of waits can form. The refusal is an exception on the thread that
-broke the order, which the tests (and the fault suite) see the first time that path runs, not the one
-time in thousands that two threads interleave badly.
+The extender's informer threads once called their handlers while holding the informer's lock, and the handlers
+took the cache's lock; a verb that held the cache's lock and then asked an informer for an object waited for
+the informer's lock the other way round, and the two waited forever (issue #39: the event loop and the pod
+informer, 30-42 s into Bindings answered 500). The extender's state has no lock now (one owner:
+``extender/inbox.py``); the informers' mirrors keep theirs, ranked. A :class:`RankedLock` refuses, at once and
+with both names, to be taken by a thread that already holds a lock of its rank or a higher one: locks are
+taken in increasing rank only, so no cycle of waits can form. The refusal is an exception on the thread that
+broke the order, which the tests (and the fault suite) see the first time that path runs, not the one time in
+thousands that two threads interleave badly.
 
-Ranks in use: ``INFORMER`` (each informer's mirror; handlers run under it), then ``CACHE`` (the
-extender's cluster state, taken inside handlers and by the verbs).
+Ranks in use: ``INFORMER`` (each informer's mirror; handlers run under it). A lock a handler takes must
+rank higher.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import threading
 from typing import Any
 
 INFORMER = 10
-CACHE = 20
 
 _held = threading.local()
 

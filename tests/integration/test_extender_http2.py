@@ -1,4 +1,4 @@
-"""The extender's HTTP/2 protocol (``gpushared/extender/http2.py``) against clients that misbehave: what
+"""The extender's HTTP/2 protocol (``gpushared/extender/http/http2.py``) against clients that misbehave: what
 it answers is the routes' business (a stand-in here; the real ones over h2 are in test_extender_faults.py),
 what is checked is the protocol's — many streams on one connection, flow control both ways, the body limit,
 resets, broken frames, idle and stopping connections."""
@@ -17,9 +17,9 @@ import pytest
 import uvloop
 from h2.errors import ErrorCodes
 
-from gpushared.extender.config import ServerConfig
-from gpushared.extender.http2 import MAX_STREAMS, Http2Protocol
-from gpushared.extender.routes import Answer, BodyTooLarge, Call
+from gpushared.extender.http.calls import Answer, BodyTooLarge, Call
+from gpushared.extender.http.config import ServerConfig
+from gpushared.extender.http.http2 import MAX_STREAMS, Http2Protocol
 from tests.h2client import H2Client
 from tests.harness import wait_until
 

@@ -57,8 +57,7 @@ def test_a_leader_whose_loop_stops_answering_stops_renewing_and_the_follower_tak
 def test_a_wedged_event_loop_ends_the_process() -> None:
     """Wherever the extender runs, a loop that has run no timer for the bound exits the process (status
     70) for its supervisor to start again; a loop that beats keeps it."""
-    from gpushared.extender.app import watchdog
-    from gpushared.extender.server import Heartbeat
+    from gpushared.extender.tasks import Heartbeat, watchdog
 
     now = [0.0]
     heartbeat = Heartbeat(clock=lambda: now[0])

@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 
 from gpushared.kube.api import Api
-from gpushared.kube.credentials import Credential, Credentials, StaticCredential, from_kubeconfig
+from gpushared.kube.credentials import Credential, Credentials, StaticCredential
 from gpushared.kube.errors import KubeError, NotFound
+from gpushared.kube.kubeconfig import from_kubeconfig
 from gpushared.kube.rest import Rest
 from tests.builders import pod
 from tests.fakes.apiserver import FakeApiServer, Fault

@@ -10,7 +10,7 @@ import pytest
 
 from gpushared.contract import DEFAULT_RESOURCES, ResourceNames
 from gpushared.core.admission import GPUSHARED_SCHEDULER, asks_for_gpu, scheduler_route
-from gpushared.extender import wire
+from gpushared.extender.http import wire
 from tests.builders import GPU_COUNT, GPU_MEM, admission_review, container, pod
 
 

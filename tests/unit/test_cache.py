@@ -19,11 +19,12 @@ from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
 from gpushared.core.policies import BINPACK, NodeCpu, Policy, PricingContext
 from gpushared.core.requests import pod_request
+from gpushared.core.reservations import LANDING_SECONDS, ghost_uid
 from gpushared.core.verdicts import GpuVerdict, judge, no_room
 from gpushared.extender import index as index_module
-from gpushared.extender.cache import MIX_SECONDS, ClusterCache, Rejected
-from gpushared.extender.reservations import LANDING_SECONDS, ghost_uid
-from gpushared.extender.rooms import STALE, Rooms
+from gpushared.extender.cache import ClusterCache, Rejected
+from gpushared.extender.index import STALE, Rooms
+from gpushared.extender.state import MIX_SECONDS
 from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node
 
@@ -49,7 +50,7 @@ class CacheHistory(RuleBasedStateMachine):
         self.cache = fed_by_hand(clock=lambda: self.now)
         self.now = 0.0
         for name in NODES:
-            self.cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
+            self.cache.on_node(None, gpu_node(name, inv=INVENTORY, cpu="8"))
         self.watched: dict[str, dict[str, Any]] = {}  # what the watch last said of each pod
         #: pods this extender bound and the watch has not shown bound yet: their node
         self.assumed: dict[str, str] = {}
@@ -82,7 +83,7 @@ class CacheHistory(RuleBasedStateMachine):
         return bound or self.assumed.get(uid)
 
     def _event(self, uid: str, new: dict[str, Any] | None) -> None:
-        self.cache.pods.handler(self.watched.get(uid), new)  # type: ignore[misc]
+        self.cache.on_pod(self.watched.get(uid), new)
         if new is None:
             self.watched.pop(uid, None)
         else:
@@ -110,9 +111,9 @@ class CacheHistory(RuleBasedStateMachine):
         good = gpu_node(node, inv=INVENTORY, cpu="8")
         broken = copy.deepcopy(good)
         broken["metadata"]["annotations"][contract.NODE_INVENTORY] = "{not json"
-        self.cache.nodes.handler(good, broken)  # type: ignore[misc]
-        assert isinstance(self.cache.judge(node, pod("probe"), pod_request(pod("probe", 1))), Rejected)
-        self.cache.nodes.handler(broken, good)  # type: ignore[misc]
+        self.cache.on_node(good, broken)
+        assert isinstance(self.cache.index.judge(node, pod("probe"), pod_request(pod("probe", 1))), Rejected)
+        self.cache.on_node(broken, good)
 
     @rule(uid=st.sampled_from(UIDS))
     def finished(self, uid: str) -> None:
@@ -164,7 +165,7 @@ class CacheHistory(RuleBasedStateMachine):
             self.unanswered = {k: v for k, v in self.unanswered.items() if k[0] != assumed.uid}
             if read is not None:
                 self.watched[assumed.uid] = read  # counted from the read: as if the watch had shown it
-                self.cache.pods.handler(None, read)  # type: ignore[misc]
+                self.cache.on_pod(None, read)
                 self.assumed.pop(assumed.uid, None)
         elif (
             assumed.unanswered
@@ -179,7 +180,7 @@ class CacheHistory(RuleBasedStateMachine):
         self.now += MIX_SECONDS
         holdings = []
         for name in NODES:
-            snapshot = self.cache.snapshot(name)
+            snapshot = self.cache.state.snapshot(name)
             assert snapshot is not None
             holdings += [(name, h) for h in snapshot[1]]
         for uid in UIDS[:-1]:
@@ -192,13 +193,13 @@ class CacheHistory(RuleBasedStateMachine):
         shapes = {uid: (1 + UIDS.index(uid), 1) for uid in UIDS[:-2]} | {UIDS[-2]: (2, 2), UIDS[-1]: (0, 0)}
         kinds = [(cpu_milli(uid), *shapes[uid]) for uid in UIDS if self._counted(uid)]
         kinds += [(cpu_milli(uid), *shapes[uid]) for uid, _ in self.unanswered]  # it may land: it counts
-        mix, truth = self.cache.request_mix(), RequestMix(kinds)
+        mix, truth = self.cache.state.request_mix(), RequestMix(kinds)
         assert len(mix) == len(truth) == len(kinds)
         for frees in ([1, 2, 3], [4, 0], [16, 16], [2, 2, 1]):
             for cpu_free in (None, 0, 500, 1200, 2500, 9000):
                 assert mix.fragment(frees, cpu_free=cpu_free) == truth.fragment(frees, cpu_free=cpu_free)
         for name in NODES:
-            judged = self.cache.judge(name, pod("probe"), pod_request(pod("probe", 1)))
+            judged = self.cache.index.judge(name, pod("probe"), pod_request(pod("probe", 1)))
             assert not isinstance(judged, Rejected) and judged[1].cpu is not None
             requested = sum(cpu_milli(uid) for uid in UIDS if self._counted(uid) == name)
             requested += sum(cpu_milli(uid) for uid, node in self.unanswered if node == name)
@@ -212,10 +213,10 @@ class CacheHistory(RuleBasedStateMachine):
         # Most free is 10-16 GiB: some sizes fit, some do not, as pods come and go; on one GPU or on both.
         for size, gpus in [(size, 1) for size in range(9, 18)] + [(2 * share, 2) for share in range(9, 17)]:
             request = pod_request(on_gpus(pod("probe", size), gpus))
-            passed, failed = self.cache.filter(names, request)
+            passed, failed = self.cache.index.filter(names, request)
             fits = set()
             for name in NODES:
-                snapshot = self.cache.snapshot(name)
+                snapshot = self.cache.state.snapshot(name)
                 assert snapshot is not None
                 if sum(v.fits for v in judge(Ledger.build(INVENTORY, snapshot[1]), request)) >= gpus:
                     fits.add(name)
@@ -234,7 +235,7 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
     prioritize calls that pay for it are binpack's slowest, for nothing."""
     now = [0.0]
     cache = fed_by_hand(clock=lambda: now[0])
-    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY))
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
 
@@ -244,11 +245,11 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
 
     for reads_mix in (False, True):
         policy = Policy(name=f"counting-{reads_mix}", price=cost, reads_mix=reads_mix)
-        cache.node_ranks(["n1"], pod("probe"), request, policy)
+        cache.index.node_ranks(["n1"], pod("probe"), request, policy)
         assert priced
         priced.clear()
         now[0] += MIX_SECONDS
-        cache.node_ranks(["n1"], pod("probe"), request, policy)
+        cache.index.node_ranks(["n1"], pod("probe"), request, policy)
         assert bool(priced) == reads_mix
         priced.clear()
 
@@ -264,7 +265,7 @@ def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressur
     for name, model in (("t4", "T4"), ("g2", "G2")):
         node = gpu_node(name, inv=INVENTORY, cpu="8")
         node["metadata"]["labels"] = {label: model}
-        cache.nodes.handler(None, node)  # type: ignore[misc]
+        cache.on_node(None, node)
     names = {id(cache.state.nodes[name].ledger): name for name in ("t4", "g2")}
     probe, request = pod("probe", 3), pod_request(pod("probe", 3))
     priced: set[tuple[str, float]] = set()  # (node, the pressure it was priced under)
@@ -274,25 +275,25 @@ def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressur
         return float(verdict.free - need) + setting.pressure
 
     policy = Policy(name="counting-pressure", price=cost, reads_pressure=True)
-    first = cache.node_ranks(["t4", "g2"], probe, request, policy)
+    first = cache.index.node_ranks(["t4", "g2"], probe, request, policy)
     assert priced == {("t4", 0.0), ("g2", 0.0)}
     for _ in range(3):  # new mixes, the same (no) pressures: every price kept
         priced.clear()
         now[0] += MIX_SECONDS
-        assert cache.node_ranks(["t4", "g2"], probe, request, policy) == first
+        assert cache.index.node_ranks(["t4", "g2"], probe, request, policy) == first
         assert not priced
     pinned = pod("pinned", 8, node="t4", phase="Running")
     pinned["spec"]["nodeSelector"] = {label: "T4"}
     pinned["metadata"]["annotations"] = bind_annotations(
         pod_request(pinned), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
     )
-    cache.pods.handler(None, pinned)  # type: ignore[misc]
+    cache.on_pod(None, pinned)
     priced.clear()
-    cache.node_ranks(["t4", "g2"], probe, request, policy)
+    cache.index.node_ranks(["t4", "g2"], probe, request, policy)
     assert priced == {("t4", 0.0)}  # its ledger changed; the mix is taken at most every MIX_SECONDS
     priced.clear()
     now[0] += MIX_SECONDS
-    moved = cache.node_ranks(["t4", "g2"], probe, request, policy)
+    moved = cache.index.node_ranks(["t4", "g2"], probe, request, policy)
     assert {node for node, _ in priced} == {"t4", "g2"}  # the pressures moved: every node priced again
     assert dict(priced)["t4"] > 0 and dict(priced)["g2"] == 0.0
     assert moved[1] == first[1]
@@ -300,7 +301,7 @@ def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressur
     priced.clear()
     mine = pod("mine", 3)
     mine["spec"]["nodeSelector"] = {label: "T4"}
-    cache.node_ranks(["t4"], mine, request, policy)
+    cache.index.node_ranks(["t4"], mine, request, policy)
     assert priced == {("t4", 0.0)}
 
 
@@ -310,15 +311,15 @@ def test_binpacks_ranks_outlive_a_new_mix_where_no_pod_is_pinned() -> None:
     now = [0.0]
     cache = fed_by_hand(clock=lambda: now[0])
     for name in ("n1", "n2"):
-        cache.nodes.handler(None, gpu_node(name, inv=INVENTORY, cpu="8"))  # type: ignore[misc]
-    cache.pods.handler(None, pod("kind", 5, node="n1", phase="Running"))  # type: ignore[misc]
+        cache.on_node(None, gpu_node(name, inv=INVENTORY, cpu="8"))
+    cache.on_pod(None, pod("kind", 5, node="n1", phase="Running"))
     request = pod_request(pod("probe", 3))
     priced: list[int] = []
     binpack = dataclasses.replace(BINPACK, price=lambda *args: priced.append(1) or BINPACK.price(*args))
-    first = cache.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack)
+    first = cache.index.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack)
     assert len(priced) == 2
     now[0] += MIX_SECONDS
-    assert cache.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack) == first
+    assert cache.index.node_ranks(["n1", "n2"], pod("probe", 3), request, binpack) == first
     assert cache.state.mix_generation >= 2 and len(priced) == 2
 
 
@@ -326,7 +327,7 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
     """A pod without GPU arriving on a node changes no ledger but changes what fgd weighs there; binpack's
     prices do not read it and are kept."""
     cache = fed_by_hand()
-    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY, cpu="8"))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY, cpu="8"))
     request = pod_request(pod("probe", 3))
     priced: list[PricingContext] = []  # each node pricing, by the setting its costs were given
 
@@ -338,11 +339,11 @@ def test_prices_that_read_cpu_are_kept_per_pod_cpu_and_until_the_nodes_cpu_chang
     for reads_cpu in (False, True):
         policy = Policy(name=f"counting-{reads_cpu}", price=cost, reads_cpu=reads_cpu)
         for cpu in ("1", "1", "2"):
-            cache.node_ranks(["n1"], pod("probe", 3, cpu=cpu), request, policy)
+            cache.index.node_ranks(["n1"], pod("probe", 3, cpu=cpu), request, policy)
         assert [s.pod_cpu for s in priced] == ([1000, 2000] if reads_cpu else [0])
         priced.clear()
-        cache.pods.handler(None, pod(f"cpu-only-{reads_cpu}", node="n1", cpu="1", phase="Running"))  # type: ignore[misc]
-        cache.node_ranks(["n1"], pod("probe", 3, cpu="2"), request, policy)
+        cache.on_pod(None, pod(f"cpu-only-{reads_cpu}", node="n1", cpu="1", phase="Running"))
+        cache.index.node_ranks(["n1"], pod("probe", 3, cpu="2"), request, policy)
         assert [s.pod_cpu for s in priced] == ([2000] if reads_cpu else [])
         assert not reads_cpu or priced[0].cpu == NodeCpu(allocatable=8000, requested=2000)
         priced.clear()
@@ -353,11 +354,11 @@ def test_a_warm_cache_answers_filter_without_judging_any_node(monkeypatch: pytes
     each judge hundreds of nodes for the first time."""
     cache = fed_by_hand()
     for name in NODES:
-        cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
-    cache.warm()
+        cache.on_node(None, gpu_node(name, inv=INVENTORY))
+    cache.index.warm()
     judged: list[object] = []
     monkeypatch.setattr(index_module, "most_free", lambda *a, **k: judged.append(a) or 0)
-    passed, failed = cache.filter(list(NODES), pod_request(pod("probe", 4)))
+    passed, failed = cache.index.filter(list(NODES), pod_request(pod("probe", 4)))
     assert sorted(passed) == sorted(NODES) and not failed
     assert not judged
 
@@ -387,19 +388,19 @@ def test_the_watch_confirming_a_bind_leaves_the_nodes_room_as_it_was(monkeypatch
     """The watch shows every pod pending before it shows it bound. Counting the bind again on that event
     would make every filter after every bind work the node's room out anew, for nothing."""
     cache = fed_by_hand()
-    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY))
     pending = pod("p", 3, uid="u1")
-    cache.pods.handler(None, pending)  # type: ignore[misc]
+    cache.on_pod(None, pending)
     reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
     assert not isinstance(reserved, Rejected)
-    cache.warm()
+    cache.index.warm()
     bound = copy.deepcopy(pending)
     bound["metadata"]["annotations"] = reserved.annotations
     bound["spec"]["nodeName"] = "n1"
     worked_out: list[object] = []
     monkeypatch.setattr(index_module, "most_free", lambda *a, **k: worked_out.append(a) or 0)
-    cache.pods.handler(pending, bound)  # type: ignore[misc]
-    assert cache.filter(["n1"], pod_request(pod("q", 13)))[0] == ["n1"]  # 16 - 3 free, as before the event
+    cache.on_pod(pending, bound)
+    assert cache.index.filter(["n1"], pod_request(pod("q", 13)))[0] == ["n1"]  # 16 - 3 free, as before the event
     assert not worked_out
 
 
@@ -408,7 +409,7 @@ def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once
     memory is free, wherever the new one runs."""
     cache = fed_by_hand()
     for name in ("n1", "n2"):
-        cache.nodes.handler(None, gpu_node(name, inv=INVENTORY))  # type: ignore[misc]
+        cache.on_node(None, gpu_node(name, inv=INVENTORY))
     before = pod("p", 5, uid="u1", node="n1")
     before["metadata"]["annotations"] = bind_annotations(
         pod_request(before), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
@@ -417,11 +418,11 @@ def test_a_pod_recreated_under_its_name_while_the_watch_was_down_is_counted_once
     after["metadata"]["annotations"] = bind_annotations(
         pod_request(after), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=2
     )
-    cache.pods.handler(None, before)  # type: ignore[misc]
-    cache.pods.handler(before, after)  # type: ignore[misc]
+    cache.on_pod(None, before)
+    cache.on_pod(before, after)
     holders = {}
     for name in ("n1", "n2"):
-        snapshot = cache.snapshot(name)
+        snapshot = cache.state.snapshot(name)
         assert snapshot is not None
         holders[name] = [h.uid for h in snapshot[1]]
     assert holders == {"n1": [], "n2": ["u2"]}
@@ -432,12 +433,12 @@ def test_a_bound_pods_gpu_choice_edited_by_its_owner_does_not_move_the_books(edi
     """Defect: patching a running pod's allocation (or Aliyun's keys) freed its memory in the extender's books,
     and other pods were bound onto the GPU it still used."""
     cache = fed_by_hand()
-    cache.nodes.handler(None, gpu_node("n1", inv=INVENTORY))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY))
     bound = pod("p", 12, uid="u1", node="n1", phase="Running")
     bound["metadata"]["annotations"] = bind_annotations(
         pod_request(bound), INVENTORY.gpus[:1], unit=INVENTORY.unit, now_ns=1
     )
-    cache.pods.handler(None, bound)  # type: ignore[misc]
+    cache.on_pod(None, bound)
     edited = copy.deepcopy(bound)
     annotations = edited["metadata"]["annotations"]
     if edit == "other-gpu":
@@ -446,10 +447,10 @@ def test_a_bound_pods_gpu_choice_edited_by_its_owner_does_not_move_the_books(edi
         annotations.clear()
     else:
         annotations[contract.POD_ALLOCATION] = annotations[contract.POD_ALLOCATION].replace('"amount":12', '"amount":0')
-    cache.pods.handler(bound, edited)  # type: ignore[misc]
-    snapshot = cache.snapshot("n1")
+    cache.on_pod(bound, edited)
+    snapshot = cache.state.snapshot("n1")
     assert snapshot is not None
     assert [(h.uid, h.gpus) for h in snapshot[1]] == [("u1", {0: 12})]
-    assert cache.filter(["n1"], pod_request(pod("q", 5)))[0] == ["n1"]  # 4 left on GPU 0, 16 on GPU 1
-    assert cache.filter(["n1"], pod_request(pod("q", 17)))[0] == []
-    assert cache.allocation_edits == (edit != "zero")
+    assert cache.index.filter(["n1"], pod_request(pod("q", 5)))[0] == ["n1"]  # 4 left on GPU 0, 16 on GPU 1
+    assert cache.index.filter(["n1"], pod_request(pod("q", 17)))[0] == []
+    assert cache.state.allocation_edits == (edit != "zero")

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from gpushared.kube import credentials as creds
+from gpushared.kube import kubeconfig as kubeconfigs
 from gpushared.kube.errors import KubeError, NoCredentials
 
 CA = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n"
@@ -38,7 +39,7 @@ def kubeconfig(user: dict[str, Any], cluster: dict[str, Any] | None = None, **to
 
 
 def load(doc: Any, tmp_path: Path, *, context: str | None = None, **environ: str) -> creds.Credentials:
-    return creds.from_kubeconfig(doc, base=tmp_path, context=context, source="kubeconfig k", environ=environ)
+    return kubeconfigs.from_kubeconfig(doc, base=tmp_path, context=context, source="kubeconfig k", environ=environ)
 
 
 # --- what each kind of kubeconfig user presents ------------------------------------------------------------
@@ -131,13 +132,13 @@ def test_load_reads_the_file_else_the_service_account_else_says_there_is_nothing
 ) -> None:
     path = tmp_path / "kubeconfig"
     path.write_text(yaml.safe_dump(kubeconfig({"token": "t"})))
-    assert creds.load(path).source == f"kubeconfig {path}"
+    assert kubeconfigs.load(path).source == f"kubeconfig {path}"
     path.write_text("clusters: [")
     with pytest.raises(KubeError, match=f"^kubeconfig {path}: "):
-        creds.load(path)
+        kubeconfigs.load(path)
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(NoCredentials):
-        creds.load(tmp_path / "absent")
+        kubeconfigs.load(tmp_path / "absent")
 
 
 # --- what changes while we run: token files, exec plugins -------------------------------------------------
@@ -167,15 +168,15 @@ def test_in_cluster_takes_the_service_and_the_mounted_token(tmp_path: Path) -> N
     (tmp_path / "token").write_text("sa-token")
     (tmp_path / "ca.crt").write_text(CA)
     env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443", "NO_PROXY": "fd00::/64"}
-    loaded = creds.in_cluster({**env, "HTTPS_PROXY": "http://proxy:3128"}, root=tmp_path)
+    loaded = kubeconfigs.in_cluster({**env, "HTTPS_PROXY": "http://proxy:3128"}, root=tmp_path)
     assert loaded.server == "https://[fd00::1]:443"
     assert (loaded.ca_file, loaded.proxy) == (str(tmp_path / "ca.crt"), None)
     assert loaded.credential.authorization() == "Bearer sa-token"
     (tmp_path / "token").unlink()
     with pytest.raises(KubeError, match="automountServiceAccountToken"):
-        creds.in_cluster(env, root=tmp_path)
+        kubeconfigs.in_cluster(env, root=tmp_path)
     with pytest.raises(KubeError, match="KUBERNETES_SERVICE_PORT"):
-        creds.in_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, root=tmp_path)
+        kubeconfigs.in_cluster({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, root=tmp_path)
 
 
 PROXIES = [

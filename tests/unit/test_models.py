@@ -125,10 +125,10 @@ def test_the_extender_counts_kinds_with_their_models_and_nodes_with_theirs() -> 
     )
     t4 = gpu_node("t4", 16)
     t4["metadata"]["labels"] = {LABEL: "T4"}
-    cache.nodes.handler(None, t4)  # type: ignore[misc]
+    cache.on_node(None, t4)
     pinned = pod("pinned", 16, node="t4")
     pinned["spec"]["nodeSelector"] = {LABEL: "T4"}
-    cache.pods.handler(None, pinned)  # type: ignore[misc]
+    cache.on_pod(None, pinned)
     assert cache.state.nodes["t4"].model == "T4"
     mix = cache.state.request_mix()
     # The only kind seen may use T4s alone: to a G2 node all its memory is fragment, to a T4 none of it.
@@ -139,11 +139,11 @@ def test_the_extender_counts_kinds_with_their_models_and_nodes_with_theirs() -> 
     assert (seen.model, seen.gpus, seen.gpu_memory, mix.nodes[seen]) == ("T4", 1, 16, 1)
     # Counted again when a node's shape changes, not with every mix: a status update alone changes nothing.
     counted = cache.state._node_classes()
-    cache.nodes.handler(t4, t4)  # type: ignore[misc]
+    cache.on_node(t4, t4)
     assert cache.state._node_classes() is counted
     g2 = gpu_node("g2", 16, 16)
     g2["metadata"]["labels"] = {LABEL: "G2"}
-    cache.nodes.handler(None, g2)  # type: ignore[misc]
+    cache.on_node(None, g2)
     assert sorted((c.model, c.gpus, n) for c, n in cache.state._node_classes().items()) == [("G2", 2, 1), ("T4", 1, 1)]
 
 
@@ -341,7 +341,7 @@ def test_the_extender_tells_the_mix_what_each_node_has_left() -> None:
     )
     node = gpu_node("n1", 16, 16)
     node["metadata"]["labels"] = {LABEL: "G2"}
-    cache.nodes.handler(None, node)  # type: ignore[misc]
+    cache.on_node(None, node)
     first = cache.state._node_rooms()
     assert [(room.model, room.frees) for room in first] == [("G2", (16, 16))]
     bound = pod("p", 6, node="n1", phase="Running")
@@ -350,7 +350,7 @@ def test_the_extender_tells_the_mix_what_each_node_has_left() -> None:
     bound["metadata"]["annotations"] = bind_annotations(
         pod_request(bound), inventory.gpus[1:], unit=inventory.unit, now_ns=1
     )
-    cache.pods.handler(None, bound)  # type: ignore[misc]
+    cache.on_pod(None, bound)
     (room,) = cache.state._node_rooms()
     assert (room.model, room.frees) == ("G2", (16, 10))
     assert cache.state.request_mix().rooms == {room: 1}

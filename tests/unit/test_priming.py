@@ -54,8 +54,8 @@ def counting_cache(cost: Callable[[], None] = lambda: None) -> tuple[ClusterCach
     cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
     inv = inventory(16, 16)
     for name in NODES:
-        cache.nodes.handler(None, gpu_node(name, inv=inv, cpu="8"))  # type: ignore[misc]
-    cache.pods.handler(None, pod("running", 5, node="n1", phase="Running"))  # type: ignore[misc]
+        cache.on_node(None, gpu_node(name, inv=inv, cpu="8"))
+    cache.on_pod(None, pod("running", 5, node="n1", phase="Running"))
     priced: list[str] = []
     ledgers = {id(cache.state.nodes[name].ledger): name for name in NODES}
 
@@ -65,7 +65,9 @@ def counting_cache(cost: Callable[[], None] = lambda: None) -> tuple[ClusterCach
         return BINPACK.price(*args)
 
     policy: Policy = dataclasses.replace(BINPACK, price=price)
-    scheduler = Scheduler(cache=cache, api=cast(AsyncApi, None), policy=policy, resources=contract.DEFAULT_RESOURCES)
+    scheduler = Scheduler(
+        cache=cache, api=cast(AsyncApi, None), policy=policy, resources=contract.DEFAULT_RESOURCES, rank_in_filter=False
+    )
     return cache, scheduler, priced
 
 
@@ -74,28 +76,30 @@ def test_the_pod_informer_offers_the_pods_that_wait_for_a_node() -> None:
     offered: list[str] = []
     cache.pending_seen = lambda body: offered.append(body["metadata"]["name"])
     for body in (pod("waits", 3), pod("bound", 3, node="n2", phase="Running"), terminating(pod("going", 3))):
-        cache.pods.handler(None, body)  # type: ignore[misc]
+        cache.on_pod(None, body)
     assert offered == ["waits"]
 
 
 def test_a_slot_is_priced_on_every_node_once_and_the_verb_then_prices_none() -> None:
     cache, scheduler, priced = counting_cache()
-    primer = Primer(scheduler, ready=lambda: True, chunk=2)
+    primer = Primer(
+        scheduler.cache, policy=scheduler.policy, resources=scheduler.resources, ready=lambda: True, chunk=2
+    )
     first = pod("first", 3)
     assert asyncio.run(primer.prime(first))
     assert sorted(priced) == sorted(NODES)
     priced.clear()
     # Another pod of the same slot is not priced again, and its verb finds every rank kept.
     assert not asyncio.run(primer.prime(pod("second", 3)))
-    ranks = cache.node_ranks(list(NODES), pod("second", 3), pod_request(pod("second", 3)), scheduler.policy)
+    ranks = cache.index.node_ranks(list(NODES), pod("second", 3), pod_request(pod("second", 3)), scheduler.policy)
     assert not priced
     # The same ranks a cold verb works out.
     cold, cold_scheduler, _ = counting_cache()
-    assert ranks == cold.node_ranks(list(NODES), pod("x", 3), pod_request(pod("x", 3)), cold_scheduler.policy)
+    assert ranks == cold.index.node_ranks(list(NODES), pod("x", 3), pod_request(pod("x", 3)), cold_scheduler.policy)
     # A bind changes one node: only it is priced again, by the verb (a slot is primed once).
-    cache.pods.handler(None, pod("landed", 2, node="n3", phase="Running"))  # type: ignore[misc]
+    cache.on_pod(None, pod("landed", 2, node="n3", phase="Running"))
     assert not asyncio.run(primer.prime(pod("third", 3)))
-    cache.node_ranks(list(NODES), first, pod_request(first), scheduler.policy)
+    cache.index.node_ranks(list(NODES), first, pod_request(first), scheduler.policy)
     assert priced == ["n3"]
     # A new size is a new slot; a pod asking for no GPU memory, or a malformed one, is not primed.
     priced.clear()
@@ -111,7 +115,9 @@ def test_a_slot_is_priced_on_every_node_once_and_the_verb_then_prices_none() -> 
 def test_priming_yields_to_the_loop_between_chunks() -> None:
     """A verb that arrives while a slot is primed waits for one chunk, not for every node."""
     _, scheduler, priced = counting_cache()
-    primer = Primer(scheduler, ready=lambda: True, chunk=1)
+    primer = Primer(
+        scheduler.cache, policy=scheduler.policy, resources=scheduler.resources, ready=lambda: True, chunk=1
+    )
     seen_by_verb: list[int] = []
 
     async def both() -> None:
@@ -126,23 +132,26 @@ def test_priming_yields_to_the_loop_between_chunks() -> None:
     assert len(priced) == len(NODES)
 
 
-def test_offers_from_the_informer_thread_are_primed_once_the_cache_is_ready() -> None:
-    _, scheduler, priced = counting_cache()
-    ready = threading.Event()
-    primer = Primer(scheduler, ready=ready.is_set)
-    primer.offer(pod("before-ready", 3))
+def test_pending_pods_the_cache_applies_are_primed_once_it_is_ready_one_slot_once() -> None:
+    """The cache hands the primer each pod the watch shows pending, as it applies the event on its owner's
+    thread; nothing is priced before the cache is ready, and fifty pods of one size are one slot."""
+    cache, scheduler, priced = counting_cache()
+    ready = False
+    primer = Primer(cache, policy=scheduler.policy, resources=scheduler.resources, ready=lambda: ready)
+    cache.pending_seen = primer.offer
+    cache.on_pod(None, pod("before-ready", 3))
 
     async def scenario() -> None:
+        nonlocal ready
         running = asyncio.create_task(primer.run())
-        await asyncio.sleep(0.2)
+        for _ in range(50):
+            await asyncio.sleep(0)
         assert primer.slots_primed == 0  # a half-listed cache is not primed
-        ready.set()
+        ready = True
         await until(lambda: primer.slots_primed == 1)
-        offering = threading.Thread(target=lambda: [primer.offer(pod(f"from-thread-{i}", 6)) for i in range(50)])
-        offering.start()
-        offering.join()
-        await until(lambda: primer.slots_primed == 2)
-        await asyncio.sleep(0.1)
+        for i in range(50):
+            cache.on_pod(None, pod(f"same-size-{i}", 6))
+        await until(lambda: primer.slots_primed == 2 and not primer.waiting())
         assert primer.slots_primed == 2  # fifty pods, one slot
         running.cancel()
 
@@ -193,7 +202,15 @@ def test_a_flood_of_distinct_sizes_gets_at_most_its_share_of_the_loop() -> None:
     its pricing stays within the burst plus its share of the time that passed."""
     fake = FakeTime()
     _, scheduler, _ = counting_cache(cost=fake.cost)
-    primer = Primer(scheduler, ready=lambda: True, chunk=1, clock=fake.clock, sleep=fake.sleep)
+    primer = Primer(
+        scheduler.cache,
+        policy=scheduler.policy,
+        resources=scheduler.resources,
+        ready=lambda: True,
+        chunk=1,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
     started = fake.now
 
     async def flood() -> None:
@@ -210,7 +227,14 @@ def test_a_pod_offered_long_ago_is_passed_over() -> None:
     fake = FakeTime()
     _, scheduler, _ = counting_cache()
     ready = threading.Event()
-    primer = Primer(scheduler, ready=ready.is_set, clock=fake.clock, sleep=fake.sleep)
+    primer = Primer(
+        scheduler.cache,
+        policy=scheduler.policy,
+        resources=scheduler.resources,
+        ready=ready.is_set,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
     primer.offer(pod("old", 3))
     fake.now += STALE_SECONDS + 1  # its cycle has passed while the cache synced
     primer.offer(pod("fresh", 5))

@@ -10,8 +10,7 @@ import pytest
 from gpushared import contract
 from gpushared.core.policies import BINPACK
 from gpushared.core.requests import pod_request
-from gpushared.extender.cache import ClusterCache, Rejected
-from gpushared.extender.reservations import (
+from gpushared.core.reservations import (
     CONFIRM_SECONDS,
     LANDING_SECONDS,
     Action,
@@ -20,6 +19,7 @@ from gpushared.extender.reservations import (
     ghost_uid,
     settle,
 )
+from gpushared.extender.cache import ClusterCache, Rejected
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node
 
@@ -70,12 +70,12 @@ def cache_at(now: list[float]) -> ClusterCache:
         resources=contract.DEFAULT_RESOURCES,
         clock=lambda: now[0],
     )
-    cache.nodes.handler(None, gpu_node("n1", inv=inventory(16)))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=inventory(16)))
     return cache
 
 
 def fits(cache: ClusterCache, amount: int) -> bool:
-    return cache.filter(["n1"], pod_request(pod("probe", amount)))[0] == ["n1"]
+    return cache.index.filter(["n1"], pod_request(pod("probe", amount)))[0] == ["n1"]
 
 
 def test_a_bind_the_watch_never_shows_keeps_its_memory_however_long() -> None:
@@ -83,7 +83,7 @@ def test_a_bind_the_watch_never_shows_keeps_its_memory_however_long() -> None:
     now = [0.0]
     cache = cache_at(now)
     pending = pod("p", 10, uid="u1")
-    cache.pods.handler(None, pending)  # type: ignore[misc]
+    cache.on_pod(None, pending)
     reserved = cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
     assert not isinstance(reserved, Rejected)
     for _ in range(100):  # ten minutes of silence, read on every filter
@@ -95,7 +95,7 @@ def test_a_bind_the_watch_never_shows_keeps_its_memory_however_long() -> None:
     bound["metadata"]["annotations"] = reserved.annotations
     outcome = cache.settle(due, bound)
     assert outcome is not None and outcome.action is Action.COUNT
-    assert not fits(cache, 10) and fits(cache, 6) and cache.unconfirmed() == 0
+    assert not fits(cache, 10) and fits(cache, 6) and cache.reservations.unconfirmed() == 0
 
 
 def test_a_read_back_that_fails_settles_nothing_and_is_tried_again() -> None:
@@ -116,19 +116,19 @@ def test_an_unanswered_binding_keeps_its_memory_while_the_pod_is_tried_elsewhere
     to another pod, then the Binding landed: 20/16."""
     now = [0.0]
     cache = cache_at(now)
-    cache.nodes.handler(None, gpu_node("n2", inv=inventory(16)))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n2", inv=inventory(16)))
     pending = pod("p", 10, uid="u1")
-    cache.pods.handler(None, pending)  # type: ignore[misc]
+    cache.on_pod(None, pending)
     assert not isinstance(cache.reserve("n1", pending, pod_request(pending), policy=BINPACK, now_ns=1), Rejected)  # type: ignore[arg-type]
     cache.unanswered(pending, "n1")
     assert not fits(cache, 10)  # the late Binding may take it
     # kube-scheduler tries the pod again, on n2: allowed, and both nodes hold it until the truth is known
     assert not isinstance(cache.reserve("n2", pending, pod_request(pending), policy=BINPACK, now_ns=2), Rejected)  # type: ignore[arg-type]
-    assert not cache.filter(["n1", "n2"], pod_request(pod("probe", 10)))[0]
+    assert not cache.index.filter(["n1", "n2"], pod_request(pod("probe", 10)))[0]
     # The watch shows it bound to n2: no Binding to n1 can land any more.
     bound = read(node="n2")
-    cache.pods.handler(pending, bound)  # type: ignore[misc]
-    assert fits(cache, 10) and cache.unconfirmed() == 0
+    cache.on_pod(pending, bound)
+    assert fits(cache, 10) and cache.reservations.unconfirmed() == 0
 
 
 def test_a_second_bind_of_a_pod_whose_binding_was_created_is_refused() -> None:
@@ -170,19 +170,24 @@ def test_the_fence_holds_pods_that_fit_until_each_is_seen_bound_or_gone() -> Non
         clock=lambda: now[0],
         landing_seconds=30.0,
     )
-    cache.nodes.handler(None, gpu_node("n1", inv=inventory(16), cpu="8"))  # type: ignore[misc]
+    cache.on_node(None, gpu_node("n1", inv=inventory(16), cpu="8"))
     small, other, huge = pod("small", 4, uid="s"), pod("other", 2, uid="o"), pod("huge", 40, uid="h")
     for body in (small, other, huge):
-        cache.pods._set(body)  # the watch's mirror, as listed
+        cache.pods._set(body)  # the watch's mirror, as listed: its handler puts each in the inbox
+    assert cache.arm_fence() == 0  # the owner has not applied them yet
+    assert cache.inbox.drain() == 3
     assert cache.arm_fence() == 2
-    assert cache.fenced() is not None and "2 pods" in cache.fenced()  # type: ignore[operator]
+    assert cache.reservations.fenced() is not None and "2 pods" in cache.reservations.fenced()  # type: ignore[operator]
     bound = {**small, "spec": {**small["spec"], "nodeName": "n1"}}
     cache.pods._apply({"type": "MODIFIED", "object": bound}, "2")  # the earlier extender's Binding landed
-    assert "1 pods" in (cache.fenced() or "")
+    cache.inbox.drain()
+    assert "1 pods" in (cache.reservations.fenced() or "")
     cache.pods._apply({"type": "DELETED", "object": other}, "3")
-    assert cache.fenced() is None
+    cache.inbox.drain()
+    assert cache.reservations.fenced() is None
     assert cache.arm_fence() == 0  # armed again (a takeover): "huge" fits nowhere, "small" is bound
     cache.pods._set({**pod("late", 1, uid="l")})
+    cache.inbox.drain()
     assert cache.arm_fence() == 1
     now[0] = 30.0
-    assert cache.fenced() is None  # the window has passed
+    assert cache.reservations.fenced() is None  # the window has passed

@@ -103,7 +103,7 @@ def test_the_extender_keeps_its_ledger_when_only_use_changed() -> None:
     version = ledger.version
     cache.state.on_node(node(100), node(7000))  # type: ignore[arg-type]
     assert cache.state.nodes["n1"].ledger is ledger and ledger.version == version
-    snapshot = cache.snapshot("n1")
+    snapshot = cache.state.snapshot("n1")
     assert snapshot is not None and snapshot[0].gpus[0].used_mib == 7000
 
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gpushared.extender import wire
+from gpushared.extender.http import wire
 
 POD = {"metadata": {"name": "binpack-1", "namespace": "default", "uid": "u1"}, "spec": {"containers": []}}
 

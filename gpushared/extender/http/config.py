@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpushared.core.admission import GPUSHARED_SCHEDULER
-from gpushared.extender import wire
+from gpushared.extender.http import wire
 
 
 @dataclass(frozen=True)
@@ -31,5 +30,3 @@ class ServerConfig:
     #: without client_ca, bind anyway: anyone who reaches the port can then bind any pod whose UID it knows
     #: (benchmarks and tests on loopback; never a cluster)
     insecure_bind: bool = False
-    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
-    webhook_scheduler: str = GPUSHARED_SCHEDULER

@@ -7,9 +7,9 @@ mutual TLS handshake on both sides: 340-520 per 1,000 pods, most of what the ext
 handshaken once.
 
 This protocol only speaks HTTP/2 (framing, flow control, the limits below; the ``h2`` library holds the
-state machine); what a request is answered is :meth:`Routes.answer`'s, as over HTTP/1.1. The limits a
-caller meets, as on HTTP/1.1: a body past ``max_body_bytes`` is 413 and a body slower than
-``read_timeout`` is 408 (both in ``Routes.verb``), headers past :data:`MAX_HEADER_LIST_BYTES` and any
+state machine); what a request is answered is its ``Answering``'s (``extender.routes``), as over
+HTTP/1.1. The limits a caller meets, as on HTTP/1.1: a body past ``max_body_bytes`` is 413 and a body slower than
+``read_timeout`` is 408 (both in ``guard.Guard``), headers past :data:`MAX_HEADER_LIST_BYTES` and any
 frame that breaks the protocol end the connection with a GOAWAY naming the error, a connection with no
 request open for ``keepalive_timeout`` is closed, and at most :data:`MAX_STREAMS` answers are worked on per
 connection — counting those of streams the client already reset, so opening and resetting streams as
@@ -35,8 +35,8 @@ import h2.exceptions
 import h2.settings
 from h2.errors import ErrorCodes
 
-from gpushared.extender.config import ServerConfig
-from gpushared.extender.routes import TEXT, Answer, BodyTooLarge, Call, Routes
+from gpushared.extender.http.calls import TEXT, Answer, Answering, BodyTooLarge, Call
+from gpushared.extender.http.config import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class _Stream:
 class Http2Protocol(asyncio.Protocol):
     """One HTTP/2 connection. ``live`` holds the open ones, for the server to send away when it stops."""
 
-    def __init__(self, routes: Routes, config: ServerConfig, *, live: set[Http2Protocol]) -> None:
+    def __init__(self, routes: Answering, config: ServerConfig, *, live: set[Http2Protocol]) -> None:
         self.routes = routes
         self.config = config
         self.live = live

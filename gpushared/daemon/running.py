@@ -1,0 +1,149 @@
+"""Everything the daemon runs once it reaches the API server, built whole and stopped whole.
+
+Before it has credentials the daemon reads its GPUs and waits (``service.Service``); once it has them it
+builds one :class:`Running` — the API client, the node's publisher and watches, the pod mirror, the MPS
+supervisor where MPS is on, the manager, the memory watcher, the device plugin and its kubelet link — in
+one step, as NVIDIA's device plugin builds and restarts its servers whole. Nothing in it is ever half
+there: the loop that ticks it needs no None checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from gpushared.contract import ResourceNames
+from gpushared.core.bodies import NodeBody
+from gpushared.daemon.config import Config
+from gpushared.daemon.gpus import GpuReader
+from gpushared.daemon.health import Health
+from gpushared.daemon.manager import Manager
+from gpushared.daemon.memory import GpuView, MemoryWatcher
+from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.mps import MpsSupervisor, settings_of
+from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
+from gpushared.deviceplugin.podresources.client import list_pod_devices
+from gpushared.deviceplugin.server import PluginServer
+from gpushared.kube.api import Api
+from gpushared.kube.informer import Informer
+from gpushared.kube.podwatch import PodWatch
+from gpushared.nvml.backend import GpuBackend
+
+#: The device plugin's socket, in the kubelet's plugin directory.
+ENDPOINT = "gpushared.sock"
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What the daemon has before it connects, and every running part reads."""
+
+    config: Config
+    resources: ResourceNames
+    backend: GpuBackend
+    gpus: GpuReader
+    health: Health
+    metrics: Metrics
+
+
+@dataclass(frozen=True)
+class Running:
+    api: Api
+    node: NodePublisher
+    pods: PodWatch
+    node_watch: Informer[NodeBody]
+    #: where the config turns MPS on (``mpsEnabled``); None where it is off, never "not yet"
+    mps: MpsSupervisor | None
+    manager: Manager
+    memory: MemoryWatcher
+    plugin: PluginServer
+    kubelet: KubeletLink
+
+    @classmethod
+    def start(cls, parts: Parts, api: Api, *, stop: threading.Event) -> Running:
+        """Build every part and start its threads; the MPS daemons are adopted (or started) before the first
+        inventory goes out, so that a restart does not show every MPS GPU unhealthy to the kubelet and the
+        scheduler for a probe interval."""
+        config, metrics = parts.config, parts.metrics
+        node = NodePublisher(
+            api,
+            config.node_name,
+            resources=parts.resources,
+            usage_seconds=config.inventory_usage_seconds,
+            metrics=metrics,
+        )
+        pods = PodWatch(api, config.node_name)
+        pods.start()
+        watching_node = node_watch(api, config.node_name, node)
+        watching_node.start()
+        mps = None
+        if config.mps_enabled:
+            mps = MpsSupervisor(
+                settings=settings_of(config), health=parts.health, metrics=metrics, backend=parts.backend
+            )
+            mps.sync(parts.gpus.devices)
+            mps.check()
+        manager = Manager(
+            node=config.node_name,
+            resources=parts.resources,
+            unit=config.memory_unit,
+            api=api,
+            pods=pods,
+            pod_resources_socket=config.pod_resources_socket,
+            health=parts.health,
+            metrics=metrics,
+            mps=mps,
+            exposure=config.exposure,
+        )
+        manager.refresh(parts.gpus.devices, parts.gpus.links)
+        metrics.watch_pods(manager.pod_shares)
+        memory = _memory_watcher(parts, manager, pods)
+        plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
+        running = cls(
+            api=api,
+            node=node,
+            pods=pods,
+            node_watch=watching_node,
+            mps=mps,
+            manager=manager,
+            memory=memory,
+            plugin=plugin,
+            kubelet=KubeletLink(plugin, metrics=metrics),
+        )
+        if mps is not None:
+            threading.Thread(target=mps.run, args=(stop,), name="mps", daemon=True).start()
+        threading.Thread(target=memory.run, args=(stop,), name="gpu-memory", daemon=True).start()
+        if config.health_enabled:
+            watch = parts.gpus.watch_events
+            threading.Thread(target=watch, args=(stop, metrics), name="gpu-events", daemon=True).start()
+        return running
+
+    def stop(self) -> None:
+        """Stop serving; the MPS control daemons keep running (quitting them would cut off every MPS client
+        on the node; the next gpushared adopts them)."""
+        self.plugin.stop()
+        self.pods.stop()
+        self.node_watch.stop()
+        self.manager.flush(timeout=3.0)
+
+    @property
+    def registered(self) -> bool:
+        return self.kubelet.registered
+
+
+def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWatcher:
+    """The memory watcher (docs/memory.md). It runs with the node's enforcement off too: a pod's
+    annotation may still ask for report or kill."""
+    config = parts.config
+    return MemoryWatcher(
+        backend=parts.backend,
+        gpus=lambda: [GpuView(g.index, g.uuid, g.memory_mib) for g in manager.inventory.gpus],
+        pods=pods.pods,
+        outbox=manager.outbox,
+        metrics=parts.metrics,
+        unit=config.memory_unit,
+        resources=parts.resources,
+        enforcement=config.memory_enforcement,
+        policy=config.memory_policy,
+        poll_seconds=config.memory_poll_seconds,
+        pod_devices=lambda: list_pod_devices(config.pod_resources_socket, resource=parts.resources.gpu_mem),
+    )

@@ -1,0 +1,143 @@
+"""The extender's port: one listening socket, HTTP/1.1 on aiohttp and HTTP/2 (``http2.py``) chosen per
+connection, both handing each call to one :class:`calls.Answering` (``extender.routes``).
+
+kube-scheduler calls filter, prioritize and bind with a short timeout (5 s by default). Everything runs on
+the event loop, with no thread hand-off: filter and prioritize are lookups in the cache (a millisecond at
+5,000 candidates), and bind's one API call is awaited, so the next filter is served while a bind waits for
+the API server.
+
+Over TLS the client picks the HTTP version in the handshake (ALPN): kube-scheduler's extender client offers
+``h2`` and then carries every call on one connection; without TLS it is HTTP/1.1 (Go's client does not
+speak cleartext HTTP/2 unless told to).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from gpushared.extender.http.calls import Answering, BodyTooLarge, Call
+from gpushared.extender.http.config import ServerConfig
+from gpushared.extender.http.guard import FORWARDED
+from gpushared.extender.http.http2 import Http2Protocol
+
+log = logging.getLogger(__name__)
+
+#: What the extender offers in the TLS handshake, preferred first.
+ALPN = ("h2", "http/1.1")
+
+
+def application(answering: Answering, config: ServerConfig) -> web.Application:
+    """The aiohttp application: every path and method goes to ``answering``, as over HTTP/2."""
+
+    async def http1(request: web.Request) -> web.Response:
+        async def read() -> bytes:
+            try:
+                return await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                raise BodyTooLarge from None
+
+        transport = request.transport
+        call = Call(
+            method=request.method,
+            path=request.path,
+            read=read,
+            ssl_object=transport.get_extra_info("ssl_object") if transport is not None else None,
+            remote=request.remote,
+            forwarded=bool(request.headers.get(FORWARDED)),
+        )
+        answer = await answering.answer(call)
+        return web.Response(body=answer.body, status=answer.status, headers={"Content-Type": answer.content_type})
+
+    app = web.Application(client_max_size=config.max_body_bytes)
+    app.router.add_route("*", "/{path:.*}", http1)
+    return app
+
+
+def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
+    if config.tls_cert is None and config.tls_key is None:
+        if config.client_ca is not None:
+            raise ValueError("client certificates need TLS: give a certificate and a key too")
+        return None
+    if config.tls_cert is None or config.tls_key is None:
+        raise ValueError("TLS needs both a certificate and a key")
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    context.set_alpn_protocols(ALPN)
+    # A connection's client certificate is checked once (routes.certificate_names): no renegotiation
+    # may present another one later. (TLS 1.3 has none; this closes TLS 1.2's.)
+    context.options |= ssl.OP_NO_RENEGOTIATION
+    if config.client_ca is not None:
+        # Optional at the handshake, so kubelet's probes reach /healthz and /readyz; a certificate that is
+        # presented must verify, and the verbs refuse a caller without one (Guard.unauthenticated).
+        context.verify_mode = ssl.CERT_OPTIONAL
+        context.load_verify_locations(cafile=str(config.client_ca))
+    return context
+
+
+class _ByAlpn(asyncio.Protocol):
+    """Stands in for the connection's protocol until the TLS handshake is done, then hands the transport to
+    the one the client chose in ALPN (no ALPN: HTTP/1.1) and steps aside."""
+
+    def __init__(
+        self,
+        http1: Callable[[], asyncio.BaseProtocol],
+        http2: Callable[[], asyncio.BaseProtocol],
+        connections: Counter,
+    ) -> None:
+        self.http1, self.http2, self.connections = http1, http2, connections
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        ssl_object = transport.get_extra_info("ssl_object")
+        chosen = (ssl_object.selected_alpn_protocol() if ssl_object is not None else None) or "http/1.1"
+        protocol = self.http2() if chosen == "h2" else self.http1()
+        self.connections.labels(protocol=chosen).inc()
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+
+async def serve(
+    app: web.Application, answering: Answering, config: ServerConfig, *, connections: Counter, stop: asyncio.Event
+) -> None:
+    """Serve ``app`` (from :func:`application`, with whatever it runs in the background) until ``stop``.
+    The listening socket is opened here rather than by aiohttp's TCPSite, to pick the HTTP version per
+    connection and count the connections (``connections``, labelled by protocol)."""
+    runner = web.AppRunner(app, keepalive_timeout=config.keepalive_timeout, access_log=None)
+    await runner.setup()
+    http1, routes = runner.server, answering
+    assert http1 is not None  # set up above
+    http2s: set[Http2Protocol] = set()
+
+    def http2() -> Http2Protocol:
+        return Http2Protocol(routes, config, live=http2s)
+
+    context = tls_context(config)
+    if context is None:
+        plain = connections.labels(protocol="http/1.1")
+
+        def accepted() -> asyncio.BaseProtocol:
+            plain.inc()
+            return http1()
+
+    else:
+
+        def accepted() -> asyncio.BaseProtocol:
+            return _ByAlpn(http1, http2, connections)
+
+    loop = asyncio.get_running_loop()
+    listening = await loop.create_server(
+        accepted, config.address, config.port, ssl=context, backlog=512, reuse_address=True
+    )
+    log.info("extender listening on %s:%d%s", config.address, config.port, config.prefix)
+    try:
+        await stop.wait()
+    finally:
+        listening.close()  # no new connections; the open ones end with the runner, HTTP/2's with a GOAWAY
+        await asyncio.gather(*(connection.drain(config.read_timeout) for connection in list(http2s)))
+        await runner.cleanup()
+        await listening.wait_closed()

@@ -1,0 +1,103 @@
+"""The house a newcomer walks (issue #40): no module over 500 lines and no class over 300 outside generated
+code, and the extender's modules at most five floors deep, every import pointing down, none in a cycle."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "gpushared"
+MAX_MODULE_LINES = 500
+MAX_CLASS_LINES = 300
+MAX_FLOORS = 5
+
+
+def sources(root: Path = PACKAGE) -> list[Path]:
+    """Every module we write: protoc's output (``*_pb2.py``, ``*_pb2_grpc.py``) is generated."""
+    return [path for path in sorted(root.rglob("*.py")) if not path.stem.endswith(("_pb2", "_pb2_grpc"))]
+
+
+def test_no_module_is_over_500_lines() -> None:
+    long = {
+        str(path.relative_to(PACKAGE)): n
+        for path in sources()
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert long == {}
+
+
+def test_no_class_is_over_300_lines() -> None:
+    long = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            lines = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) and node.end_lineno else 0
+            if lines > MAX_CLASS_LINES:
+                long[f"{path.relative_to(PACKAGE)}:{node.name}"] = lines  # type: ignore[attr-defined]
+    assert long == {}
+
+
+def imports_within(package: str, root: Path = PACKAGE.parent) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (anywhere in it but under ``if TYPE_CHECKING``)."""
+    base = root / package.replace(".", "/")
+    modules = {}
+    for path in sources(base):
+        parts = path.relative_to(root).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in _runtime_nodes(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            found |= {t for t in targets if t in modules and t not in (name, package)}
+        graph[name] = found
+    return graph
+
+
+def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(inner) for inner in ast.walk(node)}
+    return [node for node in ast.walk(tree) if id(node) not in skipped]
+
+
+def floors(graph: dict[str, set[str]]) -> dict[str, int]:
+    """Each module's floor: 1 for one that imports none of the others, else one above the highest it
+    imports. A cycle has no floors: it raises."""
+    visiting: set[str] = set()
+
+    @functools.cache
+    def floor(name: str) -> int:
+        assert name not in visiting, f"import cycle through {name}"
+        visiting.add(name)
+        below = max((floor(other) for other in graph[name]), default=0)
+        visiting.discard(name)
+        return below + 1
+
+    return {name: floor(name) for name in graph}
+
+
+def test_the_extender_is_at_most_five_floors_deep_with_no_cycle() -> None:
+    found = floors(imports_within("gpushared.extender"))
+    assert max(found.values()) <= MAX_FLOORS, sorted(found.items(), key=lambda item: -item[1])
+    # the transport knows nothing of what it carries
+    assert not any(
+        other.startswith("gpushared.extender.") and not other.startswith("gpushared.extender.http")
+        for name, imported in imports_within("gpushared.extender").items()
+        if name.startswith("gpushared.extender.http")
+        for other in imported
+    )
+
+
+def test_floors_find_cycles_and_depth() -> None:
+    assert floors({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
+    with pytest.raises(AssertionError, match="import cycle"):
+        floors({"a": {"b"}, "b": {"a"}})
