@@ -111,6 +111,13 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text() if self.log_path.exists() else ""
 
+    def turns(self, n: int = 2, timeout: float = 10) -> None:
+        """Wait until the daemon's main loop has run ``n`` more times: each turn feeds the watchdog (every
+        0.2 s under the harness's WATCHDOG_USEC), so what one turn would have acted on is acted on. The
+        exact replacement for sleeping and then checking that nothing happened."""
+        seen = len(self.notify.times("WATCHDOG=1"))
+        wait_until(lambda: len(self.notify.times("WATCHDOG=1")) >= seen + n, timeout=timeout, message="loop turns")
+
     def stop(self, timeout: float = 10) -> int:
         assert self.process is not None
         if self.process.poll() is None:

@@ -54,6 +54,8 @@ class Endpoint:
     numa: dict[str, tuple[int, ...]] = field(default_factory=dict)
     updates: int = 0
     connected: bool = True
+    #: the healthy devices after each update, in order: what allocatable went through
+    healthy_counts: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,7 @@ class FakeKubelet:
                     endpoint.devices = {d.ID: d.health for d in response.devices}
                     endpoint.numa = {d.ID: tuple(n.ID for n in d.topology.nodes) for d in response.devices}
                     endpoint.updates += 1
+                    endpoint.healthy_counts.append(sum(1 for d in response.devices if d.health == HEALTHY))
                     self._lock.notify_all()
         except grpc.RpcError:
             pass
@@ -204,6 +207,12 @@ class FakeKubelet:
         with self._lock:
             endpoint = self.endpoints.get(resource)
             return dict(endpoint.numa) if endpoint else {}
+
+    def capacities(self, resource: str) -> list[int]:
+        """Every capacity the endpoint's updates have shown, in order."""
+        with self._lock:
+            endpoint = self.endpoints.get(resource)
+            return list(endpoint.healthy_counts) if endpoint else []
 
     def capacity(self, resource: str) -> int:
         """What the node's allocatable would say: healthy devices of a connected endpoint."""

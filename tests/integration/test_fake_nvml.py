@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -98,9 +97,7 @@ def test_xid_event_reaches_a_waiting_event_set(nvml: FakeNvml) -> None:
         pynvml.nvmlEventSetWait(events, 50)
     nvml.xid(0, 48)  # GPU 0 is not registered in this set
     nvml.xid(2, 79)
-    started = time.monotonic()
-    data = pynvml.nvmlEventSetWait(events, 5000)
-    assert time.monotonic() - started < 1
+    data = pynvml.nvmlEventSetWait(events, 5000)  # delivered: a wait that found nothing would time out
     assert data.eventType == pynvml.nvmlEventTypeXidCriticalError
     assert data.eventData == 79
     assert pynvml.nvmlDeviceGetUUID(data.device) == nvml.gpus[2].uuid

@@ -242,8 +242,7 @@ def test_a_pod_offered_long_ago_is_passed_over() -> None:
     async def scenario() -> None:
         running = asyncio.create_task(primer.run())
         ready.set()
-        await until(lambda: primer.slots_primed == 1)
-        await asyncio.sleep(0.1)
+        await until(lambda: primer.slots_primed == 1 and not primer.waiting())
         running.cancel()
 
     asyncio.run(scenario())
