@@ -146,4 +146,5 @@ def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWat
         policy=config.memory_policy,
         poll_seconds=config.memory_poll_seconds,
         pod_devices=lambda: list_pod_devices(config.pod_resources_socket, resource=parts.resources.gpu_mem),
+        pods_version=lambda: pods.changes,
     )
