@@ -310,7 +310,9 @@ def over_http(backend: Backend, names: list[str], args: argparse.Namespace, rng:
         # As deployed (debug logs every API call), but with filter passing every node that fits, as the
         # in-process verbs do: filter and prioritize are measured apart (the shipped filter ranks too: its
         # cost is filter's plus prioritize's ranking, docs/benchmarks.md).
-        args=["--policy", args.policy, "--log-level", "info", "--no-rank-in-filter"],
+        # No fence: the pods the in-process rounds left pending are this benchmark's, with no Binding in
+        # flight; an extender that finds pods pending at its start otherwise waits out the landing window.
+        args=["--policy", args.policy, "--log-level", "info", "--no-rank-in-filter", "--binding-landing-seconds", "1"],
         cpus=args.extender_cpus,
     )
     extender.start()

@@ -45,8 +45,10 @@ class Candidates:
         api: Api | None,
         pods: PodWatch | None,
         pod_resources_socket: Path,
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.node = node
+        self.sleep = sleep
         self.unit = unit
         self.resources = resources
         #: the reads on the kubelet's path: tried once, within what is left of ALLOCATE_BUDGET_SECONDS
@@ -65,7 +67,7 @@ class Candidates:
             except handshake.Unidentified as exc:
                 if not exc.retry or attempt == ATTEMPTS - 1:
                     raise
-                time.sleep(RETRY_SECONDS)
+                self.sleep(RETRY_SECONDS)
         raise AssertionError("unreachable")
 
     def _gather(self, deadline: float, served: Callable[[str], Collection[str]]) -> list[handshake.Candidate]:

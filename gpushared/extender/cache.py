@@ -42,7 +42,7 @@ from gpushared.core.policies import Policy
 from gpushared.core.requests import PodRequest, pod_request
 from gpushared.core.reservations import LANDING_SECONDS, Action, Assumed, Settlement
 from gpushared.core.verdicts import explain
-from gpushared.extender.inbox import Inbox, Owner
+from gpushared.extender.inbox import BATCH, Inbox, Owner
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reserving import Reservations
 from gpushared.extender.state import ClusterState
@@ -158,7 +158,7 @@ class ClusterCache:
         annotations that record the choice; or say why it cannot go there. From the judgement to the count
         nothing else runs: two binds to one node never both take the same memory."""
         self.owner.check("reserve")
-        self.inbox.drain()  # the freshest view: a pod deleted or bound by others a moment ago
+        self.inbox.drain(BATCH)  # fresher: a pod deleted or bound by others a moment ago (a relist, at most a batch)
         known = self.reservations.assumed(uid_of(pod))
         if known is not None:
             # Its Binding was created and the watch has not shown it yet: a second one would fail, and

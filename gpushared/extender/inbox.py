@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
@@ -80,7 +81,8 @@ class Inbox:
             loop = self._loop
             if loop is not None and not self._scheduled:
                 self._scheduled = True  # set before the callback can clear it; at worst one callback too many
-                loop.call_soon_threadsafe(self._turn)
+                with contextlib.suppress(RuntimeError):  # the loop closed: the extender is stopping
+                    loop.call_soon_threadsafe(self._turn)
 
         return put
 

@@ -104,7 +104,7 @@ class Primer:
         half-listed cluster would be remembered as primed)."""
         self._wake = asyncio.Event()
         while not self.ready():
-            await asyncio.sleep(READY_POLL_SECONDS)
+            await self.sleep(READY_POLL_SECONDS)
         self._wake.set()  # what was offered while the cache synced
         while True:
             await self._wake.wait()

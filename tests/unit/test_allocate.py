@@ -434,8 +434,15 @@ def candidates_with(
     from gpushared.daemon import candidates as module
 
     monkeypatch.setattr(module, "list_pod_devices", listing)
+    slept: list[float] = []
     return Candidates(
-        node="n1", unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES, api=api, pods=pods, pod_resources_socket=tmp_path
+        node="n1",
+        unit=MemoryUnit.GIB,
+        resources=DEFAULT_RESOURCES,
+        api=api,
+        pods=pods,
+        pod_resources_socket=tmp_path,
+        sleep=slept.append,  # the retries' pauses: none of the wall clock
     )
 
 

@@ -6,7 +6,6 @@ held its own and, in its handler, waited for the cache's). The extender's state 
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 
@@ -34,8 +33,7 @@ def test_a_ranked_lock_serves_a_condition() -> None:
     condition = threading.Condition(RankedLock("informer", INFORMER))  # type: ignore[arg-type]
     ready: list[int] = []
 
-    def later() -> None:
-        time.sleep(0.05)
+    def later() -> None:  # before or after the wait below: wait_for's predicate holds either way
         with condition:
             ready.append(1)
             condition.notify_all()

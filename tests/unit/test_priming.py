@@ -137,14 +137,22 @@ def test_pending_pods_the_cache_applies_are_primed_once_it_is_ready_one_slot_onc
     thread; nothing is priced before the cache is ready, and fifty pods of one size are one slot."""
     cache, scheduler, priced = counting_cache()
     ready = False
-    primer = Primer(cache, policy=scheduler.policy, resources=scheduler.resources, ready=lambda: ready)
+    fake = FakeTime()
+    primer = Primer(
+        cache,
+        policy=scheduler.policy,
+        resources=scheduler.resources,
+        ready=lambda: ready,
+        clock=fake.clock,
+        sleep=fake.sleep,
+    )
     cache.pending_seen = primer.offer
     cache.on_pod(None, pod("before-ready", 3))
 
     async def scenario() -> None:
         nonlocal ready
         running = asyncio.create_task(primer.run())
-        for _ in range(50):
+        for _ in range(10):  # the primer polls whether the cache is ready: 0.05 s of the fake clock a turn
             await asyncio.sleep(0)
         assert primer.slots_primed == 0  # a half-listed cache is not primed
         ready = True
@@ -159,12 +167,14 @@ def test_pending_pods_the_cache_applies_are_primed_once_it_is_ready_one_slot_onc
     assert len(priced) == 2 * len(NODES)
 
 
-async def until(condition: Any, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not condition():
-        assert loop.time() < deadline, "timed out"
-        await asyncio.sleep(0.01)
+async def until(condition: Any, turns: int = 100_000) -> None:
+    """Wait for ``condition`` over turns of the event loop, never on the wall clock (the primer's own
+    pauses are a fake clock's)."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError(f"not within {turns} turns of the loop")
 
 
 @pytest.mark.parametrize(
@@ -195,6 +205,7 @@ class FakeTime:
 
     async def sleep(self, seconds: float) -> None:
         self.now += seconds
+        await asyncio.sleep(0)  # a turn of the loop, none of the wall clock
 
 
 def test_a_flood_of_distinct_sizes_gets_at_most_its_share_of_the_loop() -> None:
