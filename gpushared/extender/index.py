@@ -192,7 +192,7 @@ class FilterIndex:
         nodes, several, reads_cpu, memos = self.state.nodes, request.gpus > 1, policy.reads_cpu, self._memos
         for name in names:
             # ``usable`` and ``NodeMemo.holds_for`` written out: a thousand candidates a call, and the two
-            # calls were a quarter of a warm prioritize (docs/benchmarks.md, "One owner")
+            # calls were a quarter of a warm prioritize (docs/benchmarks.md, "One owner of the state")
             node = nodes.get(name)
             if node is None or node.ledger is None or node.problem or (several and not node.several_gpus):
                 keys.append(None)
