@@ -10,12 +10,16 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of
 from gpushared.core.quantity import parse_whole_quantity
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
+
+if TYPE_CHECKING:
+    from gpushared.core.verdicts import GpuVerdict
 
 
 class GpuMode(enum.Enum):
@@ -210,9 +214,15 @@ class Ledger:
     #: derived from a ledger can be kept until then. A plain attribute, not a property: the extender reads it
     #: for every candidate of every call (extender/index.py)
     version: int = 0
-    #: what pricing derives from the ledger as it is, kept with the version it was derived at (by whoever
-    #: derives it: core/verdicts.py, core/policies.py); a pure cache, never compared or shown
-    derived: dict[object, tuple[int, object]] = field(default_factory=dict, compare=False, repr=False)
+    _views: LedgerViews | None = field(default=None, compare=False, repr=False)
+
+    def views(self) -> LedgerViews:
+        """What pricing derives from the ledger as it is (core/verdicts.py, core/policies.py): new, and
+        empty, whenever a holding came or went since they were derived."""
+        views = self._views
+        if views is None or views.version != self.version:
+            views = self._views = LedgerViews(self.version)
+        return views
 
     @classmethod
     def build(cls, inventory: GpuInventory, holdings: Iterable[Holding] = ()) -> Ledger:
@@ -286,6 +296,22 @@ class Ledger:
         """Units held on GPU indices the inventory no longer has (a GPU removed or lost)."""
         known = {gpu.index for gpu in self.inventory.gpus}
         return {index: used for index, used in self._used.items() if index not in known}
+
+
+@dataclass
+class LedgerViews:
+    """What pricing derives from one version of a ledger, each kind in a typed slot of its own: the
+    verdicts of the GPUs a kind of pod may use, those in order of free memory, and the healthy GPUs' free
+    memory. Every prioritize reads them for a thousand nodes, and the ledger changes with one bind."""
+
+    version: int
+    #: (MPS, the most MPS clients a GPU takes) -> the usable GPUs' verdicts (``verdicts.usable``)
+    usable: dict[tuple[bool, int], tuple[GpuVerdict, ...]] = field(default_factory=dict)
+    #: the same key -> their free units in order, and the verdicts in that order (``verdicts.by_free``)
+    by_free: dict[tuple[bool, int], tuple[list[int], tuple[GpuVerdict, ...]]] = field(default_factory=dict)
+    #: (GPU index -> position, free units per position, units in all, free units in all) of the healthy
+    #: GPUs (``policies.PricingContext``)
+    healthy: tuple[dict[int, int], list[int], int, int] | None = None
 
 
 def _bump(counts: dict[int, int], index: int, delta: int) -> None:

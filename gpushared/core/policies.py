@@ -138,14 +138,13 @@ class PricingContext:
 def _healthy_gpus(ledger: Ledger) -> tuple[dict[int, int], list[int], int, int]:
     """What :attr:`PricingContext._gpus` says of the ledger, kept on it until it changes (every pod size
     priced on the node reads the same)."""
-    known = ledger.derived.get("healthy")
-    if known is not None and known[0] == ledger.version:
-        return known[1]  # type: ignore[return-value]
+    views = ledger.views()
+    if views.healthy is not None:
+        return views.healthy
     healthy = [gpu for gpu in ledger.inventory.gpus if gpu.healthy]
     frees = [max(ledger.free(gpu), 0) for gpu in healthy]
     capacity = sum(gpu.memory for gpu in healthy)
-    gpus = {gpu.index: i for i, gpu in enumerate(healthy)}, frees, capacity, sum(frees)
-    ledger.derived["healthy"] = (ledger.version, gpus)
+    gpus = views.healthy = {gpu.index: i for i, gpu in enumerate(healthy)}, frees, capacity, sum(frees)
     return gpus
 
 

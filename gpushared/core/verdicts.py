@@ -80,16 +80,16 @@ def usable(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS)
     """A fitting verdict for every GPU a pod of this kind (MPS or not) may use, with its free units; kept on
     the ledger until it changes. Pricing a node for a pod size it has not been priced for is the cold path of
     prioritize, and building these verdicts was half of it (docs/benchmarks.md)."""
-    key = ("usable", mps, max_mps_clients)
-    known = ledger.derived.get(key)
-    if known is not None and known[0] == ledger.version:
-        return known[1]  # type: ignore[return-value]
+    views, key = ledger.views(), (mps, max_mps_clients)
+    known = views.usable.get(key)
+    if known is not None:
+        return known
     verdicts = tuple(
         GpuVerdict(gpu=gpu, free=ledger.free(gpu), reason=None)
         for gpu in ledger.inventory.gpus
         if _refusal(ledger, gpu, mps=mps, max_mps_clients=max_mps_clients) is None
     )
-    ledger.derived[key] = (ledger.version, verdicts)
+    views.usable[key] = verdicts
     return verdicts
 
 
@@ -100,15 +100,14 @@ def by_free(
     the same order, to search with ``bisect``; kept on the ledger until it changes. A policy that takes the
     tightest or the emptiest GPU with room finds it with one search (``Policy.appraise``) instead of
     looking at every GPU."""
-    key = ("by_free", mps, max_mps_clients)
-    known = ledger.derived.get(key)
-    if known is not None and known[0] == ledger.version:
-        return known[1]  # type: ignore[return-value]
+    views, key = ledger.views(), (mps, max_mps_clients)
+    known = views.by_free.get(key)
+    if known is not None:
+        return known
     ordered = tuple(
         sorted(usable(ledger, mps=mps, max_mps_clients=max_mps_clients), key=lambda v: (v.free, v.gpu.index))
     )
-    found = ([v.free for v in ordered], ordered)
-    ledger.derived[key] = (ledger.version, found)
+    found = views.by_free[key] = ([v.free for v in ordered], ordered)
     return found
 
 
