@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ class WallClockSleep(AssertionError):
 
 
 @pytest.fixture(autouse=True)
-def no_sleeping(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+def no_sleeping(monkeypatch: pytest.MonkeyPatch) -> None:
     def sleep(seconds: float) -> None:
         raise WallClockSleep(f"time.sleep({seconds}) in a unit test: inject a clock, or wait for evidence")
 
@@ -30,4 +29,3 @@ def no_sleeping(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
     monkeypatch.setattr(time, "sleep", sleep)
     monkeypatch.setattr(asyncio, "sleep", asleep)
-    yield
