@@ -62,10 +62,10 @@ def inputs(data: str, trace: str) -> tuple[Any, Any]:
     return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
 
 
-def _run(job: tuple[str, str, str, int]) -> tuple[str, Replay]:
-    data, trace, policy, seed = job
+def _run(job: tuple[str, str, str, int, bool]) -> tuple[str, Replay]:
+    data, trace, policy, seed, causal = job
     nodes, pods = inputs(data, trace)
-    return trace, replay(nodes, pods, policy=policy, seed=seed)
+    return trace, replay(nodes, pods, policy=policy, seed=seed, causal=causal)
 
 
 def run_all(run: Callable[[Job], Result], jobs: list[Job], *, workers: int) -> list[Result]:
@@ -214,25 +214,32 @@ def main() -> None:
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--replot", action="store_true", help="only draw the plots again from --out's details")
     parser.add_argument("--table", action="store_true", help="only print --out's results as docs' markdown table")
+    parser.add_argument(
+        "--causal",
+        action="store_true",
+        help="count the request mix from the tasks placed so far, as a running extender does (issue #41), "
+        "instead of the whole workload's; results go to openb-causal*.json, plots to openb-causal-*.png",
+    )
     args = parser.parse_args()
+    name = "openb-causal" if args.causal else "openb"
     if args.table:
-        print(table(json.loads((args.out / "openb.json").read_text()), paper_curves(args.data)))
+        print(table(json.loads((args.out / f"{name}.json").read_text()), paper_curves(args.data)))
         return
     if args.replot:
-        details = json.loads((args.out / "openb-details.json").read_text())["traces"]
-        draw(args.data, details, paper_curves(args.data), args.out)
+        details = json.loads((args.out / f"{name}-details.json").read_text())["traces"]
+        draw(args.data, details, paper_curves(args.data), args.out, name=name)
         return
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
     traces = args.traces or traces_in(args.data)
-    jobs = [(str(args.data), t, p, s) for t in traces for p in args.policies for s in args.seeds]
+    jobs = [(str(args.data), t, p, s, args.causal) for t in traces for p in args.policies for s in args.seeds]
     started = time.monotonic()
     results = run_all(_run, jobs, workers=args.jobs)
     summary, details = summarize(results)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "openb.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (args.out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     paper = paper_curves(args.data)
-    (args.out / "openb-details.json").write_text(
+    (args.out / f"{name}-details.json").write_text(
         json.dumps(
             {
                 "command": " ".join(["scripts/bench_openb.py", *sys.argv[1:]]),
@@ -245,7 +252,7 @@ def main() -> None:
         + "\n"
     )
     if not args.no_plots:
-        draw(args.data, details, paper, args.out)
+        draw(args.data, details, paper, args.out, name=name)
     print(json.dumps(summary, indent=2))
 
 
@@ -282,11 +289,13 @@ def _worst(ours: dict[str, float] | None, theirs: dict[str, float] | None) -> st
     return f"{ours[point] - theirs[point]:+.2f} @ {point}"
 
 
-def draw(data: Path, details: dict[str, Any], paper: dict[str, dict[str, list[float]]], out: Path) -> None:
+def draw(
+    data: Path, details: dict[str, Any], paper: dict[str, dict[str, list[float]]], out: Path, *, name: str = "openb"
+) -> None:
     nodes = read_nodes(data / NODE_LIST)
     cluster = f"{len(nodes):,} nodes, {sum(n.gpus for n in nodes):,} GPUs"
     for trace, ours in details.items():
-        plot(trace, ours, paper.get(trace, {}), out / f"openb-{trace}.png", cluster=cluster)
+        plot(trace, ours, paper.get(trace, {}), out / f"{name}-{trace}.png", cluster=cluster)
 
 
 if __name__ == "__main__":

@@ -170,6 +170,10 @@ class RequestMix:
         mix._count(counts)
         return mix
 
+    def kinds(self) -> dict[ModelKind, float]:
+        """The kinds of pod counted, and how many of each."""
+        return dict(self._kinds)
+
     def with_rooms(self, rooms: Mapping[NodeRoom, int]) -> RequestMix:
         """The same kinds and nodes, with what the nodes have left now."""
         return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms)

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.binding import holding_for
-from gpushared.core.fragmentation import RequestMix, node_room
+from gpushared.core.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.ledger import Ledger
+from gpushared.core.mixbook import MixBook, kind_of
 from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import LinkKind, link_words, set_score
@@ -120,14 +121,34 @@ def _best_score(model: str, gpus: int, count: int) -> int:
 
 class SimCluster:
     def __init__(
-        self, nodes: Sequence[TraceNode], *, policy: Policy, mix: RequestMix, rng: random.Random, links: bool = False
+        self,
+        nodes: Sequence[TraceNode],
+        *,
+        policy: Policy,
+        mix: RequestMix | None,
+        rng: random.Random,
+        links: bool = False,
     ) -> None:
+        """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
+        the first task); None: the mix is counted as the extender counts it (``core.mixbook``), from the
+        tasks placed so far, a new one every ROOMS_STEP of the capacity."""
         self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
         #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
         self.links = LinkTally()
         self.policy = policy
-        self.mix = mix
         self.rng = rng
+        #: the book the mix is taken from, as the extender keeps it (None: the mix was given)
+        self.book = MixBook() if mix is None else None
+        #: the cluster's nodes by class, as the extender counts them from the Nodes it watches
+        self.classes = Counter(
+            node_class(n.ledger.inventory, model=n.trace.model, cpu_allocatable=n.trace.cpu_milli) for n in self.nodes
+        )
+        # counted: the first mix is taken before the first task, of no pods (what the extender has at a start)
+        self.mix = mix if mix is not None else self.book.take(nodes=self.classes) if self.book else RequestMix()
+        #: whether the mix is taken again as tasks are placed: always when it is counted, and for a given
+        #: mix only to tell it what the nodes have left (a policy that weighs scarcity)
+        reads = policy.reads_mix or policy.reads_pressure or policy.reads_rooms
+        self._recounts = policy.reads_rooms or (self.book is not None and reads)
         self.capacity_mib = sum(n.ledger.inventory.total for n in self.nodes)
         self.allocated_mib = 0
         #: GPU tasks not placed, and of them those that GPUs had room for, on a node that kube-scheduler's own
@@ -138,26 +159,32 @@ class SimCluster:
         #: the allocation at which the mix is told the nodes' rooms again (every ROOMS_STEP of the capacity)
         self._rooms_due = ROOMS_STEP * self.capacity_mib
 
-    def _count_rooms(self) -> None:
-        """What an extender does each time it counts the mix: tell it what every node has left now. Every
-        node's prices read the mix, so they are all worked out again."""
+    def _count_mix(self) -> None:
+        """What an extender does each time it counts the mix: take it from the pods counted (when counted),
+        and tell it what every node has left now (for a policy that weighs scarcity). Every node's prices
+        read the mix, so they are all worked out again."""
         self._rooms_due += ROOMS_STEP * self.capacity_mib
-        rooms = Counter(
-            node_room(
-                (node.ledger.free(gpu) for gpu in node.ledger.inventory.gpus),
-                model=node.trace.model,
-                cpu_free=node.cpu_free,
+        rooms = None
+        if self.policy.reads_rooms:
+            rooms = Counter(
+                node_room(
+                    (node.ledger.free(gpu) for gpu in node.ledger.inventory.gpus),
+                    model=node.trace.model,
+                    cpu_free=node.cpu_free,
+                )
+                for node in self.nodes
             )
-            for node in self.nodes
-        )
-        self.mix = self.mix.with_rooms(rooms)
+        if self.book is not None:
+            self.mix = self.book.take(nodes=self.classes, rooms=rooms)
+        elif rooms is not None:
+            self.mix = self.mix.with_rooms(rooms)
         for node in self.nodes:
             node.prices.clear()
 
     def place(self, pod: TracePod) -> bool:
         """Schedule one pod; whether it was bound. A multi-GPU task asks gpu-count for its GPUs."""
-        if self.allocated_mib >= self._rooms_due and self.policy.reads_rooms:
-            self._count_rooms()
+        if self.allocated_mib >= self._rooms_due and self._recounts:
+            self._count_mix()
         need = pod.memory_request
         request = PodRequest(containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),))
         ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []
@@ -177,14 +204,18 @@ class SimCluster:
             return False
         node, indices = self._pick([(node, gpus) for key, node, gpus in ranked if ties(key, best)], pod)
         self._count(node, pod)
+        holding = None
         if need:
             self._serial += 1
             chosen = [node.ledger.inventory.gpus[index] for index in indices]
             if len(indices) > 1:
                 self.links.add(node.trace, indices)
-            node.ledger.add(holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name))
+            holding = holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name)
+            node.ledger.add(holding)
             node.gpu_free -= need
             self.allocated_mib += need
+        if self.book is not None:  # as the extender's cache counts a pod its watch shows bound
+            self.book.count(kind_of(pod.cpu_milli, holding, pod.models or None))
         return True
 
     def _pick(self, cheapest: list[tuple[SimNode, tuple[int, ...]]], pod: TracePod) -> tuple[SimNode, tuple[int, ...]]:

@@ -63,18 +63,25 @@ def tuned(pods: Sequence[TracePod], *, capacity_milli: int, ratio: float, rng: r
 
 
 def replay(
-    nodes: Sequence[TraceNode], pods: Sequence[TracePod], *, policy: str, seed: int, links: bool = False
+    nodes: Sequence[TraceNode],
+    pods: Sequence[TracePod],
+    *,
+    policy: str,
+    seed: int,
+    links: bool = False,
+    causal: bool = False,
 ) -> Replay:
     """``links``: the nodes carry the links of their model (``replay.layouts.model_layout``) and placement
-    weighs them; without, placement sees none. Either way the sets chosen are scored on them."""
+    weighs them; without, placement sees none. Either way the sets chosen are scored on them.
+
+    ``causal``: the request mix is counted as a running extender counts it, from the tasks placed so far
+    (``core.mixbook``; issue #41). Without, it is the *oracle* mix: the kinds of every task of the shuffled
+    workload, those still to arrive (and those that will fail) included, known before the first is placed;
+    no extender can know that."""
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
-    # What an extender that has watched this workload would have counted: the kinds of its tasks, each with
-    # the GPU models its node affinity allows (gpu_spec); and the cluster's nodes by class, as it counts them
-    # from the Nodes it watches.
-    classes = Counter(node_class(inventory_of(n), model=n.model, cpu_allocatable=n.cpu_milli) for n in nodes)
-    mix = RequestMix(((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload), nodes=classes)
+    mix = None if causal else oracle_mix(nodes, workload)
     cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng, links=links)
     typical = _typical(workload)
     allocation: list[float] = []
@@ -115,6 +122,14 @@ def replay(
         links_seen=links,
         links=cluster.links,
     )
+
+
+def oracle_mix(nodes: Sequence[TraceNode], workload: Sequence[TracePod]) -> RequestMix:
+    """The kinds of every task of the workload, each with the GPU models its node affinity allows
+    (gpu_spec), on the cluster's nodes by class: what the published placement figures up to issue #41 were
+    priced with, before the first task arrived."""
+    classes = Counter(node_class(inventory_of(n), model=n.model, cpu_allocatable=n.cpu_milli) for n in nodes)
+    return RequestMix(((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload), nodes=classes)
 
 
 def _typical(workload: Sequence[TracePod]) -> list[tuple[TracePod, float]]:

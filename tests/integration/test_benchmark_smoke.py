@@ -82,6 +82,14 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
         timeout=60,
     ).stdout
     assert "fgd worst vs binpack" in table.splitlines()[0] and table.splitlines()[2].startswith("| default |")
+    # the causal replay (issue #41): the mix counted from the tasks placed, its own files beside the oracle's
+    causal = [sys.executable, script, "--data", str(data), "--seeds", "42", "--out", str(out), "--causal"]
+    subprocess.run(
+        [*causal, "--policies", "fgd", "binpack", "--no-plots"], check=True, capture_output=True, timeout=300
+    )
+    counted = json.loads((out / "openb-causal.json").read_text())["default"]
+    assert set(counted) == {"fgd", "binpack"} and 0 < counted["fgd"]["130"] <= 100
+    assert json.loads((out / "openb.json").read_text()) == summary  # the oracle's figures left as they were
 
 
 def test_bench_links_replays_blind_and_seeing_and_scores_the_sets(tmp_path: Path) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.policies import BINPACK, FGD
 from gpushared.replay.cluster import SimCluster
-from gpushared.replay.run import replay, tuned
+from gpushared.replay.run import oracle_mix, replay, tuned
 from gpushared.replay.trace import GPU_MIB, TraceNode, TracePod, read_nodes, read_pods
 
 NODES = [
@@ -125,3 +125,33 @@ def test_fgd_keeps_cpu_beside_free_gpu_memory_where_binpack_cannot_tell() -> Non
         cluster = SimCluster(nodes, policy=policy, mix=mix, rng=random.Random(1))
         assert cluster.place(task(750, cpu=3000))
         assert [n.trace.name for n in cluster.nodes if n.ledger.used_total] == [where], policy.name
+
+
+def test_the_counted_mix_knows_no_task_before_it_is_placed() -> None:
+    """Issue #41: the causal replay's mix at every step holds only tasks placed before it, counted as the
+    extender's cache counts bound pods (``core.mixbook``), taken again every ROOMS_STEP of the capacity.
+    Each task here is a kind of its own (its CPU), so any kind in the mix that no placed task has is a
+    task from the future. The oracle mix, given from outside, fails the same check at the first step."""
+    workload = [task(250 + 50 * (i % 10), cpu=1000 + i) for i in range(40)]
+    for policy in (FGD, BINPACK):
+        cluster = SimCluster(NODES, policy=policy, mix=None, rng=random.Random(3))
+        placed: set[tuple[int, int, int, frozenset[str] | None]] = set()
+        mixes = set()
+        for pod in workload:
+            assert set(cluster.mix.kinds()) <= placed, "the mix knows a task that has not been placed"
+            mixes.add(id(cluster.mix))
+            if cluster.place(pod):
+                placed.add((pod.cpu_milli, pod.memory_per_gpu, pod.num_gpu, None))
+        assert len(mixes) > 1 and placed  # taken again as the cluster filled
+        assert set(cluster.book.kinds) == placed  # type: ignore[union-attr]
+    oracle = SimCluster(NODES, policy=FGD, mix=oracle_mix(NODES, workload), rng=random.Random(3))
+    assert len(oracle.mix.kinds()) == len(workload)  # the oracle knows every task before the first is placed
+
+
+def test_a_causal_replay_starts_from_an_empty_mix_and_records_as_the_oracle_does() -> None:
+    pods = [task(500), task(250, cpu=2000), task(1000), task(0, gpus=0), task(1000, gpus=2)]
+    for policy in (FGD.name, BINPACK.name):
+        causal = replay(NODES, pods, policy=policy, seed=42, causal=True)
+        assert len(causal.allocation) == 131 and causal.allocation == sorted(causal.allocation)
+        oracle = replay(NODES, pods, policy=policy, seed=42)
+        assert causal.placed + causal.failed == oracle.placed + oracle.failed  # the same workload
