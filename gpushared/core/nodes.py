@@ -73,9 +73,14 @@ class ClusterView(Protocol):
     nodes: dict[str, NodeState]
     #: the node label naming GPU models ("": not weighed)
     model_label: str
-    #: counts the mixes taken, and those whose pressures moved: what a rank that reads them is kept per
-    mix_generation: int
-    pressure_generation: int
+
+    @property
+    def mix_generation(self) -> int:
+        """Counts the mixes taken: a rank that reads the mix is kept per mix."""
+
+    @property
+    def pressure_generation(self) -> int:
+        """Counts the mixes whose pressures moved: a rank that reads only those is kept per these."""
 
     def usable(self, name: str, *, gpus: int = 1) -> tuple[NodeState, Ledger] | Rejected: ...
 

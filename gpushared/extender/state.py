@@ -21,8 +21,9 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
 from gpushared.core.cpu import allocatable_cpu, cpu_of, holds_cpu
-from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix, node_class, node_room
+from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
+from gpushared.core.mixbook import MixBook, kind_of
 from gpushared.core.nodes import NodeState, Rejected, usable
 
 log = logging.getLogger(__name__)
@@ -61,14 +62,9 @@ class ClusterState:
         #: UIDs of bound pods whose GPU annotations or request cannot be read: counted at their spec amounts
         #: as pending on their node (``Holding.problem``), never dropped
         self.unreadable: set[str] = set()
-        self._mix = RequestMix()
-        #: (milli-CPU, GPU memory units, GPUs, models allowed) -> running pods of that kind on gpushared nodes
-        self._kinds: Counter[ModelKind] = Counter()
-        #: counts the mixes taken: a rank that reads the mix is kept per mix
-        self.mix_generation = 0
-        #: counts the mixes taken whose pressures differ from the mix before: a rank that reads only those
-        #: (``Policy.reads_pressure``) is kept across mixes that leave them as they were
-        self.pressure_generation = 0
+        #: the kinds of the pods counted here and the mixes taken from them (``core.mixbook``: the trace replay
+        #: counts its placed tasks with the same book)
+        self.book = MixBook()
         self._mix_counted = -MIX_SECONDS
         #: counts changes of what a node offers any pod (its GPUs, model, allocatable CPU), and the nodes by
         #: class as of that count: counted again only when one changed, not with every mix
@@ -89,13 +85,17 @@ class ClusterState:
         new mix costs the number of distinct kinds, not of pods."""
         if self.clock() - self._mix_counted >= MIX_SECONDS:
             self._mix_counted = self.clock()
-            self.mix_generation += 1
             rooms = self._node_rooms() if self.count_rooms else None
-            mix = RequestMix.of_counts(self._kinds, nodes=self._node_classes(), rooms=rooms)
-            if mix.pressures() != self._mix.pressures():
-                self.pressure_generation += 1
-            self._mix = mix
-        return self._mix
+            self.book.take(nodes=self._node_classes(), rooms=rooms)
+        return self.book.mix
+
+    @property
+    def mix_generation(self) -> int:
+        return self.book.mix_generation
+
+    @property
+    def pressure_generation(self) -> int:
+        return self.book.pressure_generation
 
     def _node_rooms(self) -> Counter[NodeRoom]:
         """The gpushared nodes by what they have left now; a node's room is worked out again only when its
@@ -267,7 +267,7 @@ class ClusterState:
                 state.ledger.add(holding)
                 if holding.problem is not None:
                     self._unreadable(holding)
-            self._kinds[_kind(cpu, holding, gpu_models(pod, self.model_label))] += 1
+            self.book.count(kind_of(cpu, holding, gpu_models(pod, self.model_label)))
 
     def _uncount(self, state: NodeState, uid: str) -> None:
         """Take back what ``_count`` counted for the pod ``state.pods`` holds under ``uid``, if any."""
@@ -280,10 +280,7 @@ class ClusterState:
         self.unreadable.discard(uid)
         if state.ledger is not None:
             self.changed(state.name)
-            kind = _kind(cpu, state.ledger.remove(uid), gpu_models(pod, self.model_label))
-            self._kinds[kind] -= 1
-            if not self._kinds[kind]:
-                del self._kinds[kind]
+            self.book.uncount(kind_of(cpu, state.ledger.remove(uid), gpu_models(pod, self.model_label)))
 
     def _rebuild(self, state: NodeState) -> None:
         """A new ledger from the node's inventory (None: no longer a gpushared node) and its pods."""
@@ -307,14 +304,3 @@ class ClusterState:
     def _holding(self, pod: PodBody, state: NodeState) -> Holding | None:
         assert state.inventory is not None
         return holding_from_pod(pod, unit=state.inventory.unit, resources=self.resources)
-
-
-def _kind(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> ModelKind:
-    """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, its GPUs, and the
-    GPU models it may use (None: any)."""
-    if holding is None:
-        return cpu, 0, 0, None
-    if len(holding.gpus) > 1:
-        return cpu, max(holding.gpus.values()), len(holding.gpus), models
-    size = sum(holding.gpus.values()) + holding.pending
-    return cpu, size, 1 if size else 0, models if size else None
