@@ -380,14 +380,6 @@ BINPACK_PRESSURE: Final = 8.0
 FGD_PRESSURE: Final = 8.0
 
 
-def _fgd_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
-    return _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory) + FGD_PRESSURE * context.pressure
-
-
-def _fgd_price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
-    return _fgd_levels(context.growth(verdicts, need) / verdicts[0].gpu.memory) + FGD_PRESSURE * context.pressure
-
-
 def _fgd_levels(growth: float) -> float:
     """The growth of the node's expected fragment, in GPUs (of the first GPU's size), through a sigmoid cut to
     FGD_LEVELS: growths that close are equal. The mix is an estimate, and telling its hundredths of a GPU
@@ -419,18 +411,50 @@ def _node_left(context: PricingContext, taken: int) -> float:
     return 0.5 * gpu_left + 0.5 * (cpu_free - context.pod_cpu) / (cpu.allocatable / gpus)
 
 
-def _binpack_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
-    """What the node would have left (and its model's pressure), then the GPU's free memory left (a fraction
-    below one unit)."""
-    left = _node_left(context, need) + BINPACK_PRESSURE * context.pressure
-    return left + TIEBREAK * (verdict.free - need) / (context.capacity + 1)
+def binpack(pressure: float = BINPACK_PRESSURE) -> Policy:
+    """Binpack with a pinned model's ``pressure`` worth that many GPUs left (the tuning harness,
+    scripts/tune_pressure.py, tries others; BINPACK is the one that ships)."""
+
+    def price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
+        """What the node would have left (and its model's pressure), then the GPU's free memory left (a
+        fraction below one unit)."""
+        left = _node_left(context, need) + pressure * context.pressure
+        return left + TIEBREAK * (verdict.free - need) / (context.capacity + 1)
+
+    def price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
+        left = sum(verdict.free - need for verdict in verdicts)
+        taken = need * len(verdicts)
+        node_left = _node_left(context, taken) + pressure * context.pressure
+        return node_left + TIEBREAK * left / (len(verdicts) * (context.capacity + 1))
+
+    return Policy(
+        name="binpack",
+        price=price,
+        price_of_several=price_of_several,
+        reads_cpu=True,
+        reads_pressure=True,
+        free_order=1,
+    )
 
 
-def _binpack_price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
-    left = sum(verdict.free - need for verdict in verdicts)
-    taken = need * len(verdicts)
-    node_left = _node_left(context, taken) + BINPACK_PRESSURE * context.pressure
-    return node_left + TIEBREAK * left / (len(verdicts) * (context.capacity + 1))
+def fgd(pressure: float = FGD_PRESSURE) -> Policy:
+    """fgd with a pinned model's ``pressure`` worth that many of its levels (see :func:`binpack`)."""
+
+    def price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
+        return _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory) + pressure * context.pressure
+
+    def price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
+        return _fgd_levels(context.growth(verdicts, need) / verdicts[0].gpu.memory) + pressure * context.pressure
+
+    return Policy(
+        name="fgd",
+        price=price,
+        price_of_several=price_of_several,
+        reads_mix=True,
+        reads_rooms=True,
+        reads_cpu=True,
+        balances=True,
+    )
 
 
 #: Best fit of the node, then of the GPU: the node left with the least free GPU memory after placement, and
@@ -440,14 +464,7 @@ def _binpack_price_of_several(verdicts: Choice, need: int, context: PricingConte
 #: leftovers, as here (issue #25; docs/benchmarks.md). A pod that may run on any GPU model is kept off the
 #: models that pods pinned to them will want (``BINPACK_PRESSURE``): packing those first leaves the pinned
 #: pods nowhere to go.
-BINPACK: Final = Policy(
-    name="binpack",
-    price=_binpack_price,
-    price_of_several=_binpack_price_of_several,
-    reads_cpu=True,
-    reads_pressure=True,
-    free_order=1,
-)
+BINPACK: Final = binpack()
 #: The GPU left with the most free memory.
 SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free), free_order=-1)
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
@@ -455,15 +472,7 @@ SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need 
 #: the CPU left, grows least (gpushared.core.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
 #: fit among balanced nodes.
-FGD: Final = Policy(
-    name="fgd",
-    price=_fgd_price,
-    price_of_several=_fgd_price_of_several,
-    reads_mix=True,
-    reads_rooms=True,
-    reads_cpu=True,
-    balances=True,
-)
+FGD: Final = fgd()
 
 
 def _balanced_price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:

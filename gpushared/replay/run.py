@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushared.core.fragmentation import RequestMix, node_class
-from gpushared.core.policies import policy_named
+from gpushared.core.policies import Policy, policy_named
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
 
@@ -66,7 +66,7 @@ def replay(
     nodes: Sequence[TraceNode],
     pods: Sequence[TracePod],
     *,
-    policy: str,
+    policy: str | Policy,
     seed: int,
     links: bool = False,
     causal: bool = False,
@@ -82,7 +82,8 @@ def replay(
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     mix = None if causal else oracle_mix(nodes, workload)
-    cluster = SimCluster(nodes, policy=policy_named(policy), mix=mix, rng=rng, links=links)
+    chosen = policy if isinstance(policy, Policy) else policy_named(policy)
+    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0
@@ -106,7 +107,7 @@ def replay(
         allocation.append(cluster.allocation)
     unallocated, stranded = cluster.leftovers([p for p in workload if p.num_gpu == 1])
     return Replay(
-        policy=policy,
+        policy=chosen.name,
         seed=seed,
         allocation=allocation,
         frag_rate=frag_rate,

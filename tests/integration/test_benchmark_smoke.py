@@ -178,3 +178,38 @@ def test_bench_limits_runs_and_reports() -> None:
     )
     rows = out.stdout.strip().splitlines()[1:]
     assert len(rows) == 6 and rows[0].split()[1] == "15,000"
+
+
+def test_tune_pressure_replays_the_tuning_set_causally_and_chooses_a_value(tmp_path: Path) -> None:
+    """The committed tuning harness (issue #41) on a small trace, against made-up published curves: every
+    value's margins at every point, the best worst margin chosen."""
+    data = small_trace(tmp_path / "trace")
+    paper = data / "fgd-expected-results"
+    paper.mkdir()
+    points = ",".join(str(k) for k in range(131))
+    rows = [
+        f"{policy},1.3,openb_pod_list_default,{','.join(str(min(k, 60)) for k in range(131))}"
+        for policy in (
+            "05-BestFit",
+            "06-FGD",
+        )
+    ]
+    (paper / "analysis_allo_discrete.csv").write_text(f"sc_policy,tune,workload,{points}\n" + "\n".join(rows) + "\n")
+    out = tmp_path / "tuning.json"
+    script = str(ROOT / "scripts" / "tune_pressure.py")
+    tuning = ["--traces", "default", "--values", "0", "8", "--seeds", "42", "--jobs", "2", "--out", str(out)]
+    subprocess.run(
+        [sys.executable, script, "--data", str(data), *tuning],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    assert set(report["chosen"]) == {"binpack", "fgd"} and report["tuningTraces"] == ["default"]
+    for policy, values in report["grid"].items():
+        assert set(values) == {"0", "8"}
+        for found in values.values():
+            assert list(found["perTrace"]["default"]) == ["50", "60", "70", "80", "90", "100", "110", "120", "130"]
+            assert found["worst"] == min(found["perTrace"]["default"].values())
+        best = max(values, key=lambda v: (values[v]["worst"], values[v]["mean"]))
+        assert report["chosen"][policy] == best
