@@ -490,7 +490,7 @@ class BindingsUnderChurn(Bindings):
         self._churning.start()
 
     def mend(self) -> None:
-        if self._churning.is_alive() or self._churning.ident is not None:
+        if self._churning.ident is not None:  # started by break_
             self._churning.join()
         super().mend()
         self.notes.append(

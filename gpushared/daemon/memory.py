@@ -135,6 +135,10 @@ class GpuView:
     memory_mib: int
 
 
+#: what a poll read of the pods: ((the pods' version, GPU indices), pods by UID, their containers' allowances)
+_Read = tuple[tuple[int, tuple[int, ...]], dict[str, "PodBody"], dict[tuple[str, str], "Allowance"]]
+
+
 class MemoryWatcher:
     def __init__(
         self,
@@ -170,8 +174,7 @@ class MemoryWatcher:
         self.pod_devices = pod_devices
         self.pods_version = pods_version
         #: (pods' version, GPU indices) -> the pods by UID and their containers' allowances, as last read
-        self._read: tuple[tuple[int, tuple[int, ...]], dict[str, PodBody], dict[tuple[str, str], Allowance]] | None
-        self._read = None
+        self._read: _Read | None = None
         self._listing_failed = False
         self.proc = proc
         self.clock = clock

@@ -6,8 +6,9 @@ never notices a node's GPU count changing, and keeps a failed bind's reservation
 derived from the node's inventory and the pods bound to it, through the core's single definition of what a
 pod holds (``holding_from_pod``): a terminating pod holds until its containers have stopped, and a new GPU
 count or size rebuilds the node's ledger. A bind counts its pod here before the watch shows it
-(``reserving.Reservations``); the filter index (``index.FilterIndex``) is told of every node whose ledger
-changed, so its answers are never older than the ledger.
+(``cache.ClusterCache.assume``, with ``reserving.Reservations`` its book); the filter index
+(``index.FilterIndex``) is told of every node whose ledger changed, so its answers are never older than
+the ledger.
 """
 
 from __future__ import annotations

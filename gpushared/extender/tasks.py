@@ -18,6 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gpushared.extender.http.guard import Ready
 from gpushared.extender.metrics import Metrics
 from gpushared.extender.scheduler import Scheduler
 
@@ -31,7 +32,6 @@ LAG_PROBE_SECONDS = 0.02
 #: How often the extender reads back binds the watch has not confirmed (``Scheduler.settle_binds``).
 SETTLE_SECONDS = 1.0
 
-Ready = Callable[[], tuple[bool, str]]
 Background = Callable[[web.Application], AsyncIterator[None]]
 
 

@@ -137,14 +137,16 @@ class SimCluster:
         self.links = LinkTally()
         self.policy = policy
         self.rng = rng
-        #: the book the mix is taken from, as the extender keeps it (None: the mix was given)
-        self.book = MixBook() if mix is None else None
         #: the cluster's nodes by class, as the extender counts them from the Nodes it watches
         self.classes = Counter(
             node_class(n.ledger.inventory, model=n.trace.model, cpu_allocatable=n.trace.cpu_milli) for n in self.nodes
         )
-        # counted: the first mix is taken before the first task, of no pods (what the extender has at a start)
-        self.mix = mix if mix is not None else self.book.take(nodes=self.classes) if self.book else RequestMix()
+        #: the book the mix is taken from, as the extender keeps it (None: the mix was given)
+        self.book: MixBook | None = None
+        if mix is None:  # counted: the first mix, of no pods, before the first task (an extender's at a start)
+            self.book = MixBook()
+            mix = self.book.take(nodes=self.classes)
+        self.mix = mix
         #: whether the mix is taken again as tasks are placed: always when it is counted, and for a given
         #: mix only to tell it what the nodes have left (a policy that weighs scarcity)
         reads = policy.reads_mix or policy.reads_pressure or policy.reads_rooms
