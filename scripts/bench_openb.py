@@ -12,6 +12,13 @@ the GPU allocation at every 1 % of arrived workload. Writes, under ``--out``:
 
     .venv/bin/python scripts/bench_openb.py                      # what `make bench` runs
     .venv/bin/python scripts/bench_openb.py --traces default --policies binpack fgd --seeds 42
+
+What the policies know of the workload (``--mix``; issue #41): ``expected`` (the default, what the figures
+in docs/benchmarks.md are) counts the tasks placed so far, as a running extender counts the pods it sees
+bound, beside an operator's expected mix made from *another* trace's tasks (``MEMORY_FROM``; the
+extender's ``--expected-mix``); ``counted`` the tasks placed alone (a fresh extender, no expected mix);
+``oracle`` every task of the shuffled workload before the first is placed, as the figures before issue #41
+were (no extender can know that). Files are named ``openb`` (expected), ``openb-counted``, ``openb-oracle``.
 """
 
 from __future__ import annotations
@@ -33,8 +40,9 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gpushared.core.mixbook import EXPECTED_WEIGHT, ExpectedMix
 from gpushared.core.policies import POLICIES
-from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay
+from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
 from gpushared.replay.trace import read_nodes, read_pods
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,6 +55,23 @@ CURVE_POINTS = tuple(range(50, round(RATIO * 100) + 1, 10))
 GOALS = {"binpack": ("05-BestFit", 0.1), "fgd": ("06-FGD", 0.1)}
 #: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
 PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}
+
+
+#: The trace whose tasks make each trace's expected mix ("*": every trace not named): what an extender
+#: that had run that workload before would have been given (``kubectl inspect gpushare --expected-mix``).
+#: Never the trace judged: the default trace for the others, and for the default trace multigpu20, the
+#: variant furthest from it in the multi-GPU tasks the expected mix is there to keep room for.
+MEMORY_FROM = {"default": "multigpu20", "*": "default"}
+#: What the policies know of the workload: file names (``--mix``).
+MIXES = {"expected": "openb", "counted": "openb-counted", "oracle": "openb-oracle"}
+
+
+def expected_for(data: str, trace: str, *, weight: float = EXPECTED_WEIGHT) -> ExpectedMix:
+    """The expected mix a replay of ``trace`` is given: another trace's tasks (``MEMORY_FROM``), as
+    ``weight`` pods."""
+    source = MEMORY_FROM.get(trace, MEMORY_FROM["*"])
+    assert source != trace, "a trace's expected mix is never made from the trace judged"
+    return ExpectedMix.of_counts(trace_kinds(inputs(data, source)[1]), weight=weight)
 
 
 def traces_in(data: Path) -> list[str]:
@@ -62,10 +87,11 @@ def inputs(data: str, trace: str) -> tuple[Any, Any]:
     return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
 
 
-def _run(job: tuple[str, str, str, int, bool]) -> tuple[str, Replay]:
-    data, trace, policy, seed, causal = job
+def _run(job: tuple[str, str, str, int, str]) -> tuple[str, Replay]:
+    data, trace, policy, seed, mix = job
     nodes, pods = inputs(data, trace)
-    return trace, replay(nodes, pods, policy=policy, seed=seed, causal=causal)
+    expected = expected_for(data, trace) if mix == "expected" else None
+    return trace, replay(nodes, pods, policy=policy, seed=seed, causal=mix != "oracle", expected=expected)
 
 
 def run_all(run: Callable[[Job], Result], jobs: list[Job], *, workers: int) -> list[Result]:
@@ -215,13 +241,17 @@ def main() -> None:
     parser.add_argument("--replot", action="store_true", help="only draw the plots again from --out's details")
     parser.add_argument("--table", action="store_true", help="only print --out's results as docs' markdown table")
     parser.add_argument(
-        "--causal",
-        action="store_true",
-        help="count the request mix from the tasks placed so far, as a running extender does (issue #41), "
-        "instead of the whole workload's; results go to openb-causal*.json, plots to openb-causal-*.png",
+        "--mix",
+        choices=list(MIXES),
+        default="expected",
+        help="what the policies know of the workload (the module's docstring); files openb*, openb-counted*, "
+        "openb-oracle*",
+    )
+    parser.add_argument(
+        "--merge", action="store_true", help="keep --out's other traces and policies, replacing those run"
     )
     args = parser.parse_args()
-    name = "openb-causal" if args.causal else "openb"
+    name = MIXES[args.mix]
     if args.table:
         print(table(json.loads((args.out / f"{name}.json").read_text()), paper_curves(args.data)))
         return
@@ -232,28 +262,46 @@ def main() -> None:
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
     traces = args.traces or traces_in(args.data)
-    jobs = [(str(args.data), t, p, s, args.causal) for t in traces for p in args.policies for s in args.seeds]
+    jobs = [(str(args.data), t, p, s, args.mix) for t in traces for p in args.policies for s in args.seeds]
     started = time.monotonic()
     results = run_all(_run, jobs, workers=args.jobs)
     summary, details = summarize(results)
+    run = {
+        "command": " ".join(["scripts/bench_openb.py", *sys.argv[1:]]),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
+        "seconds": round(time.monotonic() - started),
+        "mix": args.mix,
+        **(
+            {"expectedMixFrom": {t: MEMORY_FROM.get(t, MEMORY_FROM["*"]) for t in traces}}
+            if args.mix == "expected"
+            else {}
+        ),
+    }
+    runs = [run]
+    if args.merge and (args.out / f"{name}-details.json").exists():
+        before = json.loads((args.out / f"{name}-details.json").read_text())
+        runs = [*before.get("runs", [{k: v for k, v in before.items() if k != "traces"}]), run]
+        summary = _merged(json.loads((args.out / f"{name}.json").read_text()), summary)
+        details = _merged(before["traces"], details)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{name}.json").write_text(json.dumps(summary, indent=2) + "\n")
     paper = paper_curves(args.data)
-    (args.out / f"{name}-details.json").write_text(
-        json.dumps(
-            {
-                "command": " ".join(["scripts/bench_openb.py", *sys.argv[1:]]),
-                "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
-                "seconds": round(time.monotonic() - started),
-                "traces": details,
-            },
-            indent=1,
-        )
-        + "\n"
-    )
+    (args.out / f"{name}-details.json").write_text(json.dumps({"runs": runs, "traces": details}, indent=1) + "\n")
     if not args.no_plots:
         draw(args.data, details, paper, args.out, name=name)
     print(json.dumps(summary, indent=2))
+
+
+def _merged(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
+    """``before``'s traces and policies with ``now``'s in place of theirs, traces and policies in order."""
+    traces = {t: dict(before.get(t, {})) for t in sorted({*before, *now})}
+    for trace, by in now.items():
+        traces[trace].update(by)
+    order = list(POLICIES)
+    return {
+        t: {p: by[p] for p in sorted(by, key=lambda p: order.index(p) if p in order else len(order))}
+        for t, by in traces.items()
+    }
 
 
 def table(summary: dict[str, Any], paper: dict[str, dict[str, list[float]]]) -> str:

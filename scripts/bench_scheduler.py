@@ -60,7 +60,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -246,15 +245,38 @@ def cpu_seconds(cluster: LocalCluster) -> dict[str, float]:
     return found
 
 
+#: Each figure of kube-scheduler's breakdown and the metrics that carry it, the first one a version serves
+#: taken: 1.23 added ``scheduling_attempt_duration_seconds`` in place of ``e2e_scheduling_duration_seconds``
+#: (gone since), and ``binding_duration_seconds`` went too, the Bind extension point's histogram holding the
+#: same time (labelled ``extension_point``, as ``extensionPoints`` below reads it).
+SCHEDULER_FIGURES: dict[str, tuple[tuple[str, str, str | None], ...]] = {
+    # figure: ((metric, label to break down by, the extension point it is restricted to or None), ...)
+    "e2e_scheduling_duration": (
+        ("scheduler_e2e_scheduling_duration_seconds", "result", None),
+        ("scheduler_scheduling_attempt_duration_seconds", "result", None),
+    ),
+    "scheduling_algorithm_duration": (("scheduler_scheduling_algorithm_duration_seconds", "result", None),),
+    "binding_duration": (
+        ("scheduler_binding_duration_seconds", "result", None),
+        ("scheduler_framework_extension_point_duration_seconds", "status", "Bind"),
+    ),
+}
+
+
 def scheduler_breakdown(text: str) -> dict[str, Any]:
+    """Where kube-scheduler's time went, by figure (``SCHEDULER_FIGURES``), each read from the first of its
+    metrics this version serves (named in ``sources``; a figure none of them carries is empty)."""
     samples = families(text)
-    out: dict[str, Any] = {}
-    for metric in (
-        "scheduler_e2e_scheduling_duration_seconds",
-        "scheduler_scheduling_algorithm_duration_seconds",
-        "scheduler_binding_duration_seconds",
-    ):
-        out[metric.removeprefix("scheduler_").removesuffix("_seconds")] = summed(samples, metric, by="result")
+    served = {name for name, _ in samples}
+    out: dict[str, Any] = {"sources": {}}
+    for figure, metrics in SCHEDULER_FIGURES.items():
+        out[figure] = {}
+        for metric, by, point in metrics:
+            if f"{metric}_count" in served:
+                chosen = {k: v for k, v in samples.items() if point is None or ("extension_point", point) in k[1]}
+                out[figure] = summed(chosen, metric, by=by)
+                out["sources"][figure] = metric + (f'{{extension_point="{point}"}}' if point else "")
+                break
     out["extensionPoints"] = summed(samples, "scheduler_framework_extension_point_duration_seconds", "extension_point")
     return out
 
@@ -363,8 +385,8 @@ def profile(
     cluster: LocalCluster, bound: Bound, args: argparse.Namespace, mode: str, *, uses_extender: bool, seconds: int = 4
 ) -> threading.Thread:
     """CPU profiles of ``seconds`` of steady binding, from the time a fifth of the pods are bound (start-up
-    and the informers' lists left out): kube-scheduler's own (Go's pprof, from its plain-HTTP metrics
-    address; ``go tool pprof -top`` reads it) and, with the extender, py-spy's of the extender (``pip install
+    and the informers' lists left out): kube-scheduler's own (Go's pprof, from its debugging server,
+    ``scheduler_get``; ``go tool pprof -top`` reads it) and, with the extender, py-spy's of the extender (``pip install
     py-spy``; collapsed stacks). The thread ends with both files written."""
     prefix = args.profile / f"{args.nodes_now}-{mode}"
 
@@ -378,11 +400,10 @@ def profile(
                  "--gil", "--format", "raw", "--output", f"{prefix}-extender.txt", "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )  # fmt: skip
-        url = f"http://127.0.0.1:{cluster.ports.scheduler_health}/debug/pprof/profile?seconds={seconds}"
         for _ in range(50):  # until the scheduler serves
             with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url, timeout=seconds + 10) as answer:
-                    Path(f"{prefix}-scheduler.pprof").write_bytes(answer.read())
+                page = cluster.scheduling.scheduler_get(f"/debug/pprof/profile?seconds={seconds}", timeout=seconds + 10)
+                Path(f"{prefix}-scheduler.pprof").write_bytes(page)
                 break
             time.sleep(0.1)
         if spy is not None:

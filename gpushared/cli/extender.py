@@ -6,11 +6,15 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from gpushared import __version__
 from gpushared.cli import logs
+
+if TYPE_CHECKING:
+    from gpushared.core.mixbook import ExpectedMix
 
 log = logging.getLogger("gpushared.extender")
 
@@ -108,6 +112,13 @@ ENV = "GPUSHARED_EXTENDER"
     "extender after this one; prioritizeVerb then wired for the ranking; docs/install.md).",
 )
 @click.option(
+    "--expected-mix",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="JSON file of the pod kinds expected and their counts (`kubectl inspect gpushare --expected-mix` "
+    "writes one): fgd and binpack count it beside the pods seen, so a fresh extender keeps room for kinds "
+    "it has not yet seen (docs/extender.md).",
+)
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def main(
@@ -137,6 +148,7 @@ def main(
     watch_seconds: int,
     binding_landing_seconds: float,
     rank_in_filter: bool,
+    expected_mix: Path | None,
     log_level: str,
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
@@ -152,6 +164,7 @@ def main(
         chosen = policy_named(policy)
     except ContractError as exc:
         raise click.BadParameter(exc.reason, param_hint="--policy") from None
+    expected = _expected(expected_mix)
     _check_tls(
         tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca, insecure_bind=insecure_bind, where=f"{address}:{port}"
     )
@@ -185,8 +198,35 @@ def main(
         model_label=gpu_model_label,
         rank_in_filter=rank_in_filter,
         webhook_scheduler=webhook_scheduler,
+        expected=expected,
     )
     app.run(settings, api=api, binder=binder)
+
+
+def _expected(path: Path | None) -> ExpectedMix | None:
+    """The operator's expected mix, or a usage error naming the file and what in it is wrong."""
+    if path is None:
+        return None
+    import json
+
+    from gpushared.contract import ContractError
+    from gpushared.core.mixbook import read_expected_mix
+
+    try:
+        with path.open("rb") as stream:
+            text = stream.read(MAX_EXPECTED_BYTES + 1)
+        if len(text) > MAX_EXPECTED_BYTES:
+            raise click.BadParameter(f"{path}: over {MAX_EXPECTED_BYTES // 2**20} MiB", param_hint="--expected-mix")
+        expected = read_expected_mix(json.loads(text), key=str(path))
+    except (OSError, ValueError, RecursionError) as exc:  # ContractError and JSONDecodeError are ValueErrors
+        reason = str(exc) if isinstance(exc, ContractError) else f"{path}: {exc}"
+        raise click.BadParameter(reason, param_hint="--expected-mix") from None
+    log.info("expected mix: %d kinds of pod, counted as %g pods (%s)", len(expected.shares), expected.weight, path)
+    return expected
+
+
+#: An expected mix lists some hundreds of kinds; a file far past that is not one.
+MAX_EXPECTED_BYTES = 16 * 2**20
 
 
 def _check_tls(

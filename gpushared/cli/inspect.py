@@ -17,17 +17,48 @@ from gpushared import __version__
 @click.option("--kubeconfig", type=click.Path(path_type=Path), help="Default: $KUBECONFIG, then ~/.kube/config.")
 @click.option("--context", help="The kubeconfig context to use.")
 @click.option("--resource-domain", default="aliyun.com", show_default=True, help="Domain of gpu-mem / gpu-count.")
+@click.option(
+    "--expected-mix",
+    is_flag=True,
+    help="Print the kinds of the pods on gpushared nodes, counted as the extender counts them, as the JSON "
+    "its --expected-mix reads.",
+)
+@click.option(
+    "--gpu-model-label",
+    default="nvidia.com/gpu.product",
+    show_default=True,
+    help="With --expected-mix: the node label naming GPU models, as the extender's option of that name.",
+)
 @click.argument("node", required=False)
 def main(
-    *, details: bool, output: str, kubeconfig: Path | None, context: str | None, resource_domain: str, node: str | None
+    *,
+    details: bool,
+    output: str,
+    kubeconfig: Path | None,
+    context: str | None,
+    resource_domain: str,
+    expected_mix: bool,
+    gpu_model_label: str,
+    node: str | None,
 ) -> None:
     """Show GPU memory allocated per node and GPU [on NODE]."""
     from gpushared.contract import ResourceNames
+    from gpushared.inspect.mix import collect_mix
     from gpushared.inspect.view import collect, render_details, render_summary
     from gpushared.kube.api import Api, KubeError, connect, default_kubeconfig
 
+    if expected_mix and node is not None:
+        raise click.UsageError("--expected-mix counts the whole cluster: name no node")
     try:
         api = Api(connect(kubeconfig or default_kubeconfig(), context=context))
+        if expected_mix:
+            document, warnings = collect_mix(
+                api, resources=ResourceNames(domain=resource_domain), model_label=gpu_model_label
+            )
+            click.echo(json.dumps(document, indent=1))
+            for warning in warnings:
+                click.echo(f"warning: {warning}", err=True)
+            return
         reports, warnings = collect(api, resources=ResourceNames(domain=resource_domain), node=node)
     except KubeError as exc:
         raise click.ClickException(str(exc)) from None

@@ -7,15 +7,30 @@ class and, for a policy that weighs scarcity, what each node has left then. The 
 the pods its watch shows bound (``extender/state.py``, a mix every 10 s); the trace replay counts the tasks
 it has placed (``replay/cluster.py``, a mix every 5 % of the capacity): the same book, so the replay knows
 of the workload exactly what a running extender would, and nothing of the tasks still to come.
+
+What a running extender may know before it has seen a pod is what its operator tells it: an
+:class:`ExpectedMix` (the extender's ``--expected-mix`` file, written by ``kubectl inspect gpushare
+--expected-mix`` from a cluster's pods, or from another trace for the replay), counted as ``weight`` pods
+beside the pods seen. Without it a fresh extender's mix is empty, and fgd prices no fragment for the big
+kinds it has not yet seen: the first pods break the few nodes that could host those (issue #41).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final
 
+from gpushared.contract import ContractError
 from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix
 from gpushared.core.ledger import Holding
+
+#: How many pods an expected mix counts as, unless its file says: beside it, the pods seen take over once
+#: there are some thousands of them. Chosen by scripts/tune_placement.py on its tuning set (docs/benchmarks.md).
+EXPECTED_WEIGHT: Final = 1000.0
+#: Kinds an expected mix may list: a cluster's pods have some dozens (the Alibaba trace's 8,152 tasks, 400).
+MAX_EXPECTED_KINDS: Final = 10_000
 
 
 def kind_of(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> ModelKind:
@@ -29,10 +44,104 @@ def kind_of(cpu: int, holding: Holding | None, models: frozenset[str] | None) ->
     return cpu, size, 1 if size else 0, models if size else None
 
 
+@dataclass(frozen=True)
+class ExpectedMix:
+    """The kinds of pod an operator expects, each with its share (the shares sum to 1), counted as
+    ``weight`` pods in every mix taken."""
+
+    shares: Mapping[ModelKind, float]
+    weight: float = EXPECTED_WEIGHT
+
+    @classmethod
+    def of_counts(cls, counts: Mapping[ModelKind, float], *, weight: float = EXPECTED_WEIGHT) -> ExpectedMix:
+        total = sum(n for n in counts.values() if n > 0)
+        return cls({kind: n / total for kind, n in counts.items() if n > 0} if total else {}, weight)
+
+    def counts(self) -> dict[ModelKind, float]:
+        return {kind: share * self.weight for kind, share in self.shares.items()}
+
+
+def expected_mix_document(counts: Mapping[ModelKind, float], *, weight: float = EXPECTED_WEIGHT) -> dict[str, object]:
+    """The document :func:`read_expected_mix` reads, of the pods counted by kind (largest counts first)."""
+    kinds = [
+        {
+            "cpuMilli": cpu,
+            "gpuMem": size,
+            "gpus": gpus,
+            **({"models": sorted(models)} if models is not None else {}),
+            "count": round(n, 6),
+        }
+        for (cpu, size, gpus, models), n in sorted(counts.items(), key=lambda item: (-item[1], str(item[0])))
+        if n > 0
+    ]
+    return {"weight": weight, "kinds": kinds}
+
+
+def read_expected_mix(document: object, *, key: str = "expected mix") -> ExpectedMix:
+    """An operator's expected mix: ``{"weight": pods, "kinds": [{"cpuMilli": int, "gpuMem": int (per GPU, in
+    the gpu-mem resource's units), "gpus": int, "models": [str] (optional: any model), "count": number}]}``.
+    A kind's share is its count over the counts' sum. Every fault is a ContractError naming the entry."""
+    if not isinstance(document, dict):
+        raise ContractError(key=key, value=document, reason="expected a JSON object with 'kinds'")
+    unknown = set(document) - {"weight", "kinds"}
+    if unknown:
+        raise ContractError(key=key, value=sorted(unknown), reason="unknown keys; expected 'weight' and 'kinds'")
+    weight = document.get("weight", EXPECTED_WEIGHT)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1e9:
+        raise ContractError(key=f"{key}: weight", value=weight, reason="expected a number of pods, 0 to 1e9")
+    kinds = document.get("kinds")
+    if not isinstance(kinds, list) or len(kinds) > MAX_EXPECTED_KINDS:
+        raise ContractError(
+            key=f"{key}: kinds", value=kinds, reason=f"expected a list of at most {MAX_EXPECTED_KINDS:,}"
+        )
+    counts: dict[ModelKind, float] = {}
+    for i, entry in enumerate(kinds):
+        kind, count = _expected_kind(entry, key=f"{key}: kinds[{i}]")
+        counts[kind] = counts.get(kind, 0.0) + count
+    if kinds and not sum(counts.values()):
+        raise ContractError(key=f"{key}: kinds", value=len(kinds), reason="every count is 0")
+    return ExpectedMix.of_counts(counts, weight=float(weight))
+
+
+def _expected_kind(entry: object, *, key: str) -> tuple[ModelKind, float]:
+    if not isinstance(entry, dict):
+        raise ContractError(key=key, value=entry, reason="expected an object")
+    unknown = set(entry) - {"cpuMilli", "gpuMem", "gpus", "models", "count"}
+    if unknown:
+        raise ContractError(key=key, value=sorted(unknown), reason="unknown keys")
+    numbers = []
+    for name, top in (("cpuMilli", 10**9), ("gpuMem", 10**9), ("gpus", 1024)):
+        value = entry.get(name, 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= top:
+            raise ContractError(key=f"{key}.{name}", value=value, reason=f"expected an integer from 0 to {top:,}")
+        numbers.append(value)
+    cpu, size, gpus = numbers
+    if (size == 0) != (gpus == 0):
+        raise ContractError(key=key, value=entry, reason="'gpuMem' and 'gpus' are both 0 (no GPU) or both above 0")
+    count = entry.get("count", 1)
+    if isinstance(count, bool) or not isinstance(count, (int, float)) or not 0 <= count <= 1e12:
+        raise ContractError(key=f"{key}.count", value=count, reason="expected a number from 0 to 1e12")
+    models = entry.get("models")
+    if models is not None and (
+        not isinstance(models, list)
+        or not models
+        or len(models) > 64
+        or not all(isinstance(m, str) and 0 < len(m) <= 253 for m in models)
+    ):
+        raise ContractError(key=f"{key}.models", value=models, reason="expected 1 to 64 GPU model names")
+    chosen = frozenset(models) if models is not None and size else None
+    return (cpu, size, gpus, chosen), float(count)
+
+
 class MixBook:
-    def __init__(self) -> None:
+    """``expected``: what the operator expects, counted in every mix beside the pods counted here."""
+
+    def __init__(self, expected: ExpectedMix | None = None) -> None:
         #: pods counted, by kind
         self.kinds: Counter[ModelKind] = Counter()
+        self.expected = expected
+        #: the expected mix as pods (none where its weight is 0)
+        self._expected_counts = {k: n for k, n in (expected.counts() if expected else {}).items() if n > 0}
         #: the mix taken last (empty until the first :meth:`take`)
         self.mix = RequestMix()
         #: counts the mixes taken: a rank that reads the mix is kept per mix
@@ -52,7 +161,13 @@ class MixBook:
     def take(self, *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None = None) -> RequestMix:
         """A new mix of the pods counted now, on the cluster's ``nodes`` by class (and what they have left,
         ``rooms``, for a policy that weighs scarcity); it costs the number of distinct kinds, not of pods."""
-        mix = RequestMix.of_counts(self.kinds, nodes=nodes, rooms=rooms)
+        counts: Mapping[ModelKind, float] = self.kinds
+        if self._expected_counts:
+            merged = dict(self._expected_counts)
+            for kind, n in self.kinds.items():
+                merged[kind] = merged.get(kind, 0.0) + n
+            counts = merged
+        mix = RequestMix.of_counts(counts, nodes=nodes, rooms=rooms)
         self.mix_generation += 1
         if mix.pressures() != self.mix.pressures():
             self.pressure_generation += 1

@@ -372,12 +372,14 @@ FGD_LEVELS: Final = 100
 
 #: What a node's GPU model being wanted in full by pinned pods (``PricingContext.pressure`` 1) adds to the
 #: price of placing a pod that may run anywhere there: for binpack in GPUs left, for fgd in its levels. A
-#: pod that may run anywhere then goes elsewhere unless that costs more than this; tuned on the trace's
-#: gpuspec variants (docs/benchmarks.md, issue #25: binpack from -0.36 to +0.92 against the paper's BestFit
-#: at 8; fgd, which weighs big kinds by the nodes that can host them now and so pushes small pods off those,
-#: needs 8 as well to keep them off the scarce models: at 3 gpuspec20 fell 0.84 below binpack at 90 %).
-BINPACK_PRESSURE: Final = 8.0
-FGD_PRESSURE: Final = 8.0
+#: pod that may run anywhere then goes elsewhere unless that costs more than this. Chosen by
+#: scripts/tune_placement.py (issue #41) on its tuning set (gpuspec10, gpushare40; causal, with the expected
+#: mix), by the best worst margin against the paper, then the second worst...: binpack's margins rise with
+#: the pressure until it is a strict order (from 256 they stop moving: the worst point on gpuspec10 +0.88
+#: at 256, +0.89 at 512, against -0.03 at the 8 shipped before); fgd's peak at 32 (+0.54 worst on
+#: gpuspec10; 16: +0.27, 64: +0.42). bench/results/tuning-placement.json has every value tried.
+BINPACK_PRESSURE: Final = 512.0
+FGD_PRESSURE: Final = 32.0
 
 
 def _fgd_levels(growth: float) -> float:
@@ -413,7 +415,7 @@ def _node_left(context: PricingContext, taken: int) -> float:
 
 def binpack(pressure: float = BINPACK_PRESSURE) -> Policy:
     """Binpack with a pinned model's ``pressure`` worth that many GPUs left (the tuning harness,
-    scripts/tune_pressure.py, tries others; BINPACK is the one that ships)."""
+    scripts/tune_placement.py, tries others; BINPACK is the one that ships)."""
 
     def price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
         """What the node would have left (and its model's pressure), then the GPU's free memory left (a

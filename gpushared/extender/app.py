@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gpushared.contract import ResourceNames
 from gpushared.core.admission import GPUSHARED_SCHEDULER
+from gpushared.core.mixbook import ExpectedMix
 from gpushared.core.policies import Policy
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.config import ServerConfig
@@ -73,6 +74,8 @@ class ExtenderSettings:
     rank_in_filter: bool = True
     #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
     webhook_scheduler: str = GPUSHARED_SCHEDULER
+    #: the operator's expected mix (``--expected-mix``), counted beside the pods seen (core/mixbook.py)
+    expected: ExpectedMix | None = None
 
     @property
     def own_url(self) -> str:
@@ -94,6 +97,7 @@ class Extender:
             landing_seconds=settings.binding_landing_seconds,
             model_label=settings.model_label,
             rooms=settings.policy.reads_rooms,
+            expected=settings.expected,
         )
         self.heartbeat = Heartbeat()
         self.elector = self._elector(api, settings.lease)

@@ -37,6 +37,7 @@ from gpushared.core.bodies import (
     slim_pod,
     uid_of,
 )
+from gpushared.core.mixbook import ExpectedMix
 from gpushared.core.nodes import Rejected
 from gpushared.core.policies import Policy
 from gpushared.core.requests import PodRequest, pod_request
@@ -72,11 +73,14 @@ class ClusterCache:
         landing_seconds: float = LANDING_SECONDS,
         model_label: str = "",
         rooms: bool = True,
+        expected: ExpectedMix | None = None,
     ) -> None:
         """``rooms``: whether the request mix is told each node's room (only a policy that reads the mix
         uses it; counting 5,000 nodes' rooms for one that does not is a cost on a scheduling call)."""
         self.owner = Owner()
-        self.state = ClusterState(resources=resources, clock=clock, model_label=model_label, rooms=rooms)
+        self.state = ClusterState(
+            resources=resources, clock=clock, model_label=model_label, rooms=rooms, expected=expected
+        )
         self.index = FilterIndex(self.state)
         self.state.changed = self.index.changed
         self.reservations = Reservations(clock=clock, landing_seconds=landing_seconds)

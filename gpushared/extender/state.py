@@ -24,7 +24,7 @@ from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models,
 from gpushared.core.cpu import allocatable_cpu, cpu_of, holds_cpu
 from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.mixbook import MixBook, kind_of
+from gpushared.core.mixbook import ExpectedMix, MixBook, kind_of
 from gpushared.core.nodes import NodeState, Rejected, usable
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,10 @@ class ClusterState:
         changed: Callable[[str], None] = lambda name: None,
         model_label: str = "",
         rooms: bool = True,
+        expected: ExpectedMix | None = None,
     ) -> None:
+        """``expected``: the operator's expected mix (``--expected-mix``), counted in every mix beside the
+        pods seen."""
         self.resources = resources
         #: whether each mix is told what every node has left now (fgd's scarcity: core.fragmentation)
         self.count_rooms = rooms
@@ -65,7 +68,7 @@ class ClusterState:
         self.unreadable: set[str] = set()
         #: the kinds of the pods counted here and the mixes taken from them (``core.mixbook``: the trace replay
         #: counts its placed tasks with the same book)
-        self.book = MixBook()
+        self.book = MixBook(expected)
         self._mix_counted = -MIX_SECONDS
         #: counts changes of what a node offers any pod (its GPUs, model, allocatable CPU), and the nodes by
         #: class as of that count: counted again only when one changed, not with every mix

@@ -7,11 +7,11 @@ working; the unit comes from the node's inventory instead of being guessed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import PodBody, node_of
+from gpushared.contract import ContractError, GpuInventory, ResourceNames
+from gpushared.core.bodies import NodeBody, PodBody, node_of
 from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
 from gpushared.kube.api import Api
@@ -25,16 +25,10 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
     for pod in pods:
         if node_of(pod):
             by_node.setdefault(node_of(pod), []).append(pod)
-    reports, warnings = [], []
-    for body in sorted(nodes, key=lambda n: n["metadata"]["name"]):
+    reports: list[dict[str, Any]] = []
+    warnings: list[str] = []
+    for body, inventory in gpushared_nodes(sorted(nodes, key=lambda n: n["metadata"]["name"]), resources, warnings):
         name = body["metadata"]["name"]
-        try:
-            inventory = inventory_from_node(body, resources=resources)
-        except ContractError as exc:
-            warnings.append(f"node {name}: {exc}")
-            continue
-        if inventory is None:
-            continue
         ledger = Ledger.build(inventory)
         for pod in by_node.get(name, []):
             holding = holding_from_pod(pod, unit=inventory.unit, resources=resources)
@@ -48,6 +42,21 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
         )
         reports.append(node_report(name=name, address=address, inventory=inventory, holdings=ledger.holdings()))
     return reports, warnings
+
+
+def gpushared_nodes(
+    bodies: Iterable[NodeBody], resources: ResourceNames, warnings: list[str]
+) -> Iterator[tuple[NodeBody, GpuInventory]]:
+    """The gpushared nodes among ``bodies``, each with its inventory; a node whose inventory cannot be read
+    is passed over with a warning."""
+    for body in bodies:
+        try:
+            inventory = inventory_from_node(body, resources=resources)
+        except ContractError as exc:
+            warnings.append(f"node {body['metadata']['name']}: {exc}")
+            continue
+        if inventory is not None:
+            yield body, inventory
 
 
 def _table(rows: Sequence[Sequence[str]]) -> list[str]:

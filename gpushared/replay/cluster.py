@@ -29,7 +29,7 @@ from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.binding import holding_for
 from gpushared.core.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.ledger import Ledger
-from gpushared.core.mixbook import MixBook, kind_of
+from gpushared.core.mixbook import ExpectedMix, MixBook, kind_of
 from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import LinkKind, link_words, set_score
@@ -128,10 +128,12 @@ class SimCluster:
         mix: RequestMix | None,
         rng: random.Random,
         links: bool = False,
+        expected: ExpectedMix | None = None,
     ) -> None:
         """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
         the first task); None: the mix is counted as the extender counts it (``core.mixbook``), from the
-        tasks placed so far, a new one every ROOMS_STEP of the capacity."""
+        tasks placed so far, a new one every ROOMS_STEP of the capacity, beside the operator's ``expected``
+        mix where there is one (the extender's ``--expected-mix``)."""
         self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
         #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
         self.links = LinkTally()
@@ -144,7 +146,7 @@ class SimCluster:
         #: the book the mix is taken from, as the extender keeps it (None: the mix was given)
         self.book: MixBook | None = None
         if mix is None:  # counted: the first mix, of no pods, before the first task (an extender's at a start)
-            self.book = MixBook()
+            self.book = MixBook(expected)
             mix = self.book.take(nodes=self.classes)
         self.mix = mix
         #: whether the mix is taken again as tasks are placed: always when it is counted, and for a given

@@ -10,7 +10,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushared.core.fragmentation import RequestMix, node_class
+from gpushared.core.fragmentation import ModelKind, RequestMix, node_class
+from gpushared.core.mixbook import ExpectedMix
 from gpushared.core.policies import Policy, policy_named
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
@@ -69,21 +70,26 @@ def replay(
     policy: str | Policy,
     seed: int,
     links: bool = False,
-    causal: bool = False,
+    causal: bool = True,
+    expected: ExpectedMix | None = None,
 ) -> Replay:
     """``links``: the nodes carry the links of their model (``replay.layouts.model_layout``) and placement
     weighs them; without, placement sees none. Either way the sets chosen are scored on them.
 
-    ``causal``: the request mix is counted as a running extender counts it, from the tasks placed so far
-    (``core.mixbook``; issue #41). Without, it is the *oracle* mix: the kinds of every task of the shuffled
-    workload, those still to arrive (and those that will fail) included, known before the first is placed;
-    no extender can know that."""
+    ``causal`` (the default): the request mix is counted as a running extender counts it, from the tasks
+    placed so far (``core.mixbook``; issue #41), beside the operator's ``expected`` mix where one is given
+    (the extender's ``--expected-mix``; for a figure, made by :func:`trace_kinds` from *another* trace).
+    Without, it is the *oracle* mix: the kinds of every task of the shuffled workload, those still to
+    arrive (and those that will fail) included, known before the first is placed; no extender can know
+    that."""
+    if expected is not None and not causal:
+        raise ValueError("an expected mix is counted beside the pods seen: it needs the causal replay")
     rng = random.Random(seed)
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     mix = None if causal else oracle_mix(nodes, workload)
     chosen = policy if isinstance(policy, Policy) else policy_named(policy)
-    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links)
+    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0
@@ -131,6 +137,16 @@ def oracle_mix(nodes: Sequence[TraceNode], workload: Sequence[TracePod]) -> Requ
     priced with, before the first task arrived."""
     classes = Counter(node_class(inventory_of(n), model=n.model, cpu_allocatable=n.cpu_milli) for n in nodes)
     return RequestMix(((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload), nodes=classes)
+
+
+def trace_kinds(pods: Sequence[TracePod]) -> Counter[ModelKind]:
+    """The kinds of a trace's tasks, counted as the extender's cache counts pods (``core.mixbook.kind_of``)
+    after running them all: what an operator's ``kubectl inspect gpushare --expected-mix`` would have
+    written of that workload."""
+    return Counter(
+        (p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) if p.num_gpu else (p.cpu_milli, 0, 0, None)
+        for p in pods
+    )
 
 
 def _typical(workload: Sequence[TracePod]) -> list[tuple[TracePod, float]]:

@@ -135,6 +135,7 @@ class Scheduling:
                 "--bind-address", "127.0.0.1",
                 "--secure-port", p.scheduler,
                 *versions.insecure_port_flags(version),
+                *versions.scheduler_auth_flags(version, kubeconfig=str(c.kubeconfig_for("admin"))),
             ],
             env=env,
         )  # fmt: skip
@@ -154,22 +155,28 @@ class Scheduling:
         self.start_scheduler(extenders=extenders, adjust=adjust, env=env)
 
     def scheduler_metrics(self) -> str:
-        """kube-scheduler's /metrics page: from the plain-HTTP metrics address while its configuration has one
-        (v1beta1, 1.20), else from its secure port as the admin (its serving certificate is self-signed)."""
+        """kube-scheduler's /metrics page."""
+        return self.scheduler_get("/metrics", timeout=10).decode()
+
+    def scheduler_get(self, path: str, *, timeout: float) -> bytes:
+        """A page of kube-scheduler's debugging server (/metrics, /debug/pprof/...): from the plain-HTTP
+        address while its configuration has one (v1beta1, 1.20), else from its secure port as the admin
+        (delegated to the API server: ``versions.scheduler_auth_flags``; its serving certificate is
+        self-signed)."""
         c = self.cluster
         if versions.scheduler_api(c.version("kube-scheduler")).bind_addresses:
-            request = urllib.request.Request(f"http://127.0.0.1:{c.ports.scheduler_health}/metrics")
+            request = urllib.request.Request(f"http://127.0.0.1:{c.ports.scheduler_health}{path}")
             context = None
         else:
             request = urllib.request.Request(
-                f"https://127.0.0.1:{c.ports.scheduler}/metrics",
+                f"https://127.0.0.1:{c.ports.scheduler}{path}",
                 headers={"Authorization": f"Bearer {c.tokens['admin']}"},
             )
             context = ssl.create_default_context()
             context.check_hostname = False  # loopback, and the scheduler's own self-signed certificate
             context.verify_mode = ssl.CERT_NONE
-        with urllib.request.urlopen(request, timeout=10, context=context) as response:
-            return str(response.read().decode())
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
+            return bytes(response.read())
 
     def _extenders(self, shipped: Path) -> list[dict[str, Any]]:
         """The shipped file's extenders with this cluster's address and certificate paths, and the opt-in

@@ -95,6 +95,21 @@ def apiserver_flags(version: Version) -> list[str]:
     return ["--insecure-port", "0"] if not version.at_least(24) else []
 
 
+def scheduler_auth_flags(version: Version, *, kubeconfig: str) -> list[str]:
+    """From 1.23 kube-scheduler serves /metrics and /debug/pprof only on its secure port, and without
+    delegated authentication and authorization it answers every caller there 403. With them it asks the
+    API server (TokenReview, SubjectAccessReview) about the bearer token; ``--authentication-skip-lookup``
+    keeps it from reading the request-header CA from kube-system's extension-apiserver-authentication
+    ConfigMap, which this cluster does not publish (without it, an error at every start and refresh)."""
+    if scheduler_api(version).bind_addresses:
+        return []
+    return [
+        "--authentication-kubeconfig", kubeconfig,
+        "--authorization-kubeconfig", kubeconfig,
+        "--authentication-skip-lookup",
+    ]  # fmt: skip
+
+
 def insecure_port_flags(version: Version) -> list[str]:
     """kube-controller-manager's and kube-scheduler's ``--port 0``, while the flag exists."""
     return ["--port", "0"] if not version.at_least(23) else []

@@ -39,7 +39,8 @@ def test_bench_allocate_runs_and_reports() -> None:
 
 
 def small_trace(data: Path, *, models: tuple[str, ...] = ("G2", "T4")) -> Path:
-    """Twelve nodes of 2 and 4 GPUs (the models alternating), and five kinds of task, one on two GPUs."""
+    """Twelve nodes of 2 and 4 GPUs (the models alternating), and five kinds of task, one on two GPUs; a
+    ``multigpu20`` list with more of that one (the default trace's expected mix is made from it)."""
     data.mkdir()
     (data / "openb_node_list_gpu_node.csv").write_text(
         "sn,cpu_milli,memory_mib,gpu,model\n"
@@ -48,9 +49,10 @@ def small_trace(data: Path, *, models: tuple[str, ...] = ("G2", "T4")) -> Path:
     header = "name,cpu_milli,memory_mib,num_gpu,gpu_milli,gpu_spec,qos,pod_phase,creation_time,deletion_time"
     header += ",scheduled_time\n"
     rows = [(4000, 1, 1000, ""), (2000, 1, 500, ""), (1000, 1, 250, "T4"), (8000, 0, 0, ""), (8000, 2, 1000, "")]
-    (data / "openb_pod_list_default.csv").write_text(
-        header + "".join(f"p{i},{c},4096,{n},{g},{m},LS,Running,0,1,0\n" for i, (c, n, g, m) in enumerate(rows))
-    )
+    for trace, listed in (("default", rows), ("multigpu20", [*rows, *rows[-1:] * 3])):
+        (data / f"openb_pod_list_{trace}.csv").write_text(
+            header + "".join(f"p{i},{c},4096,{n},{g},{m},LS,Running,0,1,0\n" for i, (c, n, g, m) in enumerate(listed))
+        )
     return data
 
 
@@ -66,12 +68,16 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
         timeout=300,
     )
     summary = json.loads((out / "openb.json").read_text())
-    assert set(summary) == {"default"} and set(summary["default"]) == {"binpack", "spread", "fgd", "balanced"}
+    assert set(summary) == {"default", "multigpu20"}
+    assert set(summary["default"]) == {"binpack", "spread", "fgd", "balanced"}
     for numbers in summary["default"].values():
         assert set(numbers) == {"100", "130", "frag90", "curve"} and 0 < numbers["130"] <= 100
         assert list(numbers["curve"]) == ["50", "60", "70", "80", "90", "100", "110", "120", "130"]
         assert numbers["curve"]["130"] == numbers["130"]
-    details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]["binpack"]
+    written = json.loads((out / "openb-details.json").read_text())
+    [run] = written["runs"]  # the figures a policy reaches knowing the tasks placed and another trace's mix
+    assert run["mix"] == "expected" and run["expectedMixFrom"] == {"default": "multigpu20", "multigpu20": "default"}
+    details = written["traces"]["default"]["binpack"]
     assert len(details["allocation"]) == 131 and details["multiGpuTasks"] > 0
     assert (out / "openb-default.png").read_bytes()[:4] == b"\x89PNG"
     table = subprocess.run(
@@ -82,14 +88,21 @@ def test_bench_openb_replays_a_small_trace_and_writes_json_and_plots(tmp_path: P
         timeout=60,
     ).stdout
     assert "fgd worst vs binpack" in table.splitlines()[0] and table.splitlines()[2].startswith("| default |")
-    # the causal replay (issue #41): the mix counted from the tasks placed, its own files beside the oracle's
-    causal = [sys.executable, script, "--data", str(data), "--seeds", "42", "--out", str(out), "--causal"]
-    subprocess.run(
-        [*causal, "--policies", "fgd", "binpack", "--no-plots"], check=True, capture_output=True, timeout=300
-    )
-    counted = json.loads((out / "openb-causal.json").read_text())["default"]
-    assert set(counted) == {"fgd", "binpack"} and 0 < counted["fgd"]["130"] <= 100
-    assert json.loads((out / "openb.json").read_text()) == summary  # the oracle's figures left as they were
+    # what else a policy may be given (issue #41): the tasks placed alone, or the oracle's whole workload,
+    # each in its own files; and one policy run again merged into the figures
+    again = [sys.executable, script, "--data", str(data), "--traces", "default", "--seeds", "42", "--out", str(out)]
+    for mix in ("counted", "oracle"):
+        subprocess.run([*again, "--mix", mix, "--policies", "fgd", "--no-plots"], check=True, timeout=300)
+        figures = json.loads((out / f"openb-{mix}.json").read_text())
+        assert set(figures) == {"default"} and set(figures["default"]) == {"fgd"}
+    assert json.loads((out / "openb.json").read_text()) == summary  # the headline figures left as they were
+    subprocess.run([*again, "--policies", "fgd", "--merge", "--no-plots"], check=True, timeout=300)
+    merged = json.loads((out / "openb.json").read_text())
+    assert merged["multigpu20"] == summary["multigpu20"] and merged["default"]["spread"] == summary["default"]["spread"]
+    merged_details = json.loads((out / "openb-details.json").read_text())
+    assert list(merged_details["traces"]["default"]["fgd"]["seeds"]) == ["42"]  # fgd run again, one seed
+    assert list(merged_details["traces"]["default"]["binpack"]["seeds"]) == ["42", "43"]  # kept
+    assert [r["command"].count("--merge") for r in merged_details["runs"]] == [0, 1]
 
 
 def test_bench_links_replays_blind_and_seeing_and_scores_the_sets(tmp_path: Path) -> None:
@@ -180,9 +193,9 @@ def test_bench_limits_runs_and_reports() -> None:
     assert len(rows) == 6 and rows[0].split()[1] == "15,000"
 
 
-def test_tune_pressure_replays_the_tuning_set_causally_and_chooses_a_value(tmp_path: Path) -> None:
+def test_tune_placement_replays_the_tuning_set_causally_and_chooses_a_candidate(tmp_path: Path) -> None:
     """The committed tuning harness (issue #41) on a small trace, against made-up published curves: every
-    value's margins at every point, the best worst margin chosen."""
+    candidate's margins at every point, the best worst margin chosen per policy."""
     data = small_trace(tmp_path / "trace")
     paper = data / "fgd-expected-results"
     paper.mkdir()
@@ -196,8 +209,9 @@ def test_tune_pressure_replays_the_tuning_set_causally_and_chooses_a_value(tmp_p
     ]
     (paper / "analysis_allo_discrete.csv").write_text(f"sc_policy,tune,workload,{points}\n" + "\n".join(rows) + "\n")
     out = tmp_path / "tuning.json"
-    script = str(ROOT / "scripts" / "tune_pressure.py")
-    tuning = ["--traces", "default", "--values", "0", "8", "--seeds", "42", "--jobs", "2", "--out", str(out)]
+    script = str(ROOT / "scripts" / "tune_placement.py")
+    candidates = ["binpack:0:1000", "binpack:8:1000", "fgd:8:0", "fgd:8:1000"]
+    tuning = ["--traces", "default", "--candidates", *candidates, "--seeds", "42", "--jobs", "2", "--out", str(out)]
     subprocess.run(
         [sys.executable, script, "--data", str(data), *tuning],
         check=True,
@@ -206,10 +220,27 @@ def test_tune_pressure_replays_the_tuning_set_causally_and_chooses_a_value(tmp_p
     )
     report = json.loads(out.read_text())
     assert set(report["chosen"]) == {"binpack", "fgd"} and report["tuningTraces"] == ["default"]
+    assert report["expectedMixFrom"] == {"default": "multigpu20"}
+    assert {policy: set(values) for policy, values in report["grid"].items()} == {
+        "binpack": {"0:1000", "8:1000"},
+        "fgd": {"8:0", "8:1000"},
+    }
     for policy, values in report["grid"].items():
-        assert set(values) == {"0", "8"}
         for found in values.values():
             assert list(found["perTrace"]["default"]) == ["50", "60", "70", "80", "90", "100", "110", "120", "130"]
             assert found["worst"] == min(found["perTrace"]["default"].values())
-        best = max(values, key=lambda v: (values[v]["worst"], values[v]["mean"]))
+        best = max(values, key=lambda v: sorted(m for p in values[v]["perTrace"].values() for m in p.values()))
         assert report["chosen"][policy] == best
+    # the grid extended where its edge was best: the new candidate beside the others, chosen among them all
+    extend = [
+        *tuning[: tuning.index("--candidates")],
+        "--candidates",
+        "fgd:16:1000",
+        *tuning[tuning.index("--seeds") :],
+    ]
+    subprocess.run([sys.executable, script, "--data", str(data), *extend, "--extend"], check=True, timeout=300)
+    extended = json.loads(out.read_text())
+    assert set(extended["grid"]["fgd"]) == {"8:0", "8:1000", "16:1000"} and len(extended["commands"]) == 2
+    assert extended["grid"]["binpack"] == report["grid"]["binpack"]
+    fgd = extended["grid"]["fgd"]
+    assert extended["chosen"]["fgd"] == max(fgd, key=lambda v: sorted(fgd[v]["perTrace"]["default"].values()))

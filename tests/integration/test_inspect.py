@@ -142,3 +142,36 @@ def test_details_show_the_link_matrix_and_how_each_multi_gpu_pod_is_linked(api: 
 
 def test_details_of_a_node_without_links_show_no_matrix(api: FakeApiServer, tmp_path: Path) -> None:
     assert "GPU links:" not in inspect(api, tmp_path, "-d").stdout
+
+
+def test_expected_mix_counts_the_pods_as_the_extender_does_and_the_extender_reads_it(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    """Issue #41: the kinds of the pods on gpushared nodes (finished ones not), as the extender's
+    ``--expected-mix`` reads them; a file it cannot read stops the extender before it starts, naming the
+    entry."""
+    pinned = pod("pinned", 6, node="n1", cpu="2")
+    pinned["spec"]["nodeSelector"] = {"nvidia.com/gpu.product": "A100"}
+    api.create(pinned)
+    result = inspect(api, tmp_path, "--expected-mix")
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    assert document == {
+        "weight": 1000.0,
+        "kinds": [
+            {"cpuMilli": 0, "gpuMem": 2, "gpus": 1, "count": 1},  # bypass: pending, at its spec amount
+            {"cpuMilli": 0, "gpuMem": 4, "gpus": 1, "count": 1},
+            {"cpuMilli": 0, "gpuMem": 6, "gpus": 1, "count": 1},
+            {"cpuMilli": 2000, "gpuMem": 6, "gpus": 1, "models": ["A100"], "count": 1},
+        ],
+    }
+    assert inspect(api, tmp_path, "--expected-mix", "n1").returncode == 2  # the whole cluster or nothing
+
+    command = [sys.executable, "-m", "gpushared.cli.extender", "--expected-mix", str(tmp_path / "mix.json")]
+    document["kinds"][1]["gpus"] = "1"
+    (tmp_path / "mix.json").write_text(json.dumps(document))
+    refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "kinds[1].gpus: expected an integer" in refused.stderr, refused.stderr
+    (tmp_path / "mix.json").write_text("{")
+    refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "mix.json" in refused.stderr, refused.stderr

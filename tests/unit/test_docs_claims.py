@@ -12,7 +12,7 @@ import click
 import pytest
 
 from gpushared.cli import extender as extender_cli
-from gpushared.core import reservations
+from gpushared.core import mixbook, policies, reservations
 from gpushared.daemon import candidates, endpoints, service
 from gpushared.daemon.config import OPTIONS
 from gpushared.extender import app, inbox, priming, state, tasks
@@ -52,6 +52,10 @@ CLAIMS = [
     ("design.md", f"not confirmed after {seconds(reservations.CONFIRM_SECONDS)} is read back"),
     ("design.md", f"`--binding-landing-seconds` ({cli_default('binding_landing_seconds'):g}) after the write"),
     ("design.md", f"`--binding-landing-seconds` ({reservations.LANDING_SECONDS:g}) it binds nothing"),
+    # the placement constants tuned by scripts/tune_placement.py (issue #41)
+    ("design.md", f"`BINPACK_PRESSURE` ({policies.BINPACK_PRESSURE:g} GPUs"),
+    ("design.md", f"`FGD_PRESSURE` ({policies.FGD_PRESSURE:g} levels"),
+    ("install.md", f"(default {mixbook.EXPECTED_WEIGHT:,.0f})"),
     # the primer
     ("design.md", f"a pod offered more than {seconds(priming.STALE_SECONDS)} ago is passed over"),
     ("design.md", "takes at most a quarter of the\nevent loop's time" if priming.SHARE == 0.25 else "(SHARE changed)"),

@@ -5,10 +5,13 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import pytest
+
 from gpushared.core.fragmentation import RequestMix
+from gpushared.core.mixbook import ExpectedMix
 from gpushared.core.policies import BINPACK, FGD
 from gpushared.replay.cluster import SimCluster
-from gpushared.replay.run import oracle_mix, replay, tuned
+from gpushared.replay.run import oracle_mix, replay, trace_kinds, tuned
 from gpushared.replay.trace import GPU_MIB, TraceNode, TracePod, read_nodes, read_pods
 
 NODES = [
@@ -153,5 +156,25 @@ def test_a_causal_replay_starts_from_an_empty_mix_and_records_as_the_oracle_does
     for policy in (FGD.name, BINPACK.name):
         causal = replay(NODES, pods, policy=policy, seed=42, causal=True)
         assert len(causal.allocation) == 131 and causal.allocation == sorted(causal.allocation)
-        oracle = replay(NODES, pods, policy=policy, seed=42)
+        oracle = replay(NODES, pods, policy=policy, seed=42, causal=False)
         assert causal.placed + causal.failed == oracle.placed + oracle.failed  # the same workload
+    with pytest.raises(ValueError, match="causal"):
+        replay(NODES, pods, policy=FGD.name, seed=42, causal=False, expected=ExpectedMix({}))
+
+
+def test_the_expected_mix_is_all_a_replay_knows_beside_the_tasks_placed() -> None:
+    """An operator's expected mix (here another workload's kinds, as ``bench_openb.MEMORY_FROM`` makes it)
+    is in every mix from the first; beside it, still only tasks already placed."""
+    other = [task(1000, gpus=2, cpu=7000), task(125, cpu=900)]
+    expected = ExpectedMix.of_counts(trace_kinds(other), weight=50)
+    assert set(expected.shares) == {(7000, GPU_MIB, 2, None), (900, GPU_MIB // 8, 1, None)}
+    workload = [task(250 + 50 * (i % 10), cpu=1000 + i) for i in range(40)]
+    cluster = SimCluster(NODES, policy=FGD, mix=None, rng=random.Random(3), expected=expected)
+    placed: set[tuple[int, int, int, frozenset[str] | None]] = set()
+    for pod in workload:
+        kinds = cluster.mix.kinds()
+        assert set(kinds) <= placed | set(expected.shares), "the mix knows a task that has not been placed"
+        assert kinds[(7000, GPU_MIB, 2, None)] == 25.0  # the expected mix, counted as its weight in pods
+        if cluster.place(pod):
+            placed.add((pod.cpu_milli, pod.memory_per_gpu, pod.num_gpu, None))
+    assert placed
