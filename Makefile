@@ -76,10 +76,11 @@ deb:
 deb-test: venv
 	WORLD_PYTHON=$(BIN)/python scripts/deb-test
 
-# Placement quality on the Alibaba trace (needs the trace: GPUSHARED_TRACE_DIR, default ../shared/data/...).
+# Placement quality on the Alibaba trace (needs the trace: GPUSHARED_TRACE_DIR, default ../shared/data/...):
+# causal, as a running extender knows the workload, with an expected mix made from another trace (issue #41).
 # Then how well linked multi-GPU tasks' GPUs are, on a model of each node's links (docs/benchmarks.md).
 bench: venv
-	$(BIN)/python scripts/bench_openb.py
+	$(BIN)/python scripts/bench_openb.py --policies binpack spread fgd
 	$(BIN)/python scripts/bench_links.py
 
 # The fault suite (docs/reliability.md): the extender under load while the API server stalls, loses

@@ -32,6 +32,10 @@ def test_bench_scheduler_binds_every_pod_with_and_without_the_extender(tmp_path:
         assert mode["podsPerSecond"] > 0 and mode["ratio"] > 0
         assert mode["cpuSeconds"]["kube-scheduler"] > 0
         assert mode["scheduler"]["scheduling_algorithm_duration"][""]["calls"] >= 40
+        # every figure read from a metric this version serves (renamed from 1.23; issue #41: empty on 1.36)
+        breakdown = mode["scheduler"]
+        for figure in ("e2e_scheduling_duration", "binding_duration"):
+            assert sum(v["calls"] for v in breakdown[figure].values()) >= 40, (figure, breakdown["sources"])
     # Only the extender's modes called it; as shipped it ranks in filter and is never asked to score.
     assert modes["with"]["extender"]["filter"]["calls"] >= 40
     assert modes["with"]["extender"]["prioritize"]["calls"] == 0
