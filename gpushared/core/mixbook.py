@@ -37,11 +37,18 @@ def kind_of(cpu: int, holding: Holding | None, models: frozenset[str] | None) ->
     """A pod's kind in the request mix: its CPU, what it holds (or waits for) on each GPU, its GPUs, and the
     GPU models it may use (None: any)."""
     if holding is None:
-        return cpu, 0, 0, None
+        return request_kind(cpu, 0, 0, None)
     if len(holding.gpus) > 1:
-        return cpu, max(holding.gpus.values()), len(holding.gpus), models
-    size = sum(holding.gpus.values()) + holding.pending
-    return cpu, size, 1 if size else 0, models if size else None
+        return request_kind(cpu, max(holding.gpus.values()), len(holding.gpus), models)
+    return request_kind(cpu, sum(holding.gpus.values()) + holding.pending, 1, models)
+
+
+def request_kind(cpu: int, per_gpu: int, gpus: int, models: frozenset[str] | None) -> ModelKind:
+    """The kind of a pod that asks ``per_gpu`` units on each of ``gpus`` GPUs: one that asks no GPU memory
+    is a CPU pod, whatever models or GPU count it names."""
+    if not per_gpu or not gpus:
+        return cpu, 0, 0, None
+    return cpu, per_gpu, gpus, models
 
 
 @dataclass(frozen=True)
@@ -139,7 +146,6 @@ class MixBook:
     def __init__(self, expected: ExpectedMix | None = None) -> None:
         #: pods counted, by kind
         self.kinds: Counter[ModelKind] = Counter()
-        self.expected = expected
         #: the expected mix as pods (none where its weight is 0)
         self._expected_counts = {k: n for k, n in (expected.counts() if expected else {}).items() if n > 0}
         #: the mix taken last (empty until the first :meth:`take`)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushared.core.fragmentation import ModelKind, RequestMix, node_class
-from gpushared.core.mixbook import ExpectedMix
+from gpushared.core.mixbook import ExpectedMix, request_kind
 from gpushared.core.policies import Policy, policy_named
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
@@ -143,10 +143,7 @@ def trace_kinds(pods: Sequence[TracePod]) -> Counter[ModelKind]:
     """The kinds of a trace's tasks, counted as the extender's cache counts pods (``core.mixbook.kind_of``)
     after running them all: what an operator's ``kubectl inspect gpushare --expected-mix`` would have
     written of that workload."""
-    return Counter(
-        (p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) if p.num_gpu else (p.cpu_milli, 0, 0, None)
-        for p in pods
-    )
+    return Counter(request_kind(p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in pods)
 
 
 def _typical(workload: Sequence[TracePod]) -> list[tuple[TracePod, float]]:
