@@ -283,7 +283,8 @@ class LocalCluster:
         rbac = [
             doc
             for doc in yaml.safe_load_all((ROOT / "deploy" / "extender.yaml").read_text())
-            if doc and doc["kind"] not in ("Deployment", "Service")  # the extender runs as a process here
+            # the extender runs as a process here: no Deployment, Service or PodDisruptionBudget
+            if doc and doc["kind"] not in ("Deployment", "Service", "PodDisruptionBudget")
         ]
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
 

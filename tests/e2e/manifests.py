@@ -43,7 +43,8 @@ def second_scheduler(
       from 1.25), calling the extender at ``extender_url``: its Service has no ClusterIP route here;
     - the Deployment on the host network, one replica (one node, one port), reaching the API server at
       127.0.0.1 (the in-cluster address is a ClusterIP too), with ``image`` (imported, not pulled);
-    - the webhook called at a URL on 127.0.0.1 instead of through the Service, for the same reason.
+    - the webhook called at a URL on 127.0.0.1 instead of through the Service, for the same reason;
+    - the PodDisruptionBudget in the policy API ``version`` serves (policy/v1 as shipped from 1.21).
     """
     docs = [d for d in yaml.safe_load_all(SECOND_SCHEDULER.read_text()) if d]
     chosen = versions.scheduler_api(version)
@@ -73,6 +74,8 @@ def second_scheduler(
             ]
             for probe in ("readinessProbe", "livenessProbe"):
                 container[probe]["httpGet"].update(host="127.0.0.1", port=secure_port)
+        elif doc["kind"] == "PodDisruptionBudget":
+            doc["apiVersion"] = versions.pdb_api(version)
         elif doc["kind"] == "MutatingWebhookConfiguration":
             for webhook in doc["webhooks"]:
                 path = webhook["clientConfig"]["service"]["path"]

@@ -14,6 +14,7 @@ What changed, and where (upstream changelogs):
   endpoint moved into the configuration (``containerRuntimeEndpoint``, 1.27+).
 - kubelet ``--pod-infra-container-image``: removed in 1.35 (the runtime's sandbox image decides).
 - kubelet ``failCgroupV1``: from 1.35 the kubelet refuses cgroup v1 hosts unless it is false (field: 1.31+).
+- PodDisruptionBudget: ``policy/v1`` from 1.21 (what deploy/ ships), ``policy/v1beta1`` before.
 - ServiceAccount token Secrets: created by the controller manager before 1.24, not after.
 - kube-scheduler configuration: ``v1beta1`` (1.18-1.22, with ``healthzBindAddress``/``metricsBindAddress``),
   ``v1beta3`` (1.23-1.28, same extender fields, no bind addresses), ``v1`` (1.25+): from 1.25 the scheduler
@@ -134,6 +135,11 @@ def kubelet(version: Version, *, runtime_endpoint: str, pause_image: str, cgroup
     if cgroup_v1 and version.at_least(31):
         config["failCgroupV1"] = False
     return KubeletChoice(flags, config)
+
+
+def pdb_api(version: Version) -> str:
+    """The PodDisruptionBudget API this version serves (deploy/ ships policy/v1)."""
+    return "policy/v1" if version.at_least(21) else "policy/v1beta1"
 
 
 def creates_token_secrets(version: Version) -> bool:

@@ -36,18 +36,19 @@ def test_text_without_a_version_is_an_error_not_a_guess() -> None:
         Version.parse("kubelet: command not found")
 
 
-# version: apiserver flags, controller-manager/scheduler flags, token Secrets, scheduler API, shipped file
+# version: apiserver flags, controller-manager/scheduler flags, token Secrets, scheduler API, shipped file,
+# PodDisruptionBudget API
 CONTROL_PLANE = {
-    "1.20.2": (["--insecure-port", "0"], ["--port", "0"], True, "v1beta1", SCHEDULER_V1BETA1),
-    "1.24.17": ([], [], False, "v1beta3", SCHEDULER_V1),
-    "1.29.4": ([], [], False, "v1", SCHEDULER_V1),
-    "1.36.0": ([], [], False, "v1", SCHEDULER_V1),
+    "1.20.2": (["--insecure-port", "0"], ["--port", "0"], True, "v1beta1", SCHEDULER_V1BETA1, "policy/v1beta1"),
+    "1.24.17": ([], [], False, "v1beta3", SCHEDULER_V1, "policy/v1"),
+    "1.29.4": ([], [], False, "v1", SCHEDULER_V1, "policy/v1"),
+    "1.36.0": ([], [], False, "v1", SCHEDULER_V1, "policy/v1"),
 }
 
 
 @pytest.mark.parametrize("version", CONTROL_PLANE)
 def test_control_plane_flags_and_scheduler_config_by_version(version: str) -> None:
-    apiserver, insecure, tokens, api, shipped = CONTROL_PLANE[version]
+    apiserver, insecure, tokens, api, shipped, pdb = CONTROL_PLANE[version]
     v = Version.parse(version)
     assert versions.apiserver_flags(v) == apiserver
     assert versions.insecure_port_flags(v) == insecure
@@ -55,6 +56,7 @@ def test_control_plane_flags_and_scheduler_config_by_version(version: str) -> No
     chosen = versions.scheduler_api(v)
     assert chosen.api_version == f"kubescheduler.config.k8s.io/{api}"
     assert chosen.shipped == shipped
+    assert versions.pdb_api(v) == pdb
 
 
 # version, cgroup v1 host, kubelet flags, KubeletConfiguration fields

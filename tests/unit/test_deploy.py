@@ -80,13 +80,19 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
 
 
 def test_the_extender_answers_only_the_scheduler() -> None:
-    """Mutual TLS in the Deployment and in both shipped scheduler configs, and a NetworkPolicy."""
+    """Mutual TLS in the Deployment and in both shipped scheduler configs, and an opt-in NetworkPolicy that
+    cannot be applied before its placeholder address is replaced (kustomize does not apply it at all)."""
     kinds = {d["kind"]: d for d in documents("extender.yaml")}
     (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
     flags = dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
     assert {"--tls-cert", "--tls-key", "--client-ca", "--client-name"} <= flags.keys()
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
-    policy = kinds["NetworkPolicy"]["spec"]
+    assert "NetworkPolicy" not in kinds
+    assert "networkpolicy.yaml" not in yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
+    ((policy_doc,),) = [documents("networkpolicy.yaml")]
+    policy = policy_doc["spec"]
+    blocks = [s["ipBlock"]["cidr"] for s in policy["ingress"][0]["from"] if "ipBlock" in s]
+    assert blocks and all(cidr.startswith("EDIT") for cidr in blocks)  # the API server refuses it as it is
     assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
     assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 39999}]
     for name in ("scheduler-config.yaml", "scheduler-config-v1beta1.yaml"):
@@ -225,6 +231,6 @@ def test_the_second_scheduler_is_wired_to_the_extender_and_the_webhook_never_blo
         "kubernetes.io/metadata.name",
     }
     # The extender's NetworkPolicy lets this scheduler in.
-    (policy,) = [d for d in documents("extender.yaml") if d["kind"] == "NetworkPolicy"]
+    (policy,) = documents("networkpolicy.yaml")
     sources = policy["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app": "gpushared-scheduler"}}} in sources
