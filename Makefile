@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench chaos venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos chart venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -50,6 +50,13 @@ $(IMAGE_ARCHIVE): $(shell git ls-files gpushared extender pyproject.toml scripts
 image-test: image
 	command -v containerd >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd; }
 	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)
+
+# The Helm chart: helm v3.17 fetched by scripts/helm-bin (pinned), `helm lint --strict`, and every render
+# checked for Kubernetes 1.20, 1.29 and 1.36 (tests/integration/test_chart.py; `make test` runs it too).
+# Installing it on the real cluster, `helm test` and `helm uninstall` are in `make e2e`.
+chart: venv
+	scripts/helm-bin
+	$(BIN)/python -m pytest tests/integration/test_chart.py $(PYTEST_ARGS)
 
 # Real Kubernetes v1.20.2 binaries for the end-to-end suite (root; cached outside the repo; 6-8 min cold).
 k8s-testbins:

@@ -216,7 +216,7 @@ class LocalCluster:
         self._write_kubeconfig(self.kubeconfig, "admin")
         self._start_etcd()
         self._start_apiserver()
-        self._bootstrap()
+        self.bootstrap_rbac()
 
     def _write_kubeconfig(self, path: Path, user: str) -> None:
         write_kubeconfig(path, server=self.server, ca=self.state / "pki" / "ca.crt", user=user, token=self.tokens[user])
@@ -277,7 +277,7 @@ class LocalCluster:
         except OSError:
             return 0
 
-    def _bootstrap(self) -> None:
+    def bootstrap_rbac(self) -> None:
         """The identities and RBAC of deploy/, as an administrator applies them."""
         self.kubectl("apply", "-f", ROOT / "deploy" / "node-rbac.yaml")
         rbac = [

@@ -6,11 +6,13 @@ import os
 import re
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kubernetes import client, config
 
-from tests.e2e.cluster import LocalCluster
+from gpushared import __version__
+from tests.e2e.cluster import ROOT, LocalCluster
 from tests.e2e.kube import Kube
 
 
@@ -40,3 +42,24 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
     kube.create_namespace(name)
     yield name
     kube.delete_namespace(name)
+
+
+#: What `make image` exports; the Makefile's e2e target builds it first.
+EXTENDER_IMAGE = ROOT / "dist" / f"gpushared-extender_{__version__}.tar"
+
+
+@pytest.fixture
+def extender_image(cluster: LocalCluster) -> Path:
+    if not EXTENDER_IMAGE.exists():
+        pytest.fail(f"{EXTENDER_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make image`)")
+    cluster.node.import_image(EXTENDER_IMAGE)
+    return EXTENDER_IMAGE
+
+
+@pytest.fixture
+def restored(cluster: LocalCluster) -> Iterator[LocalCluster]:
+    """Afterwards: the extender process on the cluster's own certificates, kube-scheduler wired to it."""
+    own = cluster.scheduling.extender_certs
+    yield cluster
+    cluster.scheduling.restart_extender(certs=own)
+    cluster.scheduling.restart_scheduler()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,17 +17,14 @@ import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
 
-from gpushared import __version__, contract
+from gpushared import contract
 from tests.e2e.cluster import NODE, NODE_IP, ROOT, LocalCluster, build_binary_image, wait_for
 from tests.e2e.kube import Kube, gpu_pod
-from tests.e2e.manifests import second_scheduler, static_extender
+from tests.e2e.manifests import Wiring, second_scheduler, static_extender
 from tests.e2e.test_cluster import assert_no_gpu_over_capacity, gpu_of
 from tests.harness import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
-
-#: What `make image` exports; the Makefile's e2e target builds it first.
-EXTENDER_IMAGE = ROOT / "dist" / f"gpushared-extender_{__version__}.tar"
 
 
 def guide(cluster: LocalCluster, *argv: Any) -> None:
@@ -62,23 +58,6 @@ def scheduled_by(kube: Kube, namespace: str, name: str) -> set[str]:
     """Which scheduler reported placing the pod: its Scheduled event's reporting component."""
     events = kube.core.list_namespaced_event(namespace, field_selector=f"involvedObject.name={name}").items
     return {e.reporting_component or e.source.component for e in events if e.reason == "Scheduled"}
-
-
-@pytest.fixture
-def extender_image(cluster: LocalCluster) -> Path:
-    if not EXTENDER_IMAGE.exists():
-        pytest.fail(f"{EXTENDER_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make image`)")
-    cluster.node.import_image(EXTENDER_IMAGE)
-    return EXTENDER_IMAGE
-
-
-@pytest.fixture
-def restored(cluster: LocalCluster) -> Iterator[LocalCluster]:
-    """Afterwards: the extender process on the cluster's own certificates, kube-scheduler wired to it."""
-    own = cluster.scheduling.extender_certs
-    yield cluster
-    cluster.scheduling.restart_extender(certs=own)
-    cluster.scheduling.restart_scheduler()
 
 
 def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
@@ -123,14 +102,14 @@ def test_a_second_scheduler_and_webhook_leave_the_default_scheduler_untouched(
     version = cluster.version("kube-scheduler")
     image = f"localhost/gpushared/kube-scheduler:{version}"
     cluster.node.import_image(build_binary_image(tmp_path, cluster.bin / "kube-scheduler", image))
-    docs = second_scheduler(
+    wiring = Wiring(
         version=version,
-        image=image,
         extender_url=cluster.scheduling.extender_url,
         apiserver_port=cluster.ports.apiserver,
         secure_port=free_port(),
         health_port=free_port(),
     )
+    docs = second_scheduler(image=image, wiring=wiring)
     shipped = yaml.safe_dump_all(docs)
     certs = tmp_path / "certs"
     try:
