@@ -67,6 +67,14 @@ ENV = "GPUSHARED_EXTENDER"
     show_default=True,
     help="The scheduler <prefix>/mutate sends new pods that ask for GPU memory to (docs/install.md, managed clusters).",
 )
+@click.option(
+    "--tls-reload-seconds",
+    type=click.FloatRange(0.1, 3600),
+    default=10.0,
+    show_default=True,
+    help="How often the certificate, key and client CA files are read for a change; a changed set that loads "
+    "is served from the next connection on, without a restart.",
+)
 @click.option("--max-body-mib", type=click.IntRange(1, 1024), default=8, show_default=True, help="Request size limit.")
 @click.option(
     "--max-nodes",
@@ -137,6 +145,7 @@ def main(
     public_pod_names: bool,
     insecure_bind: bool,
     webhook_scheduler: str,
+    tls_reload_seconds: float,
     max_body_mib: int,
     max_nodes: int,
     leader_elect: bool,
@@ -183,6 +192,7 @@ def main(
         tls_key=tls_key,
         client_ca=client_ca,
         client_names=frozenset(client_names),
+        tls_reload_seconds=tls_reload_seconds,
         public_pod_names=public_pod_names,
         insecure_bind=insecure_bind,
     )
@@ -237,10 +247,10 @@ def _check_tls(
     if client_ca is not None and tls_cert is None:
         raise click.UsageError("--client-ca needs --tls-cert and --tls-key: client certificates come with TLS")
     from gpushared.extender.http.config import ServerConfig
-    from gpushared.extender.http.server import tls_context
+    from gpushared.extender.http.tls import server_context
 
     try:  # a certificate, key or CA that does not load: say which, before anything starts
-        tls_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))
+        server_context(ServerConfig(tls_cert=tls_cert, tls_key=tls_key, client_ca=client_ca))
     except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
         raise click.ClickException(f"TLS: {exc}") from None
     if client_ca is None and insecure_bind:

@@ -30,6 +30,7 @@ from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
+from gpushared.extender.http.tls import ServingTls
 from gpushared.extender.metrics import Metrics
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
@@ -116,8 +117,14 @@ class Extender:
         cache.pending_seen = self.primer.offer
         self.metrics = metrics = Metrics()
         metrics.observe(cache, leading=lambda: self.leader() is None, primer=self.primer)
+        self.tls = ServingTls(settings.server, expiry=metrics.certificate_expiry)
         guard = Guard(
-            settings.server, ready=self.ready, leader=self.leader, seconds=metrics.seconds, errors=metrics.errors
+            settings.server,
+            tls=self.tls,
+            ready=self.ready,
+            leader=self.leader,
+            seconds=metrics.seconds,
+            errors=metrics.errors,
         )
         self.routes = Routes(
             scheduler,
@@ -199,7 +206,7 @@ class Extender:
             for signum in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(signum, stop.set)
             server = self.settings.server
-            await serve(self.app, self.routes, server, connections=self.metrics.connections, stop=stop)
+            await serve(self.app, self.routes, server, tls=self.tls, connections=self.metrics.connections, stop=stop)
 
         try:
             uvloop.run(serving())  # cheaper loop turns: docs/benchmarks.md, "What changed, second pass"

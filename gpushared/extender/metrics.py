@@ -110,6 +110,14 @@ class Metrics:
             ("protocol",),
             registry=self.registry,
         )
+        # As cert-manager's certmanager_certificate_expiration_timestamp_seconds: alert on time() - it.
+        self.certificate_expiry = Gauge(
+            "gpushared_extender_certificate_expiry_seconds",
+            "When the certificate served (serving) or trusted for clients (client-ca) expires, in Unix seconds; "
+            "read again whenever the files change",
+            ("certificate",),
+            registry=self.registry,
+        )
         self.in_doubt = Gauge(
             "gpushared_extender_fenced_pods",
             "Pods pending when this extender started or took the Lease whose Bindings an earlier extender may "

@@ -201,7 +201,8 @@ def test_helm_install_test_upgrade_and_uninstall(helm: Helm, kube: Kube, namespa
     helm.deploy("upgrade", "--reuse-values")
     assert secret_data(kube, "gpushared-extender-tls") == before
     # ...and issues them again inside the renewal window (here: the Secret says it expires in a minute),
-    # from the same CA, so that every client keeps trusting the extender while the replicas roll.
+    # from the same CA, so that every client keeps trusting the extender meanwhile.
+    (extender_pod,) = kube.pods(NAMESPACE, "app=gpushared-extender")
     soon = str(int(time.time()) + 60)
     cluster.kubectl(
         "-n", NAMESPACE, "annotate", "--overwrite", "secret", "gpushared-extender-tls", f"gpushared.io/not-after={soon}"
@@ -210,9 +211,14 @@ def test_helm_install_test_upgrade_and_uninstall(helm: Helm, kube: Kube, namespa
     after = secret_data(kube, "gpushared-extender-tls")
     assert after["tls.crt"] != before["tls.crt"] and after["tls.key"] != before["tls.key"]
     assert secret_data(kube, "gpushared-ca") == ca_before and after["ca.crt"] == ca_before["tls.crt"]
-    # The rolled extender serves the new certificate, and scheduling goes on through it.
+    # The same extender pod serves the new certificate once the kubelet has refreshed the Secret's volume
+    # (its sync period, about a minute) and the extender has read it (--tls-reload-seconds): no restart.
     port = cluster.ports.extender
-    wait_for(lambda: served_certificate(port) == der(after["tls.crt"]), timeout=120, what="the new certificate served")
+    wait_for(lambda: served_certificate(port) == der(after["tls.crt"]), timeout=150, what="the new certificate served")
+    (still,) = kube.pods(NAMESPACE, "app=gpushared-extender")
+    assert still["metadata"]["uid"] == extender_pod["metadata"]["uid"]
+    assert still["status"]["containerStatuses"][0]["restartCount"] == 0
+    # kube-scheduler reads its client certificate once: the chart rolled it. Scheduling goes on.
     wait_for_leader(kube, cluster)
     helm.test()
 

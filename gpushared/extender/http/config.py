@@ -25,6 +25,8 @@ class ServerConfig:
     client_ca: Path | None = None
     #: and, if any are given, whose certificate's common name or DNS name is one of these
     client_names: frozenset[str] = frozenset()
+    #: how often the TLS files are read for a change (http/tls.py: served without a restart)
+    tls_reload_seconds: float = 10.0
     #: /inspect names pods to callers without a client certificate too
     public_pod_names: bool = False
     #: without client_ca, bind anyway: anyone who reaches the port can then bind any pod whose UID it knows

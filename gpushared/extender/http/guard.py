@@ -12,6 +12,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import aiohttp
 from prometheus_client import Counter, Histogram
@@ -30,22 +31,49 @@ Leader = Callable[[], str | None]
 FORWARDED = "X-Gpushared-Forwarded"
 
 
+class Renewals(Protocol):
+    """How many times the TLS files were read anew (``tls.ServingTls``): a client built before the last
+    time presents certificates that may no longer be trusted."""
+
+    @property
+    def generation(self) -> int: ...
+
+
+def client_context(config: ServerConfig) -> ssl.SSLContext | None:
+    """What a follower presents to the leader: its own certificate, trusting the serving certificate's
+    chain (or the client CA, which signs both in every shipped setup)."""
+    if config.tls_cert is None:
+        return None
+    context = ssl.create_default_context(cafile=str(config.tls_cert))
+    # Replicas reach each other by pod IP, which their certificate does not name; the chain is still
+    # verified against the certificate (self-signed) or the CA.
+    context.check_hostname = False
+    if config.client_ca is not None:
+        context.load_verify_locations(cafile=str(config.client_ca))
+        context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+    return context
+
+
 class Guard:
     def __init__(
         self,
         config: ServerConfig,
         *,
+        tls: Renewals,
         ready: Ready,
         leader: Leader,
         seconds: Histogram,
         errors: Counter,
     ) -> None:
-        """``seconds`` and ``errors``: the latency histogram and error counter, labelled by verb."""
+        """``seconds`` and ``errors``: the latency histogram and error counter, labelled by verb; ``tls``: the
+        certificates a follower presents to the leader, as they are now."""
         self.config = config
+        self.tls = tls
         self.ready = ready
         self.leader = leader
         self.seconds, self.errors = seconds, errors
         self._session: aiohttp.ClientSession | None = None
+        self._session_generation = -1
 
     async def close(self) -> None:
         if self._session is not None:
@@ -127,17 +155,15 @@ class Guard:
 
     async def _forward(self, path: str, raw: bytes, leader: str) -> Answer:
         """A follower passes the verb to the leader, so every replica can be Ready behind the Service."""
+        if self._session is not None and self._session_generation != self.tls.generation:
+            # The certificates were renewed: present the new ones from the next call on.
+            await self._session.close()
+            self._session = None
         if self._session is None:
             config = self.config
-            context = ssl.create_default_context(cafile=str(config.tls_cert)) if config.tls_cert else None
-            if context is not None:
-                # Replicas reach each other by pod IP, which their certificate does not name; the chain is
-                # still verified against the certificate (self-signed) or the CA.
-                context.check_hostname = False
-            if context is not None and config.client_ca is not None:
-                # The leader asks for a client certificate too: this replica presents its own.
-                context.load_verify_locations(cafile=str(config.client_ca))
-                context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
+            # The leader asks for a client certificate too: this replica presents its own.
+            context = client_context(config)
+            self._session_generation = self.tls.generation
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=config.read_timeout),
                 connector=aiohttp.TCPConnector(ssl=context) if context else None,

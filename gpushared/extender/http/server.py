@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import ssl
 from collections.abc import Callable
 
 from aiohttp import web
@@ -25,11 +24,9 @@ from gpushared.extender.http.calls import Answering, BodyTooLarge, Call
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import FORWARDED
 from gpushared.extender.http.http2 import Http2Protocol
+from gpushared.extender.http.tls import ServingTls
 
 log = logging.getLogger(__name__)
-
-#: What the extender offers in the TLS handshake, preferred first.
-ALPN = ("h2", "http/1.1")
 
 
 def application(answering: Answering, config: ServerConfig) -> web.Application:
@@ -59,27 +56,6 @@ def application(answering: Answering, config: ServerConfig) -> web.Application:
     return app
 
 
-def tls_context(config: ServerConfig) -> ssl.SSLContext | None:
-    if config.tls_cert is None and config.tls_key is None:
-        if config.client_ca is not None:
-            raise ValueError("client certificates need TLS: give a certificate and a key too")
-        return None
-    if config.tls_cert is None or config.tls_key is None:
-        raise ValueError("TLS needs both a certificate and a key")
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    context.load_cert_chain(str(config.tls_cert), str(config.tls_key))
-    context.set_alpn_protocols(ALPN)
-    # A connection's client certificate is checked once (routes.certificate_names): no renegotiation
-    # may present another one later. (TLS 1.3 has none; this closes TLS 1.2's.)
-    context.options |= ssl.OP_NO_RENEGOTIATION
-    if config.client_ca is not None:
-        # Optional at the handshake, so kubelet's probes reach /healthz and /readyz; a certificate that is
-        # presented must verify, and the verbs refuse a caller without one (Guard.unauthenticated).
-        context.verify_mode = ssl.CERT_OPTIONAL
-        context.load_verify_locations(cafile=str(config.client_ca))
-    return context
-
-
 class _ByAlpn(asyncio.Protocol):
     """Stands in for the connection's protocol until the TLS handshake is done, then hands the transport to
     the one the client chose in ALPN (no ALPN: HTTP/1.1) and steps aside."""
@@ -102,11 +78,18 @@ class _ByAlpn(asyncio.Protocol):
 
 
 async def serve(
-    app: web.Application, answering: Answering, config: ServerConfig, *, connections: Counter, stop: asyncio.Event
+    app: web.Application,
+    answering: Answering,
+    config: ServerConfig,
+    *,
+    tls: ServingTls,
+    connections: Counter,
+    stop: asyncio.Event,
 ) -> None:
     """Serve ``app`` (from :func:`application`, with whatever it runs in the background) until ``stop``.
     The listening socket is opened here rather than by aiohttp's TCPSite, to pick the HTTP version per
-    connection and count the connections (``connections``, labelled by protocol)."""
+    connection and count the connections (``connections``, labelled by protocol); ``tls`` is read again
+    while it serves (``tls.py``)."""
     runner = web.AppRunner(app, keepalive_timeout=config.keepalive_timeout, access_log=None)
     await runner.setup()
     http1, routes = runner.server, answering
@@ -116,7 +99,7 @@ async def serve(
     def http2() -> Http2Protocol:
         return Http2Protocol(routes, config, live=http2s)
 
-    context = tls_context(config)
+    context = tls.listening
     if context is None:
         plain = connections.labels(protocol="http/1.1")
 
@@ -134,9 +117,12 @@ async def serve(
         accepted, config.address, config.port, ssl=context, backlog=512, reuse_address=True
     )
     log.info("extender listening on %s:%d%s", config.address, config.port, config.prefix)
+    reloading = asyncio.create_task(tls.keep_fresh(stop), name="tls-reload") if context is not None else None
     try:
         await stop.wait()
     finally:
+        if reloading is not None:
+            await reloading
         listening.close()  # no new connections; the open ones end with the runner, HTTP/2's with a GOAWAY
         await asyncio.gather(*(connection.drain(config.read_timeout) for connection in list(http2s)))
         await runner.cleanup()
