@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench chaos chart venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos chart inspect-plugin venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -58,6 +58,10 @@ chart: venv
 	scripts/helm-bin
 	$(BIN)/python -m pytest tests/integration/test_chart.py $(PYTEST_ARGS)
 
+# `kubectl inspect gpushare` as one file for an administrator's machine: dist/kubectl-inspect-gpushare.
+inspect-plugin: venv
+	PYTHON=$(BIN)/python scripts/build-inspect
+
 # Real Kubernetes v1.20.2 binaries for the end-to-end suite (root; cached outside the repo; 6-8 min cold).
 k8s-testbins:
 	scripts/k8s-testbins
@@ -75,7 +79,8 @@ demo: venv k8s-testbins
 demo-down: venv
 	$(BIN)/python -m tests.e2e.cluster down
 
-# The node daemon's Debian package (debhelper, python3-venv; network for the pinned wheels).
+# The node daemon's Debian package (installs debhelper, dpkg-dev and python3-venv when missing, as root;
+# network for the pinned wheels).
 deb:
 	scripts/build-deb
 

@@ -14,9 +14,9 @@ from typing import Any, cast
 from urllib.parse import urlsplit
 
 import aiohttp
-import orjson
 
 from gpushared.core.bodies import PodBody
+from gpushared.kube import jsonio
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message
 from gpushared.kube.rest import REQUEST_TIMEOUT, pod_path, request_headers
@@ -76,7 +76,7 @@ class AsyncApi:
             async with session.request(
                 method,
                 self.host + path,
-                data=None if body is None else orjson.dumps(body),
+                data=None if body is None else jsonio.dumps(body),
                 headers=headers,
                 **self._options,
             ) as response:
@@ -88,7 +88,7 @@ class AsyncApi:
             credential.refused(authorization)  # the next call presents a fresh one, if there is one
         if status >= 300:
             raise error_for(f"{what}: {status} {status_message(data, reason)}", status)
-        return orjson.loads(data or b"null")
+        return jsonio.loads(data or b"null")
 
     async def _session_for(self, identity: Identity | None) -> aiohttp.ClientSession:
         """One pool while the client certificate stays (an exec plugin's may be replaced)."""

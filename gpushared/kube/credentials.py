@@ -26,8 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from gpushared.kube import jsonio
 from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
@@ -174,7 +173,7 @@ class ExecCredential(Credential):
         if plugin.cluster is not None:
             spec["cluster"] = dict(plugin.cluster)
         info = {"apiVersion": plugin.api_version, "kind": "ExecCredential", "spec": spec}
-        env = {**os.environ, **dict(plugin.env), "KUBERNETES_EXEC_INFO": orjson.dumps(info).decode()}
+        env = {**os.environ, **dict(plugin.env), "KUBERNETES_EXEC_INFO": jsonio.dumps(info).decode()}
         what = f"exec plugin {plugin.command}"
         try:
             done = self.run(
@@ -202,8 +201,8 @@ def parse_exec_credential(
 ) -> tuple[str | None, Identity | None, float | None]:
     """The token, client certificate and expiry (epoch seconds) an exec plugin printed."""
     try:
-        body = orjson.loads(out)
-    except orjson.JSONDecodeError as exc:
+        body = jsonio.loads(out)
+    except jsonio.JSONDecodeError as exc:
         raise KubeError(f"{what}: printed no ExecCredential JSON ({exc})") from None
     if not isinstance(body, dict) or body.get("kind") != "ExecCredential":
         raise KubeError(f"{what}: printed no ExecCredential")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import orjson
+from gpushared.kube import jsonio
 
 
 class KubeError(Exception):
@@ -34,6 +34,6 @@ def error_for(message: str, status: int | None) -> KubeError:
 def status_message(body: bytes | str | None, reason: str | None) -> str:
     """The message of the Status an API server answered an error with, else the HTTP reason."""
     try:
-        return str(orjson.loads(body or b"{}").get("message") or reason)
-    except (TypeError, ValueError, AttributeError, orjson.JSONDecodeError):
+        return str(jsonio.loads(body or b"{}").get("message") or reason)
+    except (TypeError, ValueError, AttributeError, jsonio.JSONDecodeError):
         return str(reason)

@@ -23,10 +23,10 @@ import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-import orjson
 import urllib3
 
 from gpushared.core.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
+from gpushared.kube import jsonio
 from gpushared.kube.errors import KubeError
 from gpushared.kube.locks import INFORMER, RankedLock
 from gpushared.kube.rest import REQUEST_TIMEOUT, Lister
@@ -200,7 +200,7 @@ class Informer(Generic[B]):
                 urllib3.Timeout(REQUEST_TIMEOUT), limit=str(PAGE), **({"continue": token} if token else {})
             )
             try:
-                listing = orjson.loads(response.data)
+                listing = jsonio.loads(response.data)
             finally:
                 response.release_conn()
             for obj in listing.get("items") or []:
@@ -245,7 +245,7 @@ class Informer(Generic[B]):
                 while b"\n" in buffer:
                     line, buffer = buffer.split(b"\n", 1)
                     if line.strip():
-                        version = self._apply(orjson.loads(line), version)
+                        version = self._apply(jsonio.loads(line), version)
         finally:
             self._response = None
             response.release_conn()

@@ -14,9 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import quote, urlencode
 
-import orjson
 import urllib3
 
+from gpushared.kube import jsonio
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message
 
@@ -59,8 +59,8 @@ class Rest:
         finally:
             response.release_conn()
         try:
-            return orjson.loads(data or b"null")
-        except orjson.JSONDecodeError:
+            return jsonio.loads(data or b"null")
+        except jsonio.JSONDecodeError:
             raise KubeError(f"{what}: the API server answered something that is not JSON") from None
 
     def open(
@@ -76,7 +76,7 @@ class Rest:
     ) -> urllib3.BaseHTTPResponse:
         """The response, its body not yet read (a watch streams it); an error status is raised here."""
         url = self.credentials.server + path + (f"?{urlencode(query)}" if query else "")
-        payload = None if body is None else orjson.dumps(body)
+        payload = None if body is None else jsonio.dumps(body)
         credential = self.credentials.credential
         for attempt in (1, 2):
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,13 +47,18 @@ def api() -> Iterator[FakeApiServer]:
         yield server
 
 
-def inspect(api: FakeApiServer, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def inspect(
+    api: FakeApiServer,
+    tmp_path: Path,
+    *args: str,
+    command: tuple[str, ...] = (sys.executable, "-m", "gpushared.cli.inspect"),
+) -> subprocess.CompletedProcess[str]:
     kubeconfig = tmp_path / "config"
     body = api.kubeconfig()
     body["contexts"].append({"name": "other", "context": {"cluster": "fake", "user": "fake"}})
     kubeconfig.write_text(yaml.safe_dump(body))
     return subprocess.run(
-        [sys.executable, "-m", "gpushared.cli.inspect", *args],
+        [*command, *args],
         env={"KUBECONFIG": str(kubeconfig), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
         capture_output=True,
         text=True,
@@ -175,3 +181,34 @@ def test_expected_mix_counts_the_pods_as_the_extender_does_and_the_extender_read
     (tmp_path / "mix.json").write_text("{")
     refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "mix.json" in refused.stderr, refused.stderr
+
+
+@pytest.fixture(scope="module")
+def zipapp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """scripts/build-inspect's single file (pip fetches click, PyYAML and urllib3 at the .deb's pins)."""
+    root = Path(__file__).resolve().parents[2]
+    result = subprocess.run(
+        [root / "scripts" / "build-inspect"], cwd=root, env={**__import__("os").environ, "PYTHON": sys.executable},
+        capture_output=True, text=True, check=False, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return root / result.stdout.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("args", [(), ("-d", "n1"), ("-o", "json"), ("--expected-mix",), ("no-such-node",)], ids=str)
+def test_the_single_file_plugin_answers_as_the_installed_one(
+    api: FakeApiServer, tmp_path: Path, zipapp: Path, args: tuple[str, ...]
+) -> None:
+    """dist/kubectl-inspect-gpushare on an interpreter with no site-packages at all (-S: none of orjson,
+    click, PyYAML or urllib3 but what the file carries) prints what the installed command prints."""
+    installed = inspect(api, tmp_path, *args)
+    single = inspect(api, tmp_path, *args, command=(sys.executable, "-I", "-S", str(zipapp)))
+    assert (single.returncode, single.stdout, single.stderr) == (
+        installed.returncode,
+        installed.stdout,
+        installed.stderr,
+    )
+    with zipfile.ZipFile(zipapp) as archive:
+        names = archive.namelist()
+    assert not [n for n in names if n.endswith((".so", ".pyd"))] and "gpushared/cli/inspect.py" in names
+    assert not [n for n in names if n.startswith(("orjson", "gpushared/extender/", "gpushared/daemon/"))]
