@@ -143,10 +143,8 @@ class Manager:
             self._version += 1
             self._lock.notify_all()
         for gpu in inventory.gpus:
-            self.metrics.gpu_total.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(
-                MemoryUnit.MIB.to_bytes(gpu.memory_mib)
-            )
-            self.metrics.gpu_healthy.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(1 if gpu.healthy else 0)
+            self.metrics.gpu_total.labels(**self.metrics.gpu_labels(gpu)).set(MemoryUnit.MIB.to_bytes(gpu.memory_mib))
+            self.metrics.gpu_healthy.labels(**self.metrics.gpu_labels(gpu)).set(1 if gpu.healthy else 0)
         return True
 
     def recheck_health(self) -> bool:

@@ -16,6 +16,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from gpushared import __version__
+from gpushared.contract import GpuInfo
+from gpushared.nvml.backend import GpuDevice
 
 
 @dataclass(frozen=True)
@@ -52,21 +54,31 @@ def build_info(registry: CollectorRegistry, component: str) -> None:
     info.labels(component=component, version=__version__, python=platform.python_version()).set(1)
 
 
+#: Every per-GPU series carries ours (``gpu``, ``uuid``) and dcgm-exporter's (``UUID``, ``modelName``,
+#: ``Hostname``), so that a query joins gpushared's series with DCGM's without ``label_replace``.
+DCGM_LABELS = ("UUID", "modelName", "Hostname")
+GPU_LABELS = ("gpu", "uuid", *DCGM_LABELS)
+#: uuid -> dcgm-exporter's label values for that GPU
+Describe = Callable[[str], tuple[str, str, str]]
+
+
 class PodSeries(Collector):
     """``gpushared_pod_gpu_memory_bytes`` per pod and GPU, read from the node's ledger at each scrape: a pod
     that is gone has no series, with no cleanup to forget."""
 
-    def __init__(self, shares: Callable[[], Iterable[PodShare]]) -> None:
-        self.shares = shares
+    def __init__(self, shares: Callable[[], Iterable[PodShare]], describe: Describe) -> None:
+        self.shares, self.dcgm = shares, describe  # not `describe`: the registry calls that
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         family = GaugeMetricFamily(
             "gpushared_pod_gpu_memory_bytes",
             "GPU memory a pod holds on a GPU of this node (its peak over init and app containers)",
-            labels=("namespace", "pod", "gpu", "uuid"),
+            labels=("namespace", "pod", *GPU_LABELS),
         )
         for share in self.shares():
-            family.add_metric((share.namespace, share.pod, str(share.gpu), share.uuid), share.bytes)
+            family.add_metric(
+                (share.namespace, share.pod, str(share.gpu), share.uuid, *self.dcgm(share.uuid)), share.bytes
+            )
         yield family
 
 
@@ -74,11 +86,11 @@ class ContainerSeries(Collector):
     """``gpushared_container_gpu_memory_used_bytes`` and ``..._allocated_bytes`` per container and GPU, from
     the last memory poll: a container with no process on a GPU has no series there."""
 
-    def __init__(self, usages: Callable[[], Iterable[ContainerMemory]]) -> None:
-        self.usages = usages
+    def __init__(self, usages: Callable[[], Iterable[ContainerMemory]], describe: Describe) -> None:
+        self.usages, self.dcgm = usages, describe
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        labels = ("namespace", "pod", "container", "gpu", "uuid")
+        labels = ("namespace", "pod", "container", *GPU_LABELS)
         used = GaugeMetricFamily(
             "gpushared_container_gpu_memory_used_bytes",
             "GPU memory a container's processes use on a GPU, as NVML reports it",
@@ -90,7 +102,14 @@ class ContainerSeries(Collector):
             labels=labels,
         )
         for usage in self.usages():
-            values = (usage.namespace, usage.pod, usage.container, str(usage.gpu), usage.uuid)
+            values = (
+                usage.namespace,
+                usage.pod,
+                usage.container,
+                str(usage.gpu),
+                usage.uuid,
+                *self.dcgm(usage.uuid),
+            )
             used.add_metric(values, usage.used_bytes)
             allocated.add_metric(values, usage.allocated_bytes)
         yield used
@@ -98,10 +117,14 @@ class ContainerSeries(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, *, hostname: str = "") -> None:
+        """``hostname``: dcgm-exporter's ``Hostname`` label, the node's name."""
         self.registry = CollectorRegistry()
+        self.hostname = hostname
+        #: uuid -> model, from the GPUs labelled so far (gpu_labels)
+        self._models: dict[str, str] = {}
         build_info(self.registry, "node")
-        labels = ("gpu", "uuid")
+        labels = GPU_LABELS
         self.gpu_total = Gauge(
             "gpushared_gpu_memory_bytes", "GPU memory advertised to the kubelet", labels, registry=self.registry
         )
@@ -171,10 +194,22 @@ class Metrics:
             registry=self.registry,
         )
 
-        self._pods = PodSeries(lambda: ())
+        self._pods = PodSeries(lambda: (), self._describe)
         self.registry.register(self._pods)
-        self._containers = ContainerSeries(lambda: ())
+        self._containers = ContainerSeries(lambda: (), self._describe)
         self.registry.register(self._containers)
+
+    def gpu_labels(self, gpu: GpuInfo | GpuDevice) -> dict[str, str]:
+        """The label values of ``gpu``'s series: ours and dcgm-exporter's."""
+        self._models[gpu.uuid] = gpu.model
+        return {
+            "gpu": str(gpu.index),
+            "uuid": gpu.uuid,
+            **dict(zip(DCGM_LABELS, self._describe(gpu.uuid), strict=True)),
+        }
+
+    def _describe(self, uuid: str) -> tuple[str, str, str]:
+        return uuid, self._models.get(uuid, ""), self.hostname
 
     def watch_pods(self, shares: Callable[[], Iterable[PodShare]]) -> None:
         """Where the per-pod series come from (the manager, once the daemon has one)."""

@@ -217,7 +217,7 @@ class MpsSupervisor:
             return
         if not first:
             daemon.restarts += 1
-            self.metrics.mps_restarts.labels(gpu=str(gpu.index), uuid=gpu.uuid).inc()
+            self.metrics.mps_restarts.labels(**self.metrics.gpu_labels(gpu)).inc()
         daemon.adopted = False
         self._read_limits(daemon)
         self._set(daemon, "running", None, pid=pid)
@@ -252,7 +252,7 @@ class MpsSupervisor:
         elif state == "running":
             daemon.problem = None
         self.health.condition(daemon.gpu.uuid, problem)
-        self.metrics.mps_up.labels(gpu=str(daemon.gpu.index), uuid=daemon.gpu.uuid).set(1 if state == "running" else 0)
+        self.metrics.mps_up.labels(**self.metrics.gpu_labels(daemon.gpu)).set(1 if state == "running" else 0)
 
     # --- Allocate --------------------------------------------------------------------------------------------
 

@@ -91,7 +91,7 @@ class Service:
         self.config_path = config_path
         self.backend = backend
         self.resources = ResourceNames(domain=config.resource_domain)
-        self.metrics = Metrics()
+        self.metrics = Metrics(hostname=config.node_name)
         self.health = Health(ignored_xids=config.ignored_xids, recover_after=config.recover_after)
         self.notifier = Notifier()
         self._stop = threading.Event()
@@ -254,7 +254,7 @@ class Service:
         ledger = manager.ledger()
         for gpu in inventory.gpus:
             used = self.config.memory_unit.to_bytes(ledger.used(gpu.index))
-            self.metrics.gpu_used.labels(gpu=str(gpu.index), uuid=gpu.uuid).set(used)
+            self.metrics.gpu_used.labels(**self.metrics.gpu_labels(gpu)).set(used)
 
     def _apply_reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""

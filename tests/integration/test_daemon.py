@@ -16,6 +16,7 @@ import pytest
 from gpushared import contract
 from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
+from gpushared.daemon.metrics import DCGM_LABELS
 from tests.builders import pod
 from tests.fakes.apiserver import Fault
 from tests.fakes.kubelet import AdmissionError
@@ -439,12 +440,16 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
     assert body["registered"] and body["kubeletWatching"]  # the fake kubelet keeps ListAndWatch open
     from prometheus_client.parser import text_string_to_metric_families
 
+    dcgm: list[dict[str, str]] = []
+
     def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """The samples keyed by our labels; dcgm-exporter's (UUID, modelName, Hostname) set aside."""
         text = daemon.metrics_text()
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        dcgm[:] = [{k: s.labels[k] for k in DCGM_LABELS} for s in samples if "uuid" in s.labels]
         return {
-            (s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text)
-            for s in family.samples
+            (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in DCGM_LABELS))): s.value
+            for s in samples
         }
 
     gpu2 = (("gpu", "2"), ("uuid", daemon.nvml.gpus[2].uuid))
@@ -454,6 +459,10 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
         message="the allocation in gpushared_gpu_memory_allocated_bytes",
     )
     assert samples[("gpushared_gpu_memory_bytes", gpu2)] == 24 * 2**30  # base units, whatever memoryUnit is
+    # dcgm-exporter's labels beside ours, on every per-GPU series: the same UUID, the NVML model, the node.
+    gpu = daemon.nvml.gpus[2]
+    assert {"UUID": gpu.uuid, "modelName": gpu.name, "Hostname": NODE} in dcgm
+    assert all(d["UUID"].startswith("GPU-") and d["modelName"] and d["Hostname"] == NODE for d in dcgm)
     pod = tuple(sorted((*gpu2, ("namespace", "default"), ("pod", "shown"))))
     assert samples[("gpushared_pod_gpu_memory_bytes", pod)] == 3 * 2**30
     assert next(labels for name, labels in samples if name == "gpushared_build_info")[:2] == (

@@ -126,7 +126,15 @@ def test_a_dead_or_hung_daemon_is_restarted_and_its_gpu_unhealthy_meanwhile(mps:
     assert not psutil.pid_exists(old["pid"]) or psutil.Process(old["pid"]).status() == psutil.STATUS_ZOMBIE
     assert control_of(mps, new).command("get_default_active_thread_percentage") == "100.0"
     metrics = mps.metrics_text()
-    assert f'gpushared_mps_daemon_restarts_total{{gpu="1",uuid="{old["uuid"]}"}} 1.0' in metrics
+    from prometheus_client.parser import text_string_to_metric_families
+
+    restarts = {
+        (s.labels["gpu"], s.labels["uuid"], s.labels["UUID"]): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+        if s.name == "gpushared_mps_daemon_restarts_total"
+    }
+    assert restarts == {("1", old["uuid"], old["uuid"]): 1.0}, restarts
 
 
 def test_a_restarted_gpushared_adopts_the_running_daemons(mps: Daemon) -> None:

@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushared.contract import GpuInfo
 from gpushared.daemon.metrics import ContainerMemory, PodShare
 from gpushared.daemon.metrics import Metrics as NodeMetrics
 from gpushared.extender.metrics import Metrics as ExtenderMetrics
@@ -27,11 +28,12 @@ RESERVED_LABELS = {"le", "quantile"}
 
 
 def node_registry() -> CollectorRegistry:
-    metrics = NodeMetrics()
+    metrics = NodeMetrics(hostname="node-a")
+    gpu = GpuInfo(index=0, uuid="GPU-0", model="NVIDIA H100 80GB HBM3", memory=80, memory_mib=81559)
     # One child of every labelled metric, so that its samples (and their label names) are exposed.
     for gauge in (metrics.gpu_total, metrics.gpu_used, metrics.gpu_healthy, metrics.mps_up):
-        gauge.labels(gpu="0", uuid="GPU-0").set(1)
-    metrics.mps_restarts.labels(gpu="0", uuid="GPU-0").inc()
+        gauge.labels(**metrics.gpu_labels(gpu)).set(1)
+    metrics.mps_restarts.labels(**metrics.gpu_labels(gpu)).inc()
     metrics.gpu_events.labels(kind="xid", xid="79").inc()
     metrics.allocate_seconds.observe(0.01)
     metrics.watch_pods(lambda: [PodShare("default", "p", 0, "GPU-0", 2**30)])
@@ -83,3 +85,20 @@ def test_both_components_say_what_they_are() -> None:
         assert f'gpushared_build_info{{component="{component}"' in text
     assert "gpushared_extender_leader" in generate_latest(extender_registry()).decode()
     assert "gpushared_pod_gpu_memory_bytes" in generate_latest(node_registry()).decode()
+
+
+def test_every_gpu_series_carries_dcgm_exporters_labels_beside_ours() -> None:
+    """dcgm-exporter labels a GPU's series UUID, modelName and Hostname: gpushared's carry the same names and
+    values beside gpu and uuid, so a query joins the two without label_replace."""
+    families = list(text_string_to_metric_families(generate_latest(node_registry()).decode()))
+    per_gpu = [s for f in families for s in f.samples if "uuid" in s.labels]
+    names = {s.name.removesuffix("_total") for s in per_gpu}
+    assert {
+        "gpushared_gpu_memory_bytes", "gpushared_gpu_memory_allocated_bytes", "gpushared_gpu_healthy",
+        "gpushared_mps_daemon_up", "gpushared_mps_daemon_restarts", "gpushared_pod_gpu_memory_bytes",
+        "gpushared_container_gpu_memory_used_bytes", "gpushared_container_gpu_memory_allocated_bytes",
+    } <= names  # fmt: skip
+    for sample in per_gpu:
+        assert sample.labels["UUID"] == sample.labels["uuid"] == "GPU-0", sample.name
+        assert sample.labels["modelName"] == "NVIDIA H100 80GB HBM3", sample.name
+        assert sample.labels["Hostname"] == "node-a", sample.name
