@@ -40,6 +40,7 @@ class ConfigError(Exception):
 class Config:
     node_name: str
     kubeconfig: Path
+    renewed_token_file: Path | None
     resource_domain: str
     memory_unit: MemoryUnit
     kubelet_dir: Path
@@ -222,6 +223,7 @@ class Option:
 OPTIONS = (
     Option("node_name", "nodeName", _text, socket.gethostname),
     Option("kubeconfig", "kubeconfig", lambda v: Path(_text(v)), lambda: Path("/etc/gpushared/kubeconfig")),
+    Option("renewed_token_file", "renewedTokenFile", _optional_path, lambda: Path("/var/lib/gpushared/token")),
     Option("resource_domain", "resourceDomain", _text, lambda: "aliyun.com"),
     Option("memory_unit", "memoryUnit", _unit, lambda: MemoryUnit.GIB),
     Option("kubelet_dir", "kubeletDir", lambda v: Path(_text(v)), lambda: Path("/var/lib/kubelet")),

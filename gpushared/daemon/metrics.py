@@ -176,6 +176,17 @@ class Metrics:
             registry=self.registry,
         )
 
+        # As the kubelet's certificate expiry gauge: alert on it minus time().
+        self.credential_expiry = Gauge(
+            "gpushared_credential_expiry_seconds",
+            "When the daemon's ServiceAccount token expires, in Unix seconds (only tokens that expire)",
+            registry=self.registry,
+        )
+        self.credential_renewal_failures = Counter(
+            "gpushared_credential_renewal_failures",
+            "Times asking the API server for the daemon's next token failed",
+            registry=self.registry,
+        )
         self.usage_polls = Histogram(
             "gpushared_usage_poll_seconds",
             "Time to read every GPU's processes and attribute them to containers",

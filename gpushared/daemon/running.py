@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from gpushared.contract import ResourceNames
 from gpushared.core.bodies import NodeBody
 from gpushared.daemon.config import Config
+from gpushared.daemon.credential import TokenRenewer
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager
@@ -57,6 +58,8 @@ class Running:
     memory: MemoryWatcher
     plugin: PluginServer
     kubelet: KubeletLink
+    #: renews the daemon's token where it is one that expires; None otherwise
+    credential: TokenRenewer | None = None
 
     @classmethod
     def start(cls, parts: Parts, api: Api, *, stop: threading.Event) -> Running:
@@ -98,7 +101,11 @@ class Running:
         metrics.watch_pods(manager.pod_shares)
         memory = _memory_watcher(parts, manager, pods)
         plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
+        renewer = None
+        if config.renewed_token_file is not None:
+            renewer = TokenRenewer.attach(api, saved=config.renewed_token_file, node=config.node_name, metrics=metrics)
         running = cls(
+            credential=renewer,
             api=api,
             node=node,
             pods=pods,
@@ -109,6 +116,8 @@ class Running:
             plugin=plugin,
             kubelet=KubeletLink(plugin, metrics=metrics),
         )
+        if renewer is not None:
+            threading.Thread(target=renewer.run, args=(stop,), name="token-renewal", daemon=True).start()
         if mps is not None:
             threading.Thread(target=mps.run, args=(stop,), name="mps", daemon=True).start()
         threading.Thread(target=memory.run, args=(stop,), name="gpu-memory", daemon=True).start()

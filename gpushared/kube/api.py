@@ -85,6 +85,39 @@ class Api:
         path = pod_path(namespace, name)
         return cast(PodBody, self.rest.request(what, "PATCH", path, body=patch, content_type=STRATEGIC_MERGE))
 
+    def request_token(self, namespace: str, service_account: str, *, seconds: int) -> str:
+        """A new token for a ServiceAccount (the TokenRequest API, 1.22+ GA); the API server may shorten
+        ``seconds`` (its --service-account-max-token-expiration)."""
+        path = f"/api/v1/namespaces/{quoted(namespace)}/serviceaccounts/{quoted(service_account)}/token"
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "spec": {"expirationSeconds": seconds},
+        }
+        answer = self.rest.request(f"token for {namespace}/{service_account}", "POST", path, body=body)
+        token = (answer.get("status") or {}).get("token") if isinstance(answer, dict) else None
+        if not isinstance(token, str) or not token:
+            raise KubeError(f"token for {namespace}/{service_account}: the answer holds no token")
+        return token
+
+    def node_event(self, node: str, *, reason: str, message: str, warning: bool, component: str) -> None:
+        """An Event on a Node (in namespace default, where the kubelet writes its own)."""
+        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": f"{node}.{uuid.uuid4().hex[:16]}", "namespace": "default"},
+            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node},
+            "reason": reason,
+            "message": message,
+            "type": "Warning" if warning else "Normal",
+            "source": {"component": component, "host": node},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        self.rest.request(f"event on node {node}", "POST", "/api/v1/namespaces/default/events", body=event)
+
     def pod_event(self, pod: PodBody, *, reason: str, message: str, warning: bool, component: str) -> None:
         meta = meta_of(pod)
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -12,9 +12,11 @@ Every request is logged in :attr:`FakeApiServer.requests` so tests can assert wh
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import re
+import secrets
 import socket
 import threading
 import time
@@ -102,9 +104,47 @@ class FakeApiServer:
         self._stalled = False
         self.faults: list[Fault] = []
         self.requests: list[Request] = []
+        #: bound ServiceAccount tokens this server issued -> when they expire (Unix seconds); a request that
+        #: presents one of them after that is refused 401, as a real API server refuses it. Other tokens are
+        #: taken as they come.
+        self.issued_tokens: dict[str, float] = {}
+        #: the longest life a TokenRequest gets (its --service-account-max-token-expiration); None: as asked
+        self.max_token_seconds: float | None = None
+        #: requests refused because their token had expired
+        self.expired_refusals = 0
         self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
+
+    # --- tokens --------------------------------------------------------------------------------------------
+
+    def issue_token(self, namespace: str, service_account: str, *, seconds: float) -> str:
+        """A bound ServiceAccount token as the TokenRequest API issues it: a JWT whose claims say whose it is
+        and when it expires (unsigned: nothing here checks signatures, only expiry)."""
+        if self.max_token_seconds is not None:
+            seconds = min(seconds, self.max_token_seconds)
+        now = time.time()
+        claims = {
+            "iss": "https://fake-apiserver",
+            "sub": f"system:serviceaccount:{namespace}:{service_account}",
+            "iat": int(now),
+            "exp": int(now + seconds),
+            "jti": secrets.token_hex(8),
+            "kubernetes.io": {"namespace": namespace, "serviceaccount": {"name": service_account, "uid": "u"}},
+        }
+
+        def part(value: dict[str, Any]) -> str:
+            return base64.urlsafe_b64encode(json.dumps(value).encode()).decode().rstrip("=")
+
+        token = f"{part({'alg': 'none'})}.{part(claims)}.sig"
+        with self._lock:
+            self.issued_tokens[token] = float(claims["exp"])
+        return token
+
+    def _expired(self, authorization: str) -> bool:
+        token = authorization.removeprefix("Bearer ").strip()
+        expires = self.issued_tokens.get(token)
+        return expires is not None and time.time() >= expires
 
     # --- lifecycle -------------------------------------------------------------------------------------
 
@@ -329,6 +369,9 @@ def _translate(event: Event, selected: Any) -> dict[str, Any] | None:
 _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))(?P<rest>(?:/[^/]+)*)/?$")
 
 
+_TOKEN_REQUEST = re.compile(r"^/api/v1/namespaces/([^/]+)/serviceaccounts/([^/]+)/token$")
+
+
 def _route(path: str) -> tuple[Resource, str | None, str | None, str]:
     """(resource, namespace or None for all, name or None, subresource or "") of an API path."""
     match = _PATH.match(path)
@@ -403,6 +446,11 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 fault = next((f for f in server.faults if f.matches(method, parts.path, watching=watching)), None)
                 if fault is not None:
                     fault.hits += 1
+            if server._expired(self.headers.get("Authorization") or ""):
+                with server._lock:
+                    server.expired_refusals += 1
+                self._send(401, status_body(401, "Unauthorized", "Unauthorized"))
+                return
             if fault is not None and fault.applied:
                 with contextlib.suppress(ApiError):
                     self._dispatch(method, parts.path, query, body)
@@ -438,6 +486,26 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             self._send(code, payload)
 
         def _dispatch(self, method: str, path: str, query: dict[str, str], body: bytes) -> tuple[int, dict[str, Any]]:
+            token_request = _TOKEN_REQUEST.match(path)
+            if token_request is not None and method == "POST":
+                namespace, account = token_request.group(1), token_request.group(2)
+                server.store.read(RESOURCES["serviceaccounts"], namespace, account)  # 404 for an unknown account
+                spec = _json(body).get("spec") or {}
+                seconds = int(spec.get("expirationSeconds") or 3600)
+                if seconds < 600:
+                    raise ApiError(
+                        422,
+                        "Invalid",
+                        "spec.expirationSeconds: Invalid value: may not specify a duration less than 10 minutes",
+                    )
+                token = server.issue_token(namespace, account, seconds=seconds)
+                status = {"token": token, "expirationTimestamp": ""}
+                return 201, {
+                    "apiVersion": "authentication.k8s.io/v1",
+                    "kind": "TokenRequest",
+                    "spec": spec,
+                    "status": status,
+                }
             resource, namespace, name, sub = _route(path)
             scope = namespace if resource.namespaced else ""
             if sub in {"bindings", "binding"}:

@@ -139,6 +139,7 @@ def test_rbac_is_the_kustomize_manifests_rbac(render: Render) -> None:
         ("ClusterRole", "gpushared-extender", extender),
         ("Role", "gpushared-extender-lease", extender),
         ("ClusterRole", "gpushared-node", node),
+        ("Role", "gpushared-node-token", node),
         ("Role", "gpushared-scheduler-lease", scheduler),
     ]:
         assert rules(one(docs, kind, name)) == rules(one(source, kind, name)), name
@@ -154,7 +155,13 @@ def test_rbac_is_the_kustomize_manifests_rbac(render: Render) -> None:
         assert [s | {"namespace": "kube-system"} for s in ours["subjects"]] == source["subjects"]
     # Nothing in the chart grants more than these.
     granted = {d["metadata"]["name"] for d in docs if d["kind"] in ("ClusterRole", "Role")}
-    assert granted == {"gpushared-extender", "gpushared-extender-lease", "gpushared-node", "gpushared-scheduler-lease"}
+    assert granted == {
+        "gpushared-extender",
+        "gpushared-extender-lease",
+        "gpushared-node",
+        "gpushared-node-token",
+        "gpushared-scheduler-lease",
+    }
 
 
 def test_the_extender_runs_as_the_kustomize_deployment_does(render: Render) -> None:
