@@ -4,7 +4,7 @@ On a host the daemon authenticates with the ServiceAccount token in its kubeconf
 (``scripts/node-kubeconfig``). A token from the TokenRequest API expires, and managed control planes cap
 its life at a day or two, so the daemon asks the API server for its next one (the same ServiceAccount,
 the same lifetime) once ``core.tokens`` says it is due, keeps it in ``renewedTokenFile`` (0600, replaced
-atomically) and uses it from the next request on; after a restart the newer of the two is used. A renewal
+atomically) and uses it from the next request on; after a restart the one issued last is used. A renewal
 that fails is tried again (every tenth of the time left, between 1 and 60 s), logged, counted, and
 reported as a ``CredentialRenewalFailed`` Event on the Node while the old token still works; when it runs
 out the daemon can no longer reach the API server, and ``gpushared_credential_expiry_seconds`` will have
@@ -64,15 +64,20 @@ class TokenRenewer:
         return renewer
 
     def _adopt_saved(self) -> None:
-        """Use the token renewed before a restart when it is the same account's and lasts longer."""
+        """Use the token renewed before a restart when it is the same account's and was issued after the
+        kubeconfig's: one renewed from it. A kubeconfig written since (``node-kubeconfig`` run again, say
+        after the ServiceAccount was recreated to revoke its tokens) holds a newer token, and wins."""
         try:
             token = self.saved.read_text().strip()
         except OSError:
             return
         claims = read_bound_token(token)
-        ours = (self.current.namespace, self.current.service_account)
-        fresher = claims is not None and claims.expires_at > self.current.expires_at
-        if claims is not None and fresher and (claims.namespace, claims.service_account) == ours:
+        if claims is None or (claims.namespace, claims.service_account) != (
+            self.current.namespace,
+            self.current.service_account,
+        ):
+            return
+        if claims.issued_at > self.current.issued_at:
             self.credential.token, self.current = token, claims
 
     def _report(self) -> None:
