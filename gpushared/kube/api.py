@@ -102,49 +102,60 @@ class Api:
 
     def node_event(self, node: str, *, reason: str, message: str, warning: bool, component: str) -> None:
         """An Event on a Node (in namespace default, where the kubelet writes its own)."""
-        now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        event = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            "metadata": {"name": f"{node}.{uuid.uuid4().hex[:16]}", "namespace": "default"},
-            "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node},
-            "reason": reason,
-            "message": message,
-            "type": "Warning" if warning else "Normal",
-            "source": {"component": component, "host": node},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-        }
-        self.rest.request(f"event on node {node}", "POST", "/api/v1/namespaces/default/events", body=event)
+        involved = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}
+        what = f"event on node {node}"
+        self._event(
+            what, "default", node, involved, reason=reason, message=message, warning=warning, component=component
+        )
 
     def pod_event(self, pod: PodBody, *, reason: str, message: str, warning: bool, component: str) -> None:
         meta = meta_of(pod)
+        namespace = str(meta.get("namespace") or "")
+        involved = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": meta.get("name"),
+            "namespace": meta.get("namespace"),
+            "uid": meta.get("uid"),
+            "resourceVersion": meta.get("resourceVersion"),
+        }
+        what = f"event on pod {namespace}/{meta.get('name')}"
+        self._event(
+            what,
+            namespace,
+            node_of(pod),
+            involved,
+            reason=reason,
+            message=message,
+            warning=warning,
+            component=component,
+        )
+
+    def _event(
+        self,
+        what: str,
+        namespace: str,
+        host: str | None,
+        involved: dict[str, Any],
+        *,
+        reason: str,
+        message: str,
+        warning: bool,
+        component: str,
+    ) -> None:
+        """One Event about ``involved``, written in ``namespace``, reported from ``host``."""
         now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
         event = {
             "apiVersion": "v1",
             "kind": "Event",
-            "metadata": {"name": f"{meta.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": meta.get("namespace")},
-            "involvedObject": {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "name": meta.get("name"),
-                "namespace": meta.get("namespace"),
-                "uid": meta.get("uid"),
-                "resourceVersion": meta.get("resourceVersion"),
-            },
+            "metadata": {"name": f"{involved.get('name')}.{uuid.uuid4().hex[:16]}", "namespace": namespace},
+            "involvedObject": involved,
             "reason": reason,
             "message": message,
             "type": "Warning" if warning else "Normal",
-            "source": {"component": component, "host": node_of(pod)},
+            "source": {"component": component, "host": host},
             "firstTimestamp": now,
             "lastTimestamp": now,
             "count": 1,
         }
-        namespace = str(meta.get("namespace") or "")
-        self.rest.request(
-            f"event on pod {namespace}/{meta.get('name')}",
-            "POST",
-            f"/api/v1/namespaces/{quoted(namespace)}/events",
-            body=event,
-        )
+        self.rest.request(what, "POST", f"/api/v1/namespaces/{quoted(namespace)}/events", body=event)

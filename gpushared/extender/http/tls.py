@@ -63,17 +63,22 @@ class ServingTls:
         self.expiry = expiry
         self.generation = 0
         self._files = tuple(p for p in (config.tls_cert, config.tls_key, config.client_ca) if p is not None)
-        self._digest = self._read_digest()
+        files = self._read()
+        self._digest = self._digest_of(files)
         self.current = server_context(config)  # raises: a bad set at start stops the extender
         self.listening = self.current
         if self.listening is not None:
             self.listening.sni_callback = self._to_current
-        self._report_expiry()
+        self._report_expiry(files)
 
-    def _read_digest(self) -> str:
+    def _read(self) -> dict[Path, bytes]:
+        return {Path(path): Path(path).read_bytes() for path in self._files}
+
+    @staticmethod
+    def _digest_of(files: dict[Path, bytes]) -> str:
         digest = hashlib.sha256()
-        for path in self._files:
-            digest.update(Path(path).read_bytes())
+        for content in files.values():
+            digest.update(content)
             digest.update(b"\0")
         return digest.hexdigest()
 
@@ -87,7 +92,8 @@ class ServingTls:
         if self.listening is None:
             return False
         try:
-            digest = self._read_digest()
+            files = self._read()
+            digest = self._digest_of(files)
             if digest == self._digest:
                 return False
             fresh = server_context(self.config)
@@ -97,19 +103,20 @@ class ServingTls:
         assert fresh is not None  # TLS was on at start, and the paths are the same
         self.current, self._digest = fresh, digest
         self.generation += 1
-        expires = self._report_expiry()
+        expires = self._report_expiry(files)
         log.info("TLS certificates reloaded (serving certificate valid until %s)", expires or "unknown")
         return True
 
-    def _report_expiry(self) -> str | None:
-        """Set the expiry gauge for the serving certificate and the client CA; the first's date, as text."""
+    def _report_expiry(self, files: dict[Path, bytes]) -> str | None:
+        """Set the expiry gauge for the serving certificate and the client CA from the ``files`` just read
+        (not read again: what is reported is what was loaded); the serving one's date, as text."""
         shown = None
         for name, path in (("serving", self.config.tls_cert), ("client-ca", self.config.client_ca)):
             if path is None:
                 continue
             try:
-                when = not_after(Path(path).read_bytes())
-            except (OSError, CertificateError) as exc:
+                when = not_after(files[Path(path)])
+            except CertificateError as exc:
                 log.warning("cannot read when %s expires: %s", path, exc)
                 continue
             if self.expiry is not None:
