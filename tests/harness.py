@@ -74,10 +74,21 @@ class Daemon:
             "health": {"recoverAfterSeconds": 2},
             # GPUs changed by a test are seen within half a second, not the default five
             "gpuPollSeconds": 0.5,
+            # deviceNodes (the default) hands over the GPUs' files: stand-ins here, plain files, which the
+            # daemon finds and passes but makes no /dev/char links for (they are not character devices)
+            "devRoot": str(self.dev_root()),
         }
         body.update(self.config)
         body.update(overrides)
         self.config_path.write_text(yaml.safe_dump(body))
+
+    def dev_root(self, gpus: int = 16) -> Path:
+        """A dev root with the files the driver makes: ``nvidia<N>`` for N < ``gpus``, and nvidiactl, nvidia-uvm."""
+        root = self.workdir / "dev-root"
+        (root / "dev").mkdir(parents=True, exist_ok=True)
+        for name in [f"nvidia{n}" for n in range(gpus)] + ["nvidiactl", "nvidia-uvm"]:
+            (root / "dev" / name).touch()
+        return root
 
     def start(self, *args: str, watchdog_usec: int = 400_000) -> None:
         if not self.config_path.exists():

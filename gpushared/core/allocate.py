@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -78,8 +78,9 @@ class NodeFacts:
     exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
     #: GPU UUID -> the minor number of its /dev/nvidia<minor>
     minors: Mapping[str, int | None] = field(default_factory=dict)
-    #: those of core.exposure.CONTROL_DEVICES present on the node (read only when deviceNodes is on)
-    control_present: Sequence[str] = ()
+    #: the device files (GPUs' and core.exposure.CONTROL_DEVICES) present on the node, as container paths
+    #: (read only when deviceNodes is on)
+    present_devices: Collection[str] = ()
     #: GPU UUID -> its MPS control daemon, for those that answer; None when the node runs no MPS daemons
     mps: Mapping[str, MpsDaemon] | None = None
 
@@ -128,7 +129,7 @@ def decide(chosen: Candidate, devices: Sequence[str], node: NodeFacts) -> Contai
         given = exposure(
             node.exposure,
             [ExposedGpu(gpu.uuid, node.minors.get(gpu.uuid)) for gpu in gpus],
-            control_present=node.control_present,
+            present=node.present_devices,
         )
     except CannotExpose as exc:
         return Refusal(f"pod {key}: {exc}", pod)

@@ -12,18 +12,20 @@ runtime reads a different part of the answer (docs/install.md, "How containers g
   (>= 1.28) passes them over the CRI and a CDI-enabled runtime (containerd >= 1.7, CRI-O >= 1.23) edits the
   container from the CDI spec that NVIDIA's toolkit wrote. No hook, no variable.
 
-and ``deviceNodes`` adds the device files themselves (``/dev/nvidia<minor>`` per GPU, ``/dev/nvidiactl``,
-``/dev/nvidia-uvm*``) as device specs, which every runtime honours: the container's device cgroup lets
-it open those and only those, without NVIDIA's hook (the driver's user-space libraries must then come by
-other means, such as CDI or the image).
+and ``deviceNodes`` (on by default) adds the device files themselves (``/dev/nvidia<minor>`` per GPU,
+``/dev/nvidiactl``, ``/dev/nvidia-uvm*``) as device specs, which every runtime honours: the container's
+device cgroup lets it open those and only those. Because the runtime itself records them (runc in the
+systemd scope's ``DeviceAllow=`` under the systemd cgroup driver), ``systemctl daemon-reload`` does not take
+them away, as it does devices NVIDIA's hook adds behind the runtime's back (docs/install.md, "systemctl
+daemon-reload").
 
-Pure: the caller says which control devices exist on the node.
+Pure: the caller says which device files exist on the node.
 """
 
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final
@@ -80,20 +82,21 @@ class ExposurePolicy:
     """The node's choice (config ``deviceListStrategy``, ``deviceNodes``, ``devRoot``)."""
 
     strategies: frozenset[Strategy] = frozenset({Strategy.ENVVAR})
-    device_nodes: bool = False
+    device_nodes: bool = True
     #: where the node's /dev is, as the daemon sees the host (``/run/nvidia/driver`` under the GPU Operator's
     #: driver container); containers always get /dev/... inside.
     dev_root: str = "/"
 
 
 class CannotExpose(ValueError):
-    """A GPU that the policy cannot name (device nodes wanted, no minor number known)."""
+    """A GPU that the policy cannot name (device nodes wanted, and no minor number known or no file)."""
 
 
-def exposure(policy: ExposurePolicy, gpus: Sequence[ExposedGpu], *, control_present: Sequence[str]) -> Exposure:
+def exposure(policy: ExposurePolicy, gpus: Sequence[ExposedGpu], *, present: Collection[str]) -> Exposure:
     """What Allocate returns so that the container sees exactly ``gpus``.
 
-    ``control_present``: which of :data:`CONTROL_DEVICES` exist under the node's dev root.
+    ``present``: which device files (``/dev/nvidia<minor>`` and :data:`CONTROL_DEVICES`, as paths inside the
+    container) exist under the node's dev root. A GPU's own file must; control devices are passed if they do.
     """
     uuids = [gpu.uuid for gpu in gpus]
     envs: dict[str, str] = {}
@@ -111,9 +114,20 @@ def exposure(policy: ExposurePolicy, gpus: Sequence[ExposedGpu], *, control_pres
         for gpu in gpus:
             if gpu.minor is None:
                 raise CannotExpose(f"GPU {gpu.uuid} has no device minor number in NVML: deviceNodes cannot name it")
-            devices.append(_device(policy.dev_root, f"/dev/nvidia{gpu.minor}"))
-        devices += [_device(policy.dev_root, path) for path in CONTROL_DEVICES if path in control_present]
+            file = _device(policy.dev_root, gpu_device_path(gpu.minor))
+            if file.container_path not in present:
+                raise CannotExpose(
+                    f"GPU {gpu.uuid}'s device file {file.host_path} does not exist: devRoot ({policy.dev_root}) "
+                    "is not where the node's /dev is, or the NVIDIA driver has not created the file"
+                )
+            devices.append(file)
+        devices += [_device(policy.dev_root, path) for path in CONTROL_DEVICES if path in present]
     return Exposure(envs=envs, mounts=tuple(mounts), devices=tuple(devices), cdi_devices=cdi)
+
+
+def gpu_device_path(minor: int) -> str:
+    """The device file of the GPU with this minor number, as the driver names it."""
+    return f"/dev/nvidia{minor}"
 
 
 def parse_strategies(value: str | Sequence[str]) -> frozenset[Strategy]:

@@ -229,7 +229,7 @@ OPTIONS = (
     Option("kubelet_dir", "kubeletDir", lambda v: Path(_text(v)), lambda: Path("/var/lib/kubelet")),
     Option("log_level", "logLevel", _level, lambda: "info"),
     Option("device_list_strategy", "deviceListStrategy", parse_strategies, lambda: frozenset({Strategy.ENVVAR})),
-    Option("device_nodes", "deviceNodes", _boolean, lambda: False),
+    Option("device_nodes", "deviceNodes", _boolean, lambda: True),
     Option("dev_root", "devRoot", _absolute, lambda: Path("/")),
     Option("driver_root", "driverRoot", _absolute, lambda: Path("/")),
     Option("metrics_address", "metrics.address", _address, lambda: "0.0.0.0"),

@@ -11,7 +11,6 @@ outcome: answers, records what it served (``Accounting``, the node's books), and
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -23,11 +22,12 @@ from gpushared.core import handshake
 from gpushared.core.allocate import ContainerAllocation, NodeFacts, Refusal, decide, preferred_devices
 from gpushared.core.bodies import PodBody, meta_of, uid_of
 from gpushared.core.devices import Device, device_list
-from gpushared.core.exposure import CONTROL_DEVICES, ExposurePolicy
+from gpushared.core.exposure import ExposurePolicy
 from gpushared.core.ledger import Ledger
 from gpushared.core.topology import Link, Topology, link_words, topology_of
 from gpushared.daemon.accounting import Accounting, Served
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
+from gpushared.daemon.devfiles import CharLinks, present_devices
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor
@@ -113,6 +113,7 @@ class Manager:
         self._version = 0
         self._devices: list[Device] = []
         self._allocate_lock = threading.Lock()
+        self.char_links = CharLinks()
 
     # --- inventory and devices -----------------------------------------------------------------------------
 
@@ -217,6 +218,7 @@ class Manager:
         outcome = decide(chosen, devices, self._facts())
         if isinstance(outcome, Refusal):
             self._refuse(outcome)
+        self.char_links.ensure(outcome.devices)
         if decision.ambiguous_but_equivalent:
             log.info(
                 "Allocate: %s and %s wait for the same %d %s on %s; either is right",
@@ -243,17 +245,14 @@ class Manager:
         node's policy passes them."""
         with self._lock:  # the inventory and its GPUs' minors from one reading
             gpus, inventory = list(self._gpus), self._inventory
-        present: list[str] = []
-        if self.exposure.device_nodes:
-            root = self.exposure.dev_root
-            present = [p for p in CONTROL_DEVICES if os.path.exists(os.path.join(root, p.lstrip("/")))]
+        present = present_devices(self.exposure, (g.minor for g in gpus)) if self.exposure.device_nodes else []
         return NodeFacts(
             name=self.node,
             inventory=inventory,
             ledger=self.ledger(),
             exposure=self.exposure,
             minors={g.uuid: g.minor for g in gpus},
-            control_present=present,
+            present_devices=present,
             mps=self.mps.answering() if self.mps is not None else None,
         )
 

@@ -7,13 +7,15 @@ nvidia-cuda-mps-control to /opt/mps. Writes the node's kubeconfig to /root/gpush
 moves it into place when the node is meant to have one), prints the API server's URL, then one line per
 second: whether the Node has the inventory, how many registrations the kubelet has seen, and, once the
 GPUs are published, what Allocate through the installed package gave a pod placed on GPU 1
-(``allocated=<UUID>`` next to ``expected=<UUID>``, or why it failed).
+(``allocated=<UUID>`` next to ``expected=<UUID>``, or why it failed). That answer's env and device specs
+are also written to /root/allocate-response.json, for the daemon-reload check to build a container from.
 
     python -m tests.deb.world CHROOT NODE
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -52,11 +54,11 @@ def main(root: Path, node: str) -> None:
         annotations = (api.get("nodes", node) or {}).get("metadata", {}).get("annotations") or {}
         published = contract.NODE_INVENTORY in annotations
         if published and not allocated.startswith("allocated="):
-            allocated = allocate_on_gpu1(api, kubelet, node, annotations[contract.NODE_INVENTORY])
+            allocated = allocate_on_gpu1(api, kubelet, node, annotations[contract.NODE_INVENTORY], root)
         print(f"inventory={published} registrations={len(kubelet.registrations)} {allocated}", flush=True)
 
 
-def allocate_on_gpu1(api: FakeApiServer, kubelet: FakeKubelet, node: str, inventory_text: str) -> str:
+def allocate_on_gpu1(api: FakeApiServer, kubelet: FakeKubelet, node: str, inventory_text: str, root: Path) -> str:
     """A 3-unit pod bound to GPU 1 as the extender binds it, admitted by the kubelet: the env it got."""
     inventory = contract.parse_inventory(inventory_text)
     if len(inventory.gpus) < 2:
@@ -68,7 +70,16 @@ def allocate_on_gpu1(api: FakeApiServer, kubelet: FakeKubelet, node: str, invent
     except AdmissionError as exc:
         kubelet.remove_pod(body["metadata"]["uid"])
         return f"allocate=failed: {str(exc).replace(' ', '_')}"
-    given = allocation.response.envs.get(contract.ENV_NVIDIA_VISIBLE_DEVICES, "")
+    response = allocation.response
+    given = response.envs.get(contract.ENV_NVIDIA_VISIBLE_DEVICES, "")
+    answer = {
+        "envs": dict(response.envs),
+        "devices": [
+            {"containerPath": d.container_path, "hostPath": d.host_path, "permissions": d.permissions}
+            for d in response.devices
+        ],
+    }
+    (root / "root" / "allocate-response.json").write_text(json.dumps(answer, indent=1))
     return f"allocated={given} expected={inventory.gpus[1].uuid}"
 
 

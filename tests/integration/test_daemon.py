@@ -613,9 +613,9 @@ def test_cdi_cri_and_device_nodes_reach_the_kubelet(daemon: Daemon) -> None:
     """cdi-cri: the CDI names in ContainerAllocateResponse.cdi_devices (field 5, kubelet >= 1.28) and no
     variable for a hook; deviceNodes: /dev/nvidia<minor> of the pod's GPUs and the control devices the dev root
     has, as device specs. The protocol level: kubelet 1.20 and containerd 1.6 predate CDI (docs/install.md)."""
-    dev = daemon.workdir / "dev-root"
+    dev = daemon.workdir / "dev-cdi"
     (dev / "dev").mkdir(parents=True)
-    for name in ("nvidiactl", "nvidia-uvm"):  # no nvidia-uvm-tools or nvidia-modeset on this node
+    for name in ("nvidia0", "nvidia7", "nvidiactl", "nvidia-uvm"):  # no nvidia-uvm-tools or nvidia-modeset here
         (dev / "dev" / name).touch()
     daemon.nvml.gpus[2].minor = 7  # minors need not follow indices (NVML says which is which)
     daemon.nvml.write()
@@ -639,7 +639,7 @@ def test_cdi_cri_and_device_nodes_reach_the_kubelet(daemon: Daemon) -> None:
 
 
 def test_volume_mounts_name_the_gpu_where_a_pod_cannot_forge_it(daemon: Daemon) -> None:
-    daemon.write_config(deviceListStrategy="volume-mounts")
+    daemon.write_config(deviceListStrategy="volume-mounts", deviceNodes=False)
     started(daemon)
     (allocation,) = daemon.admit(daemon.place("mounted", 4, gpu=1))
     uuid = daemon.nvml.gpus[1].uuid

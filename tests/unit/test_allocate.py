@@ -81,7 +81,7 @@ class Case:
     inventory: GpuInventory = INV
     exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
     minors: dict[str, int | None] = field(default_factory=lambda: {u: i for i, u in enumerate(UUID)})
-    control_present: tuple[str, ...] = ()
+    present: tuple[str, ...] = tuple(f"/dev/nvidia{i}" for i in range(8))
     mps: dict[str, MpsDaemon] | None = None
     #: a granted allocation: env that must be in it (others may be too), and its mounts, devices and CDI names
     envs: dict[str, str] = field(default_factory=dict)
@@ -116,7 +116,7 @@ def answer(case: Case) -> ContainerAllocation | Refusal:
         ledger=ledger,
         exposure=case.exposure,
         minors=case.minors,
-        control_present=case.control_present,
+        present_devices=case.present,
         mps=case.mps,
     )
     return decide(decision.chosen, case.devices, facts)
@@ -136,7 +136,7 @@ CASES = [
             contract.ENV_GPU_MEM_DEV: "16",
         },
         mounts=[],
-        devices_given=[],
+        devices_given=["/dev/nvidia1"],  # deviceNodes, on by default: runc records it for systemd
         cdi=[],
     ),
     Case(
@@ -175,7 +175,7 @@ CASES = [
         exposure=ExposurePolicy(
             strategies=frozenset({Strategy.VOLUME_MOUNTS, Strategy.CDI_CRI}), device_nodes=True, dev_root="/drv"
         ),
-        control_present=("/dev/nvidiactl",),
+        present=("/dev/nvidia1", "/dev/nvidiactl"),
         envs={"NVIDIA_VISIBLE_DEVICES": "/var/run/nvidia-container-devices"},
         mounts=[(f"/var/run/nvidia-container-devices/{UUID[1]}", "/dev/null", True)],
         devices_given=["/dev/nvidia1", "/dev/nvidiactl"],
@@ -280,10 +280,18 @@ CASES = [
         event_on="train",
     ),
     Case(
+        "device nodes asked for, but the GPU's file is not under the dev root: refused, naming the path",
+        [placed("p", 4, gpus=(1,))],
+        ids(1, 4),
+        exposure=ExposurePolicy(dev_root="/run/nvidia/driver"),
+        present=("/dev/nvidia0", "/dev/nvidiactl"),
+        refused=rf"pod default/p: GPU {UUID[1]}'s device file /run/nvidia/driver/dev/nvidia1 does not exist",
+        event_on="p",
+    ),
+    Case(
         "device nodes asked for, but NVML gave the GPU no minor number",
         [placed("p", 4, gpus=(1,))],
         ids(1, 4),
-        exposure=ExposurePolicy(device_nodes=True),
         minors={UUID[1]: None},
         refused=rf"pod default/p: GPU {UUID[1]} has no device minor number in NVML",
         event_on="p",

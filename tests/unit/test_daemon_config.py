@@ -19,7 +19,7 @@ def test_defaults_without_a_file(tmp_path: Path) -> None:
     assert config.pod_resources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     # Scrapable from the cluster, and not on dcgm-exporter's 9400.
     assert (config.metrics_address, config.metrics_port) == ("0.0.0.0", 9402)
-    assert config.exposure == ExposurePolicy(strategies=frozenset({Strategy.ENVVAR}), device_nodes=False, dev_root="/")
+    assert config.exposure == ExposurePolicy(strategies=frozenset({Strategy.ENVVAR}), device_nodes=True, dev_root="/")
     assert config.driver_root == Path("/")
     assert config.ignored_xids == DEFAULT_IGNORED_XIDS
     assert config.node_name  # the hostname

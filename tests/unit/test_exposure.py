@@ -27,21 +27,21 @@ def files(*pairs: tuple[str, str]) -> tuple[DeviceFile, ...]:
 
 CASES = [
     pytest.param(
-        ExposurePolicy(),
+        ExposurePolicy(device_nodes=False),
         [GPU3],
         (),
         Exposure(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"}, mounts=(), devices=(), cdi_devices=()),
-        id="envvar (the default): the UUID for NVIDIA's hook",
+        id="envvar alone: the UUID for NVIDIA's hook",
     ),
     pytest.param(
-        ExposurePolicy(),
+        ExposurePolicy(device_nodes=False),
         [GPU0, GPU3],
         (),
         Exposure(envs={"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-dddd"}, mounts=(), devices=(), cdi_devices=()),
         id="envvar, two GPUs in placement order",
     ),
     pytest.param(
-        ExposurePolicy(strategies=frozenset({VOLUMES})),
+        ExposurePolicy(strategies=frozenset({VOLUMES}), device_nodes=False),
         [GPU0, GPU3],
         (),
         Exposure(
@@ -56,7 +56,7 @@ CASES = [
         id="volume-mounts: the hook reads mounts a pod spec cannot forge",
     ),
     pytest.param(
-        ExposurePolicy(strategies=frozenset({ENVVAR, VOLUMES})),
+        ExposurePolicy(strategies=frozenset({ENVVAR, VOLUMES}), device_nodes=False),
         [GPU3],
         (),
         Exposure(
@@ -68,14 +68,14 @@ CASES = [
         id="envvar and volume-mounts name the same GPU",
     ),
     pytest.param(
-        ExposurePolicy(strategies=frozenset({CDI})),
+        ExposurePolicy(strategies=frozenset({CDI}), device_nodes=False),
         [GPU0, GPU3],
         (),
         Exposure(envs={}, mounts=(), devices=(), cdi_devices=("nvidia.com/gpu=GPU-aaaa", "nvidia.com/gpu=GPU-dddd")),
         id="cdi-cri: CDI names only, no variable for a hook to read",
     ),
     pytest.param(
-        ExposurePolicy(strategies=frozenset({CDI, ENVVAR})),
+        ExposurePolicy(strategies=frozenset({CDI, ENVVAR}), device_nodes=False),
         [GPU3],
         (),
         Exposure(
@@ -84,9 +84,9 @@ CASES = [
         id="cdi-cri with envvar, for nodes mid-migration",
     ),
     pytest.param(
-        ExposurePolicy(device_nodes=True),
+        ExposurePolicy(),
         [GPU3],
-        ALL_CONTROL,
+        ("/dev/nvidia3", *ALL_CONTROL),
         Exposure(
             envs={"NVIDIA_VISIBLE_DEVICES": "GPU-dddd"},
             mounts=(),
@@ -99,12 +99,12 @@ CASES = [
             ),
             cdi_devices=(),
         ),
-        id="deviceNodes: the GPU's file and every control device present",
+        id="the default: envvar, and deviceNodes with the GPU's file and every control device present",
     ),
     pytest.param(
         ExposurePolicy(device_nodes=True, dev_root="/run/nvidia/driver"),
         [GPU0, GPU3],
-        ("/dev/nvidiactl",),
+        ("/dev/nvidia0", "/dev/nvidia3", "/dev/nvidia1", "/dev/nvidiactl"),
         Exposure(
             envs={"NVIDIA_VISIBLE_DEVICES": "GPU-aaaa,GPU-dddd"},
             mounts=(),
@@ -115,19 +115,27 @@ CASES = [
             ),
             cdi_devices=(),
         ),
-        id="deviceNodes under a driver container's dev root; absent uvm files are not passed",
+        id="deviceNodes under a driver container's dev root; absent uvm files and other GPUs' files are not passed",
     ),
 ]
 
 
 @pytest.mark.parametrize(("policy", "gpus", "present", "expected"), CASES)
 def test_exposure(policy: ExposurePolicy, gpus: list[ExposedGpu], present: tuple[str, ...], expected: Exposure) -> None:
-    assert exposure(policy, gpus, control_present=present) == expected
+    assert exposure(policy, gpus, present=present) == expected
 
 
 def test_device_nodes_need_a_minor_number() -> None:
     with pytest.raises(CannotExpose, match="GPU-x has no device minor number"):
-        exposure(ExposurePolicy(device_nodes=True), [ExposedGpu("GPU-x", None)], control_present=())
+        exposure(ExposurePolicy(), [ExposedGpu("GPU-x", None)], present=())
+
+
+def test_device_nodes_need_the_gpus_file() -> None:
+    """A GPU whose file is not under the dev root is refused with the path, not handed to a runtime that
+    would fail the container with "no such file or directory"."""
+    policy = ExposurePolicy(dev_root="/run/nvidia/driver")
+    with pytest.raises(CannotExpose, match=r"GPU-dddd's device file /run/nvidia/driver/dev/nvidia3 does not exist"):
+        exposure(policy, [GPU3], present=("/dev/nvidia0", "/dev/nvidiactl"))
 
 
 @pytest.mark.parametrize(
