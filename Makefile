@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench chaos chart inspect-plugin venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos chart inspect-plugin node-image venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -46,6 +46,13 @@ image: $(IMAGE_ARCHIVE)
 $(IMAGE_ARCHIVE): $(shell git ls-files gpushared extender pyproject.toml scripts/build-image 2>/dev/null) | venv
 	PYTHON=$(BIN)/python scripts/build-image
 
+# The node daemon's image, for the chart's DaemonSet (docs/install.md, "Managed node images").
+NODE_IMAGE_ARCHIVE := dist/gpushared-node_$(VERSION).tar
+node-image: $(NODE_IMAGE_ARCHIVE)
+
+$(NODE_IMAGE_ARCHIVE): $(shell git ls-files gpushared packaging/node-image packaging/deb/requirements pyproject.toml scripts/build-image 2>/dev/null) | venv
+	PYTHON=$(BIN)/python scripts/build-image node
+
 # Build the image, then run it under containerd (root) and talk to it.
 image-test: image
 	command -v containerd >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q containerd; }
@@ -69,7 +76,7 @@ k8s-testbins:
 # The end-to-end suite on a real local cluster (root): apiserver, scheduler + our extender, kubelet,
 # containerd, gpushared on a fake NVML library. Brings the cluster up and tears it down.
 # The extender's image too: the control-plane cases run it as a static pod (tests/e2e/test_control_plane.py).
-e2e: venv k8s-testbins image
+e2e: venv k8s-testbins image node-image
 	$(BIN)/python -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
 
 # The same cluster, left running with sample pods on it (root). `make demo-down` removes it.

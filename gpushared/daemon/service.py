@@ -170,6 +170,8 @@ class Service:
             return
         except Exception as exc:  # KubeError, or a kubeconfig that does not parse
             raise FatalError(str(exc) if isinstance(exc, KubeError) else f"{self.config.kubeconfig}: {exc}") from None
+        credentials = api.rest.credentials
+        log.info("API server %s, as %s", credentials.server, credentials.source)
         parts = Parts(self.config, self.resources, self.backend, self.gpus, self.health, self.metrics)
         self.running = Running.start(parts, api, stop=self._stop)
 

@@ -46,6 +46,7 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
 
 #: What `make image` exports; the Makefile's e2e target builds it first.
 EXTENDER_IMAGE = ROOT / "dist" / f"gpushared-extender_{__version__}.tar"
+NODE_IMAGE = ROOT / "dist" / f"gpushared-node_{__version__}.tar"
 
 
 @pytest.fixture
@@ -54,6 +55,14 @@ def extender_image(cluster: LocalCluster) -> Path:
         pytest.fail(f"{EXTENDER_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make image`)")
     cluster.node.import_image(EXTENDER_IMAGE)
     return EXTENDER_IMAGE
+
+
+@pytest.fixture
+def node_image(cluster: LocalCluster) -> Path:
+    if not NODE_IMAGE.exists():
+        pytest.fail(f"{NODE_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make node-image`)")
+    cluster.node.import_image(NODE_IMAGE)
+    return NODE_IMAGE
 
 
 @pytest.fixture

@@ -121,9 +121,9 @@ def local_scheduler(doc: dict[str, Any], wiring: Wiring) -> None:
 
 def local_chart(docs: list[dict[str, Any]], wiring: Wiring, *, extender_port: int) -> list[dict[str, Any]]:
     """What deploy/helm/gpushared renders, as this cluster forces it (tests/e2e/helm_post_render.py):
-    the second scheduler as :func:`local_scheduler` edits it, and the extender on the host network at
+    the second scheduler as :func:`local_scheduler` edits it, the extender on the host network at
     ``extender_port`` (what the scheduler and the webhook call), reaching the API server at 127.0.0.1,
-    rolled out one pod at a time.
+    rolled out one pod at a time, and the node DaemonSet on the host network, reaching it there too.
     The chart's own choices (API versions, images, certificates) are left as rendered."""
     for doc in docs:
         if doc["kind"] == "Deployment" and doc["metadata"]["name"] == "gpushared-extender":
@@ -137,6 +137,14 @@ def local_chart(docs: list[dict[str, Any]], wiring: Wiring, *, extender_port: in
             (port,) = container["ports"]
             port["containerPort"] = extender_port
             container["env"] = [*container.get("env", []), *wiring.apiserver_env]
+        elif doc["kind"] == "DaemonSet" and doc["metadata"]["name"] == "gpushared-node":
+            # the node daemon: host network (no pod network here), the API server at 127.0.0.1
+            pod = doc["spec"]["template"]["spec"]
+            pod["hostNetwork"] = True
+            (container,) = pod["containers"]
+            container["env"] = [*container.get("env", []), *wiring.apiserver_env]
+            for probe in ("readinessProbe", "livenessProbe"):
+                container[probe]["httpGet"]["host"] = "127.0.0.1"
         elif doc["kind"] == "PodDisruptionBudget":
             pass  # the chart chose the API from the cluster's version: left as rendered
         else:

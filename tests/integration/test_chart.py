@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from gpushared import __version__
+from gpushared.daemon.config import load as load_daemon_config
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "gpushared"
@@ -34,6 +35,7 @@ SERVED: dict[tuple[str, str], tuple[int, int]] = {
         for kind in ("ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
     },
     ("apps/v1", "Deployment"): (9, 99),
+    ("apps/v1", "DaemonSet"): (9, 99),
     ("policy/v1", "PodDisruptionBudget"): (21, 99),
     ("policy/v1beta1", "PodDisruptionBudget"): (5, 24),
     ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration"): (16, 99),
@@ -104,7 +106,8 @@ def test_the_chart_is_gpushareds_release() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_everything_rendered_is_served_by_the_clusters_version(render: Render, version: str) -> None:
     minor = int(version.split(".")[1])
-    docs = render(version=version)
+    docs = render("--set", "node.daemonset.enabled=true", version=version)
+    assert one(docs, "DaemonSet", "gpushared-node")
     for doc in docs:
         first, last = SERVED[(doc["apiVersion"], doc["kind"])]
         assert first <= minor <= last, f"{doc['apiVersion']} {doc['kind']} is not served by {version}"
@@ -291,6 +294,56 @@ def test_no_network_policy_unless_its_addresses_are_given(render: Render, helm: 
     assert [s["ipBlock"]["cidr"] for s in sources if "ipBlock" in s] == ["10.0.0.10/32", "10.0.0.11/32"]
     cidrs = ("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.controlPlaneCIDRs={ten}")
     assert "networkPolicy.controlPlaneCIDRs.0" in refused(helm, *cidrs)  # not a CIDR: the schema says which
+
+
+def test_the_node_daemonset_is_off_unless_asked(render: Render) -> None:
+    assert not [d for d in render() if d["kind"] == "DaemonSet"]
+
+
+def test_the_node_daemonset_runs_the_daemon_on_the_nodes_paths(render: Render, tmp_path: Path) -> None:
+    """The DaemonSet's pod: the daemon's own config parser accepts what the chart wrote, the node's driver
+    root is where that config says, every host path is mounted where the daemon and the kubelet agree on
+    it, and the credential is the pod's ServiceAccount (no kubeconfig)."""
+    docs = render(
+        "--set", "node.daemonset.enabled=true",
+        "--set", "node.daemonset.driverRoot=/home/kubernetes/bin/nvidia",
+        "--set", "node.daemonset.kubeletDir=/var/lib/kubelet/",
+        "--set", "node.daemonset.config.mps.enabled=true",
+        "--set", "node.daemonset.config.metrics.port=9555",
+    )  # fmt: skip
+    written = tmp_path / "config.yaml"
+    written.write_text(one(docs, "ConfigMap", "gpushared-node")["data"]["config.yaml"])
+    config = load_daemon_config(written, env={"GPUSHARED_NODE_NAME": "gpu-1"}, required=True)
+    assert (str(config.driver_root), str(config.kubelet_dir), config.mps_enabled) == (
+        "/driver-root",
+        "/var/lib/kubelet",
+        True,
+    )
+    assert config.exposure.device_nodes and config.exposure.dev_root == "/"
+    daemonset = one(docs, "DaemonSet", "gpushared-node")
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpushared-node" and pod["hostPID"] is True
+    assert pod["nodeSelector"] == {"gpushared.io/node-daemon": "daemonset"}  # never beside the .deb unasked
+    (daemon,) = pod["containers"]
+    assert daemon["securityContext"] == {"privileged": True}
+    assert daemon["livenessProbe"]["httpGet"]["port"] == 9555
+    assert not [e for e in daemon["env"] if "KUBECONFIG" in e["name"]]
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}
+    assert volumes["driver-root"] == "/home/kubernetes/bin/nvidia" and mounts["driver-root"] == "/driver-root"
+    for name in ("device-plugins", "pod-resources", "run", "dev"):
+        assert volumes[name] == mounts[name], name  # the kubelet's and the runtime's paths, unchanged
+    assert mounts["device-plugins"] == str(config.plugin_dir)
+    assert mounts["pod-resources"] == str(config.pod_resources_socket.parent)
+    run = next(m for m in daemon["volumeMounts"] if m["name"] == "run")
+    assert run["mountPropagation"] == "Bidirectional"  # MPS shm mounts reach the host, where clients mount them
+
+
+def test_the_node_daemonset_refusals(helm: Path) -> None:
+    on = ("--set", "node.daemonset.enabled=true")
+    assert "node.daemonset.enabled needs node.rbac" in refused(helm, *on, "--set", "node.rbac=false")
+    assert "node.daemonset.driverRoot" in refused(helm, *on, "--set", "node.daemonset.driverRoot=relative")
+    assert "node.daemonset.config" in refused(helm, *on, "--set", "node.daemonset.config.kubeconfig=/x")
 
 
 @pytest.mark.parametrize(
