@@ -44,25 +44,27 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
     kube.delete_namespace(name)
 
 
-#: What `make image` exports; the Makefile's e2e target builds it first.
+#: What `make image` and `make node-image` export; the Makefile's e2e target builds them first.
 EXTENDER_IMAGE = ROOT / "dist" / f"gpushared-extender_{__version__}.tar"
 NODE_IMAGE = ROOT / "dist" / f"gpushared-node_{__version__}.tar"
 
 
+def imported(cluster: LocalCluster, archive: Path, target: str) -> Path:
+    """``archive`` in the node's containerd; a missing one fails the test, naming what builds it."""
+    if not archive.exists():
+        pytest.fail(f"{archive.relative_to(ROOT)} is missing: `make e2e` builds it (`make {target}`)")
+    cluster.node.import_image(archive)
+    return archive
+
+
 @pytest.fixture
 def extender_image(cluster: LocalCluster) -> Path:
-    if not EXTENDER_IMAGE.exists():
-        pytest.fail(f"{EXTENDER_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make image`)")
-    cluster.node.import_image(EXTENDER_IMAGE)
-    return EXTENDER_IMAGE
+    return imported(cluster, EXTENDER_IMAGE, "image")
 
 
 @pytest.fixture
 def node_image(cluster: LocalCluster) -> Path:
-    if not NODE_IMAGE.exists():
-        pytest.fail(f"{NODE_IMAGE.relative_to(ROOT)} is missing: `make e2e` builds it (`make node-image`)")
-    cluster.node.import_image(NODE_IMAGE)
-    return NODE_IMAGE
+    return imported(cluster, NODE_IMAGE, "node-image")
 
 
 @pytest.fixture
