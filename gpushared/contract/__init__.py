@@ -14,6 +14,7 @@ import enum
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -134,8 +135,49 @@ POD_MPS_THREAD_PERCENTAGE: Final = f"{ANNOTATION_DOMAIN}/mps-active-thread-perce
 POD_MEMORY_ENFORCEMENT: Final = f"{ANNOTATION_DOMAIN}/memory-enforcement"
 
 
+#: Pod: the share of each of its GPUs' compute (SMs) the pod is guaranteed, in percent (0-100): scheduled,
+#: so the requests on one GPU never sum past 100 (docs/design.md, "Compute shares").
+POD_COMPUTE_REQUEST: Final = f"{ANNOTATION_DOMAIN}/gpu-compute-request"
+#: Pod: the most of each of its GPUs' compute any of its containers may use, in percent (1-100): the MPS
+#: thread percentage of an MPS pod; measured and reported for the others.
+POD_COMPUTE_LIMIT: Final = f"{ANNOTATION_DOMAIN}/gpu-compute-limit"
+
+
 def parse_thread_percentage(text: object) -> int:
     return parse_int(POD_MPS_THREAD_PERCENTAGE, text, minimum=1, maximum=100)
+
+
+@dataclass(frozen=True)
+class ComputeShare:
+    """A pod's compute on each of its GPUs, in percent: at least ``request``, at most ``limit``."""
+
+    request: int = 0
+    limit: int = 100
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.request <= self.limit <= 100 or self.limit < 1:
+            raise ContractError(
+                key=POD_COMPUTE_REQUEST,
+                value={"request": self.request, "limit": self.limit},
+                reason="must be 0 <= request <= limit <= 100 and limit >= 1 (percent of one GPU's compute)",
+            )
+
+
+def parse_compute(annotations: Mapping[str, str]) -> ComputeShare | None:
+    """The pod's compute share from its annotations; None when it gives neither (compute then unscheduled,
+    as before compute shares existed). A request alone is capped at 100, a limit alone guarantees nothing."""
+    request_text, limit_text = annotations.get(POD_COMPUTE_REQUEST), annotations.get(POD_COMPUTE_LIMIT)
+    if request_text is None and limit_text is None:
+        return None
+    request = 0 if request_text is None else parse_int(POD_COMPUTE_REQUEST, request_text, maximum=100)
+    limit = 100 if limit_text is None else parse_int(POD_COMPUTE_LIMIT, limit_text, minimum=1, maximum=100)
+    if request > limit:
+        raise ContractError(
+            key=POD_COMPUTE_REQUEST,
+            value=request_text,
+            reason=f"is more than {POD_COMPUTE_LIMIT} ({limit}): a pod cannot be guaranteed more than it may use",
+        )
+    return ComputeShare(request=request, limit=limit)
 
 
 def parse_framework_allocation(text: str) -> dict[int, dict[int, int]]:
@@ -317,6 +359,8 @@ class Allocation:
 
     unit: MemoryUnit
     containers: tuple[ContainerShares, ...]
+    #: the pod's compute share on each of its GPUs, as bound; None for a pod that asked for none
+    compute: ComputeShare | None = None
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.containers]
@@ -334,17 +378,17 @@ def format_allocation(allocation: Allocation) -> str:
     def shares(container: ContainerShares) -> list[dict[str, object]]:
         return [{"index": s.index, "uuid": s.uuid, "amount": s.amount} for s in container.gpus]
 
-    return json.dumps(
-        {
-            "version": CONTRACT_VERSION,
-            "unit": allocation.unit.value,
-            "initContainers": [
-                {"name": c.name, "sidecar": c.sidecar, "gpus": shares(c)} for c in allocation.containers if c.init
-            ],
-            "containers": [{"name": c.name, "gpus": shares(c)} for c in allocation.containers if not c.init],
-        },
-        separators=(",", ":"),
-    )
+    body: dict[str, object] = {
+        "version": CONTRACT_VERSION,
+        "unit": allocation.unit.value,
+        "initContainers": [
+            {"name": c.name, "sidecar": c.sidecar, "gpus": shares(c)} for c in allocation.containers if c.init
+        ],
+        "containers": [{"name": c.name, "gpus": shares(c)} for c in allocation.containers if not c.init],
+    }
+    if allocation.compute is not None:  # absent otherwise: readers from before compute shares see no change
+        body["compute"] = {"request": allocation.compute.request, "limit": allocation.compute.limit}
+    return json.dumps(body, separators=(",", ":"))
 
 
 def parse_allocation(text: str) -> Allocation:
@@ -373,7 +417,20 @@ def parse_allocation(text: str) -> Allocation:
             )
     if not parsed:
         raise ContractError(key=key, value=text, reason="no container holds GPU memory")
-    return Allocation(unit=unit, containers=tuple(parsed))
+    return Allocation(unit=unit, containers=tuple(parsed), compute=_parse_compute_record(key, body.get("compute")))
+
+
+def _parse_compute_record(key: str, record: object) -> ComputeShare | None:
+    if record is None:
+        return None
+    if not isinstance(record, dict):
+        raise ContractError(key=key, value=record, reason="'compute' must be an object")
+    request = _require_int(key, "compute.request", record.get("request", 0))
+    limit = _require_int(key, "compute.limit", record.get("limit", 100))
+    try:
+        return ComputeShare(request=request, limit=limit)
+    except ContractError as exc:
+        raise ContractError(key=key, value=record, reason=f"compute: {exc.reason}") from None
 
 
 def _parse_share(key: str, where: str, share: object) -> GpuShare:

@@ -30,6 +30,7 @@ def allocation_for(request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contra
             )
             for c in request.containers
         ),
+        compute=request.compute,
     )
 
 
@@ -70,5 +71,10 @@ def bind_annotations(
 def holding_for(request: PodRequest, gpus: Sequence[GpuInfo], *, uid: str, namespace: str, name: str) -> Holding:
     """What a pod placed on ``gpus`` holds, for recording a bind in the ledger before the watch sees it."""
     return Holding(
-        uid=uid, namespace=namespace, name=name, gpus={gpu.index: request.per_gpu for gpu in gpus}, mps=request.mps
+        uid=uid,
+        namespace=namespace,
+        name=name,
+        gpus={gpu.index: request.per_gpu for gpu in gpus},
+        mps=request.mps,
+        compute=request.compute_request,
     )

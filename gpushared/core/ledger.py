@@ -46,6 +46,8 @@ class Holding:
     pending: int = 0
     assigned: bool = False
     problem: str | None = None
+    #: percent of the compute of each GPU in ``gpus`` (of the node's, while ``pending``) guaranteed to it
+    compute: int = 0
 
 
 def holds_gpu_memory(pod: PodBody) -> bool:
@@ -100,6 +102,7 @@ def holding_from_pod(
         gpus = None  # an empty choice (Alibaba's framework allocation may be "{}") is no choice: pending
     if gpus is None and request.total == 0 and not problems:
         return None
+    compute = max(request.compute_request, _bound_compute(annotations))
     pending = request.total if gpus is None else 0
     if gpus and request.total:
         gpus = {index: max(amount, request.per_gpu) for index, amount in gpus.items()}
@@ -116,7 +119,21 @@ def holding_from_pod(
         pending=pending,
         assigned=annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true",
         problem="; ".join(problems) or None,
+        compute=compute,
     )
+
+
+def _bound_compute(annotations: Mapping[str, str]) -> int:
+    """The compute request the bind recorded: counted even when the pod's own compute annotation was
+    lowered or removed since (its owner may edit it; the record is what the GPU's share was given on)."""
+    text = annotations.get(contract.POD_ALLOCATION)
+    if text is None:
+        return 0
+    try:
+        compute = contract.parse_allocation(text).compute
+    except ContractError:
+        return 0  # unreadable records are reported by _gpus_from_annotations
+    return compute.request if compute is not None else 0
 
 
 def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) -> dict[int, int] | None:
@@ -207,6 +224,10 @@ class Ledger:
     _used: dict[int, int] = field(default_factory=dict)
     _mps: dict[int, int] = field(default_factory=dict)
     _shared: dict[int, int] = field(default_factory=dict)
+    #: GPU index -> percent of its compute the pods on it are guaranteed (``Holding.compute``)
+    _compute: dict[int, int] = field(default_factory=dict)
+    #: compute guaranteed to pods on no known GPU: taken from every GPU's, like ``_unplaced``
+    _unplaced_compute: int = 0
     #: units held on this node on no known GPU (``Holding.pending``): which GPU they use cannot be read, so
     #: they are taken from the room of every GPU (``free``): never given away on the one they really use
     _unplaced: int = 0
@@ -251,9 +272,13 @@ class Ledger:
         self.version += 1
         modes = self._mps if holding.mps else self._shared
         self._unplaced += sign * holding.pending
+        if holding.pending and holding.compute:
+            self._unplaced_compute += sign * holding.compute
         for index, amount in holding.gpus.items():
             _bump(self._used, index, sign * amount)
             _bump(modes, index, sign)
+            if holding.compute:
+                _bump(self._compute, index, sign * holding.compute)
 
     def holding(self, uid: str) -> Holding | None:
         return self._holdings.get(uid)
@@ -268,6 +293,15 @@ class Ledger:
         """What a new pod may take on ``gpu``: its memory less what is held there and what is held on the
         node on no known GPU (``pending``)."""
         return gpu.memory - self.used(gpu.index) - self._unplaced
+
+    def compute_used(self, index: int) -> int:
+        """Percent of GPU ``index``'s compute its pods are guaranteed."""
+        return self._compute.get(index, 0)
+
+    def compute_free(self, index: int) -> int:
+        """Percent of GPU ``index``'s compute a new pod may be guaranteed: what its pods and the pods on no
+        known GPU are not."""
+        return 100 - self._compute.get(index, 0) - self._unplaced_compute
 
     def mode(self, index: int) -> GpuMode:
         if self._mps.get(index):

@@ -223,7 +223,8 @@ class Policy:
         not by judging each: a request size not priced before costs each node little more than its price. A
         property test holds the two to the same rank and GPU."""
         need = request.per_gpu
-        if request.gpus != 1 or not self.free_order or need <= 0:
+        if request.gpus != 1 or not self.free_order or need <= 0 or request.compute_request:
+            # (a compute request: the GPU with the right free memory may have no compute left)
             return self.price_node(fitting(ledger, request, max_mps_clients=max_mps_clients), request, context)
         frees, ordered = by_free(ledger, mps=request.mps, max_mps_clients=max_mps_clients)
         at = bisect_left(frees, need)  # the tightest with room: the least free, then the lowest index

@@ -52,6 +52,13 @@ class PodRequest:
     containers: tuple[ContainerRequest, ...]
     mps: bool = False
     thread_percentage: int | None = None
+    #: its compute share of each of its GPUs (annotations); None: compute not scheduled, as before
+    compute: contract.ComputeShare | None = None
+
+    @property
+    def compute_request(self) -> int:
+        """Percent of each of its GPUs' compute the pod is guaranteed, and so holds in the ledger (0: none)."""
+        return self.compute.request if self.compute is not None else 0
 
     @functools.cached_property
     def total(self) -> int:
@@ -114,6 +121,20 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
         if contract.POD_MPS_THREAD_PERCENTAGE in annotations
         else None
     )
+    compute = contract.parse_compute(annotations)
+    if compute is not None and percentage is not None and compute.limit != percentage:
+        raise ContractError(
+            key=contract.POD_MPS_THREAD_PERCENTAGE,
+            value=annotations[contract.POD_MPS_THREAD_PERCENTAGE],
+            reason=f"differs from {contract.POD_COMPUTE_LIMIT} ({compute.limit}), which is the MPS thread "
+            "percentage of a pod that gives it: give one of the two",
+        )
+    if compute is not None and not found:
+        raise ContractError(
+            key=contract.POD_COMPUTE_REQUEST if compute.request else contract.POD_COMPUTE_LIMIT,
+            value=compute,
+            reason=f"a compute share is a share of the pod's GPUs, and it asks for none ({resources.gpu_mem})",
+        )
     for request in found:
         if request.gpus > 1 and len(found) > 1:
             raise ContractError(
@@ -128,7 +149,7 @@ def pod_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RES
                 reason=f"container {request.name} asks for {request.gpus} GPUs, and an MPS client reaches one "
                 "MPS server only: an MPS pod gets exactly one GPU",
             )
-    return PodRequest(containers=tuple(found), mps=mps, thread_percentage=percentage)
+    return PodRequest(containers=tuple(found), mps=mps, thread_percentage=percentage, compute=compute)
 
 
 def spec_request(pod: PodBody, *, resources: ResourceNames = contract.DEFAULT_RESOURCES) -> PodRequest:

@@ -49,9 +49,10 @@ def _refusal(ledger: Ledger, gpu: GpuInfo, *, mps: bool, max_mps_clients: int) -
 
 
 def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
-    """Whether each GPU of the node has room for the pod's share of it (``PodRequest.per_gpu``)."""
+    """Whether each GPU of the node has room for the pod's share of it (``PodRequest.per_gpu``), and of
+    its compute for the pod's compute request, if it makes one."""
     unit = ledger.unit.value
-    need = request.per_gpu
+    need, compute = request.per_gpu, request.compute_request
     each = f" on each of {request.gpus} GPUs" if request.gpus > 1 else ""
     verdicts = []
     for gpu in ledger.inventory.gpus:
@@ -63,6 +64,9 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
         )
         if reason is None and free < need:
             reason = f"GPU {gpu.index} has {max(free, 0)} {unit} free, pod needs {need} {unit}{each}"
+        if reason is None and compute and ledger.compute_free(gpu.index) < compute:
+            left = max(ledger.compute_free(gpu.index), 0)
+            reason = f"GPU {gpu.index} has {left}% of its compute unrequested, pod requests {compute}%{each}"
         verdicts.append(GpuVerdict(gpu=gpu, free=free, reason=reason))
     return verdicts
 
@@ -70,10 +74,13 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
 def fitting(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS_CLIENTS) -> list[GpuVerdict]:
     """The verdicts of :func:`judge` that fit, without working out why the others do not: what pricing a
     node needs, a thousand nodes at a time (a property test holds the two together)."""
-    need = request.per_gpu
+    need, compute = request.per_gpu, request.compute_request
     if need <= 0:
         return []
-    return [v for v in usable(ledger, mps=request.mps, max_mps_clients=max_mps_clients) if v.free >= need]
+    fits = usable(ledger, mps=request.mps, max_mps_clients=max_mps_clients)
+    if compute:
+        return [v for v in fits if v.free >= need and ledger.compute_free(v.gpu.index) >= compute]
+    return [v for v in fits if v.free >= need]
 
 
 def usable(ledger: Ledger, *, mps: bool, max_mps_clients: int = MAX_MPS_CLIENTS) -> tuple[GpuVerdict, ...]:

@@ -95,6 +95,8 @@ class RankSlot(NamedTuple):
     mixed: int
     #: whether the pod's node affinity pins it to GPU models
     pinned: bool
+    #: its compute request, percent of each GPU (0: none)
+    compute: int = 0
 
 
 class NodeMemo:
@@ -158,6 +160,8 @@ class FilterIndex:
         GPU, once per ledger change and request, for what is wrong with each. A pod on several GPUs (rare:
         training jobs) is answered from each node's memo instead.
         """
+        if request.compute_request:
+            return self._filter_by_judging(names, request)
         passed: list[str] = []
         failed: dict[str, str] = {}
         need, mps, several = request.per_gpu, request.mps, request.gpus > 1
@@ -180,6 +184,24 @@ class FilterIndex:
                 failed[name] = reason
             else:
                 failed[name] = self._why_not(name, request)
+        return passed, failed
+
+    def _filter_by_judging(self, names: list[str], request: PodRequest) -> tuple[list[str], dict[str, str]]:
+        """:meth:`filter` for a pod with a compute request: each node's GPUs judged on memory and compute
+        together (``judge``). A node's most free memory says nothing of its compute, so the one-number
+        answer does not apply; such pods are priced GPU by GPU, as a node with no usable GPU always is."""
+        passed: list[str] = []
+        failed: dict[str, str] = {}
+        for name in names:
+            usable = self.state.usable(name, gpus=request.gpus)
+            if isinstance(usable, Rejected):
+                failed[name] = usable.reason
+                continue
+            verdicts = judge(usable[1], request)
+            if request.per_gpu > 0 and sum(v.fits for v in verdicts) >= request.gpus:
+                passed.append(name)
+            else:
+                failed[name] = explain(verdicts, gpus=request.gpus)
         return passed, failed
 
     def node_ranks(self, names: list[str], pod: PodBody, request: PodRequest, policy: Policy) -> list[NodeRank | None]:
@@ -225,7 +247,9 @@ class FilterIndex:
         # a pod its node affinity pins to GPU models is priced without their pressure (PricingContext.pressure)
         pinned = (policy.reads_mix or policy.reads_pressure) and self._pinned(pod)
         mixed = self._mixed(policy)
-        return RankSlot(policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned)
+        return RankSlot(
+            policy.name, request.total, request.gpus, request.mps, pod_cpu, mixed, pinned, request.compute_request
+        )
 
     def _mixed(self, policy: Policy) -> int:
         """Which mix the policy's ranks were worked out under, as far as they read it: a new mix (every

@@ -454,3 +454,42 @@ def test_a_bound_pods_gpu_choice_edited_by_its_owner_does_not_move_the_books(edi
     assert cache.index.filter(["n1"], pod_request(pod("q", 5)))[0] == ["n1"]  # 4 left on GPU 0, 16 on GPU 1
     assert cache.index.filter(["n1"], pod_request(pod("q", 17)))[0] == []
     assert cache.state.allocation_edits == (edit != "zero")
+
+
+def with_compute(body: dict[str, Any], request: int) -> dict[str, Any]:
+    body["metadata"]["annotations"][contract.POD_COMPUTE_REQUEST] = str(request)
+    return body
+
+
+def test_compute_requests_are_filtered_ranked_and_reserved_on_both_dimensions() -> None:
+    """Three pods with compute requests fill GPU 0's compute (binpack keeps them there: memory is
+    plentiful); a fourth goes to GPU 1, and a node whose GPUs have too little compute is refused with why.
+    A pod without compute still fits where compute is all taken: it asks for memory alone."""
+    cache = fed_by_hand()
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY))
+    placed = []
+    for i, share in enumerate((30, 30, 40)):
+        body = with_compute(pod(f"p{i}", 2, uid=f"c{i}"), share)
+        cache.on_pod(None, body)
+        reserved = cache.reserve("n1", body, pod_request(body), policy=BINPACK, now_ns=1)  # type: ignore[arg-type]
+        assert not isinstance(reserved, Rejected)
+        placed.append(contract.parse_allocation(reserved.annotations[contract.POD_ALLOCATION]))
+    assert {share.index for a in placed for c in a.containers for share in c.gpus} == {0}
+    fourth = with_compute(pod("p3", 2, uid="c3"), 10)
+    assert cache.index.filter(["n1"], pod_request(fourth))[0] == ["n1"]  # GPU 1 has all its compute
+    cache.on_pod(None, fourth)
+    reserved = cache.reserve("n1", fourth, pod_request(fourth), policy=BINPACK, now_ns=2)  # type: ignore[arg-type]
+    assert not isinstance(reserved, Rejected)
+    (container,) = contract.parse_allocation(reserved.annotations[contract.POD_ALLOCATION]).containers
+    assert [share.index for share in container.gpus] == [1]
+    greedy = with_compute(pod("greedy", 1, uid="g"), 95)
+    passed, failed = cache.index.filter(["n1"], pod_request(greedy))
+    assert passed == [] and failed["n1"] == (
+        "GPU 0 has 0% of its compute unrequested, pod requests 95%; "
+        "GPU 1 has 90% of its compute unrequested, pod requests 95%"
+    )
+    ranks = cache.index.node_ranks(["n1"], greedy, pod_request(greedy), BINPACK)  # type: ignore[arg-type]
+    assert ranks == [None]
+    plain = pod("plain", 1, uid="q")
+    assert cache.index.filter(["n1"], pod_request(plain))[0] == ["n1"]
+    assert cache.index.node_ranks(["n1"], plain, pod_request(plain), BINPACK)[0] is not None  # type: ignore[arg-type]

@@ -1,7 +1,7 @@
 """Invariants of the core, checked by hypothesis over many generated nodes, pods and histories.
 
-- No sequence of placements and removals ever puts a GPU over capacity, places on an unhealthy GPU, or
-  mixes MPS and plain pods on one GPU.
+- No sequence of placements and removals ever puts a GPU over capacity (memory, or compute requests past
+  100 %), places on an unhealthy GPU, or mixes MPS and plain pods on one GPU.
 - What a placement writes into annotations reads back (through a fresh ledger, as after a restart) as
   exactly the accounting the placement made.
 """
@@ -51,7 +51,7 @@ def inventories(draw: st.DrawFn) -> GpuInventory:
 
 
 @st.composite
-def pod_bodies(draw: st.DrawFn, *, high: int = 40) -> dict[str, Any]:
+def pod_bodies(draw: st.DrawFn, *, high: int = 40, compute: bool = False) -> dict[str, Any]:
     def containers(prefix: str, *, init: bool) -> list[dict[str, Any]]:
         found = []
         for i in range(draw(st.integers(min_value=0 if init else 1, max_value=3))):
@@ -65,9 +65,19 @@ def pod_bodies(draw: st.DrawFn, *, high: int = 40) -> dict[str, Any]:
         return found
 
     annotations = {contract.POD_MPS: "true"} if draw(st.booleans()) else {}
+    spec = {"initContainers": containers("i", init=True), "containers": containers("c", init=False)}
+    asks = any("resources" in c for c in spec["initContainers"] + spec["containers"])
+    if compute and asks and draw(st.booleans()):  # a compute share: a request, a limit, or both
+        request = draw(st.integers(0, 70))
+        limit = draw(st.integers(max(request, 1), 100))
+        given = draw(st.sampled_from(["request", "limit", "both"]))
+        if given != "limit":
+            annotations[contract.POD_COMPUTE_REQUEST] = str(request)
+        if given != "request":
+            annotations[contract.POD_COMPUTE_LIMIT] = str(limit)
     return {
         "metadata": {"name": "p", "namespace": "d", "uid": "x", "annotations": annotations},
-        "spec": {"initContainers": containers("i", init=True), "containers": containers("c", init=False)},
+        "spec": spec,
         "status": {"phase": "Pending"},
     }
 
@@ -130,13 +140,22 @@ class PlacementHistory(RuleBasedStateMachine):
         if self.ledger is None:
             self.ledger = Ledger.build(inventory)
 
-    @rule(target=pods, body=pod_bodies(high=48), policy=st.sampled_from(sorted(POLICIES)))
+    @rule(target=pods, body=pod_bodies(high=48, compute=True), policy=st.sampled_from(sorted(POLICIES)))
     def place(self, body: dict[str, Any], policy: str) -> str:
         return self._put(body, policy)
 
-    @rule(target=pods, share=st.integers(1, 24), gpus=st.integers(2, 4), policy=st.sampled_from(sorted(POLICIES)))
-    def place_on_several_gpus(self, share: int, gpus: int, policy: str) -> str:
-        return self._put(on_gpus(pod("several", share * gpus), gpus), policy)
+    @rule(
+        target=pods,
+        share=st.integers(1, 24),
+        gpus=st.integers(2, 4),
+        policy=st.sampled_from(sorted(POLICIES)),
+        compute=st.sampled_from([0, 0, 30, 50, 70]),
+    )
+    def place_on_several_gpus(self, share: int, gpus: int, policy: str, compute: int) -> str:
+        body = on_gpus(pod("several", share * gpus), gpus)
+        if compute:
+            body["metadata"]["annotations"][contract.POD_COMPUTE_REQUEST] = str(compute)
+        return self._put(body, policy)
 
     def _put(self, body: dict[str, Any], policy: str) -> str:
         if self.ledger is None:
@@ -164,8 +183,8 @@ class PlacementHistory(RuleBasedStateMachine):
             self.ledger.remove(uid)
             del self.bodies[uid]
 
-    @rule(amount=st.integers(0, 64), mps=st.booleans(), gpus=st.integers(1, 4))
-    def the_shortcuts_agree_with_judging_every_gpu(self, amount: int, mps: bool, gpus: int) -> None:
+    @rule(amount=st.integers(0, 64), mps=st.booleans(), gpus=st.integers(1, 4), compute=st.integers(0, 100))
+    def the_shortcuts_agree_with_judging_every_gpu(self, amount: int, mps: bool, gpus: int, compute: int) -> None:
         if self.ledger is None:
             return
         containers = (ContainerRequest("c", amount * gpus, gpus=gpus),) if amount else ()
@@ -174,6 +193,13 @@ class PlacementHistory(RuleBasedStateMachine):
         fits = sum(v.fits for v in verdicts) >= gpus
         assert fits == (0 < amount <= most_free(self.ledger, mps=mps, gpus=gpus))
         assert fitting(self.ledger, request) == [v for v in verdicts if v.fits]
+        # with a compute request: what fits is what fits on memory and has that much compute unrequested
+        asking = PodRequest(containers=containers, mps=mps, compute=contract.ComputeShare(request=compute))
+        judged = judge(self.ledger, asking)
+        assert fitting(self.ledger, asking) == [v for v in judged if v.fits]
+        assert [v.gpu for v in judged if v.fits] == [
+            v.gpu for v in verdicts if v.fits and self.ledger.compute_free(v.gpu.index) >= compute
+        ]
         # What pricing keeps on the ledger (per version) is what the ledger says now, after every add and remove.
         healthy = [gpu for gpu in self.ledger.inventory.gpus if gpu.healthy]
         _, frees, _, free_total = PricingContext(self.ledger)._gpus
@@ -185,6 +211,10 @@ class PlacementHistory(RuleBasedStateMachine):
             return
         for gpu in self.ledger.inventory.gpus:
             assert self.ledger.used(gpu.index) <= gpu.memory
+            assert self.ledger.compute_used(gpu.index) <= 100
+            assert self.ledger.compute_used(gpu.index) == sum(
+                h.compute for h in self.ledger.holdings() if gpu.index in h.gpus
+            )
             if not gpu.healthy:
                 assert self.ledger.used(gpu.index) == 0
             if self.ledger.mode(gpu.index) is GpuMode.MPS:
@@ -202,6 +232,7 @@ class PlacementHistory(RuleBasedStateMachine):
         for gpu in self.ledger.inventory.gpus:
             assert rebuilt.used(gpu.index) == self.ledger.used(gpu.index)
             assert rebuilt.mode(gpu.index) == self.ledger.mode(gpu.index)
+            assert rebuilt.compute_used(gpu.index) == self.ledger.compute_used(gpu.index)
 
 
 PlacementHistory.TestCase.settings = settings(max_examples=EXAMPLES, stateful_step_count=30, deadline=None)
