@@ -118,6 +118,13 @@ def decide(chosen: Candidate, devices: Sequence[str], node: NodeFacts) -> Contai
                 "it does not fit; was it scheduled by another scheduler?",
                 pod,
             )
+        compute = node.ledger.compute_used(gpu.index) + (0 if held else request.compute_request)
+        if compute > 100:
+            return Refusal(
+                f"pod {key} would bring the compute requests on GPU {gpu.index} to {compute}%: "
+                "it does not fit; was it scheduled by another scheduler?",
+                pod,
+            )
     # The kubelet counts devices per GPU: its books and ours must agree on every GPU.
     if Counter(gpu_of(d) for d in devices) != dict.fromkeys(slot.indices, slot.share):
         return Refusal(
@@ -182,7 +189,10 @@ def _mps(
             f"pod {key}: the MPS control daemon of GPU {gpu.index} is not running; see gpushared status", pod
         )
     assert chosen.request is not None
-    percentage = thread_percentage(amount=slot.amount, gpu_memory=gpu.memory, override=chosen.request.thread_percentage)
+    request = chosen.request
+    # the pod's compute limit is its thread percentage (pod_request refuses a different override)
+    override = request.thread_percentage or (request.compute.limit if request.compute is not None else None)
+    percentage = thread_percentage(amount=slot.amount, gpu_memory=gpu.memory, override=override)
     amount_mib = node.inventory.unit.to_mib(slot.amount)
     return mps_client(daemon, amount_mib=amount_mib, gpu_memory_mib=gpu.memory_mib, percentage=percentage)
 

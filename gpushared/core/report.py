@@ -24,19 +24,21 @@ def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: I
         on_gpu = [h for h in held if gpu.index in h.gpus]
         used = sum(h.gpus[gpu.index] for h in on_gpu)
         used_total += used
-        devs.append(
-            {
-                "id": gpu.index,
-                "uuid": gpu.uuid,
-                "healthy": gpu.healthy,
-                "totalGPU": gpu.memory,
-                "usedGPU": used,
-                # what its processes use, in MiB, as the daemon last published it (None: not watched)
-                "inUseMiB": gpu.used_mib,
-                "numa": gpu.numa,
-                "pods": [{"name": h.name, "namespace": h.namespace, "usedGPU": h.gpus[gpu.index]} for h in on_gpu],
-            }
-        )
+        dev = {
+            "id": gpu.index,
+            "uuid": gpu.uuid,
+            "healthy": gpu.healthy,
+            "totalGPU": gpu.memory,
+            "usedGPU": used,
+            # what its processes use, in MiB, as the daemon last published it (None: not watched)
+            "inUseMiB": gpu.used_mib,
+            "numa": gpu.numa,
+            "pods": [_pod_entry(h, h.gpus[gpu.index]) for h in on_gpu],
+        }
+        compute = sum(h.compute for h in on_gpu)
+        if compute:  # percent of its compute its pods are guaranteed; absent where none asked (Aliyun's shape)
+            dev["computeRequested"] = compute
+        devs.append(dev)
     pending = [h for h in held if h.pending]
     topology = topology_of(inventory)
     return {
@@ -46,12 +48,17 @@ def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: I
         "totalGPU": inventory.total,
         "usedGPU": used_total + sum(h.pending for h in pending),
         "devs": devs,
-        "pending": [
-            {"name": h.name, "namespace": h.namespace, "usedGPU": h.pending, "problem": h.problem} for h in pending
-        ],
+        "pending": [{**_pod_entry(h, h.pending), "problem": h.problem} for h in pending],
         # how the GPUs are linked, as ``nvidia-smi topo -m`` prints it, row by row; absent when not known
         **({"links": topology.matrix([gpu.index for gpu in inventory.gpus])} if topology.known else {}),
     }
+
+
+def _pod_entry(holding: Holding, used: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": holding.name, "namespace": holding.namespace, "usedGPU": used}
+    if holding.compute:
+        entry["computeRequest"] = holding.compute
+    return entry
 
 
 #: What the words of a link matrix mean, as nvidia-smi's legend says it.

@@ -132,6 +132,12 @@ class Metrics:
             "gpushared_gpu_memory_allocated_bytes", "GPU memory held by pods", labels, registry=self.registry
         )
         self.gpu_healthy = Gauge("gpushared_gpu_healthy", "1 if the GPU is healthy", labels, registry=self.registry)
+        self.gpu_compute_requested = Gauge(
+            "gpushared_gpu_compute_requested_ratio",
+            "Share of the GPU's compute its pods are guaranteed, 0-1 (gpushared.io/gpu-compute-request)",
+            labels,
+            registry=self.registry,
+        )
         self.allocate_seconds = Histogram(
             "gpushared_allocate_seconds",
             "Time to answer kubelet's Allocate, pod lookup included",

@@ -256,7 +256,9 @@ class Service:
         ledger = manager.ledger()
         for gpu in inventory.gpus:
             used = self.config.memory_unit.to_bytes(ledger.used(gpu.index))
-            self.metrics.gpu_used.labels(**self.metrics.gpu_labels(gpu)).set(used)
+            labels = self.metrics.gpu_labels(gpu)
+            self.metrics.gpu_used.labels(**labels).set(used)
+            self.metrics.gpu_compute_requested.labels(**labels).set(ledger.compute_used(gpu.index) / 100)
 
     def _apply_reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""

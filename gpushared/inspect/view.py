@@ -131,20 +131,28 @@ def render_details(reports: Sequence[dict[str, Any]]) -> str:
     for r in reports:
         out += [f"NAME:       {r['name']}", f"IPADDRESS:  {r['address']}", ""]
         pods: dict[tuple[str, str], dict[int, int]] = {}
+        compute: dict[tuple[str, str], int] = {}
         for d in r["devs"]:
             for p in d["pods"]:
                 pods.setdefault((p["name"], p["namespace"]), {})[d["id"]] = p["usedGPU"]
+                compute[(p["name"], p["namespace"])] = p.get("computeRequest", 0)
         pending = {(p["name"], p["namespace"]): p["usedGPU"] for p in r["pending"]}
+        compute.update({(p["name"], p["namespace"]): p.get("computeRequest", 0) for p in r["pending"]})
+        shares = any(compute.values())  # a column for compute requests only where some pod makes one
         header = ["NAME", "NAMESPACE", *[f"GPU{d['id']}(Allocated)" for d in r["devs"]]]
         header += ["Pending(Allocated)"] if pending else []
+        header += ["Compute(Requested %)"] if shares else []
         rows = [header]
         for key in sorted(pods.keys() | pending.keys(), key=lambda k: (k[1], k[0])):
             row = [key[0], key[1], *[str(pods.get(key, {}).get(d["id"], 0)) for d in r["devs"]]]
             row += [str(pending.get(key, 0))] if pending else []
+            row += [str(compute.get(key, 0) or "-")] if shares else []
             rows.append(row)
+        tail = [""] * (bool(pending) + shares)
         if any(d.get("inUseMiB") is not None for d in r["devs"]):
-            in_use = ["(in use, MiB)", "", *[_in_use(d) for d in r["devs"]]]
-            rows.append(in_use + ([""] if pending else []))
+            rows.append(["(in use, MiB)", "", *[_in_use(d) for d in r["devs"]], *tail])
+        if shares:
+            rows.append(["(compute requested)", "", *[f"{d.get('computeRequested', 0)}%" for d in r["devs"]], *tail])
         out += _table(rows)
         out += _links(r, pods)
         out += [

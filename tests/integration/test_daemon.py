@@ -427,7 +427,7 @@ def test_sighup_reloads_the_config(daemon: Daemon) -> None:
 
 def test_status_command_and_metrics(daemon: Daemon) -> None:
     started(daemon)
-    daemon.admit(daemon.place("shown", 3, gpu=2))
+    daemon.admit(daemon.place("shown", 3, gpu=2, annotations={contract.POD_COMPUTE_REQUEST: "35"}))
     wait_until(lambda: any(p["assigned"] for p in daemon.status()["pods"]), message="assigned")
     env = {**daemon.nvml.env(), "PATH": "/usr/bin:/bin"}
     run = [sys.executable, "-m", "gpushared.cli.daemon", "status", "--config", str(daemon.config_path)]
@@ -459,6 +459,7 @@ def test_status_command_and_metrics(daemon: Daemon) -> None:
         message="the allocation in gpushared_gpu_memory_allocated_bytes",
     )
     assert samples[("gpushared_gpu_memory_bytes", gpu2)] == 24 * 2**30  # base units, whatever memoryUnit is
+    assert samples[("gpushared_gpu_compute_requested_ratio", gpu2)] == 0.35  # its compute request, 35 %
     # dcgm-exporter's labels beside ours, on every per-GPU series: the same UUID, the NVML model, the node.
     gpu = daemon.nvml.gpus[2]
     assert {"UUID": gpu.uuid, "modelName": gpu.name, "Hostname": NODE} in dcgm

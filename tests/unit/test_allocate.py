@@ -205,6 +205,24 @@ CASES = [
         mps=MPS_DIRS,
         envs={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "60"},
     ),
+    Case(
+        "an MPS pod's thread share is its compute limit when it gives one (the cap MPS enforces)",
+        [edited(placed("m", 6, gpus=(1,), mps=True, inv=MPS_INV), **{contract.POD_COMPUTE_LIMIT: "40"})],
+        ids(1, 6),
+        inventory=MPS_INV,
+        mps=MPS_DIRS,
+        envs={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"},
+    ),
+    Case(
+        "compute requests past 100 % on the GPU (placed by another scheduler): refused with the sum",
+        [
+            edited(placed("a", 2, gpus=(0,), assigned=True), **{contract.POD_COMPUTE_REQUEST: "80"}),
+            edited(placed("b", 2, gpus=(0,)), **{contract.POD_COMPUTE_REQUEST: "30"}),
+        ],
+        ids(0, 2),
+        refused=r"pod default/b would bring the compute requests on GPU 0 to 110%",
+        event_on="b",
+    ),
     # --- refused: the handshake cannot name one container (docs/design.md §7's table) ----------------------
     Case(
         "equal waiting pods on different GPUs: refused, naming both, not guessed",

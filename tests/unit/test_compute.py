@@ -121,3 +121,29 @@ def test_compute_of_a_pod_on_no_known_gpu_is_taken_from_every_gpu() -> None:
     assert [ledger.compute_free(g.index) for g in INVENTORY.gpus] == [60, 60]
     ledger.remove(holding.uid)
     assert [ledger.compute_free(g.index) for g in INVENTORY.gpus] == [100, 100]
+
+
+def test_inspect_shows_each_pods_compute_request_and_each_gpus_sum() -> None:
+    from gpushared.core.ledger import Holding
+    from gpushared.core.report import node_report
+    from gpushared.inspect.view import render_details
+
+    holdings = [
+        Holding(uid="a", namespace="d", name="a", gpus={0: 4}, compute=30),
+        Holding(uid="b", namespace="d", name="b", gpus={0: 2}, compute=40),
+        Holding(uid="c", namespace="d", name="c", gpus={1: 2}),
+    ]
+    report = node_report(name="n1", address="10.0.0.1", inventory=INVENTORY, holdings=holdings)
+    assert [d.get("computeRequested") for d in report["devs"]] == [70, None]
+    assert [p.get("computeRequest") for p in report["devs"][0]["pods"]] == [30, 40]
+    table = render_details([report]).splitlines()
+    assert table[3].split() == ["NAME", "NAMESPACE", "GPU0(Allocated)", "GPU1(Allocated)", "Compute(Requested", "%)"]
+    assert [line.split() for line in table[4:8]] == [
+        ["a", "d", "4", "0", "30"],
+        ["b", "d", "2", "0", "40"],
+        ["c", "d", "0", "2", "-"],
+        ["(compute", "requested)", "70%", "0%"],
+    ]
+    # no compute anywhere: the report and the table are what they were before compute shares
+    plain = node_report(name="n1", address="10.0.0.1", inventory=INVENTORY, holdings=holdings[2:])
+    assert "computeRequested" not in str(plain) and "Compute" not in render_details([plain])
