@@ -19,6 +19,9 @@ bound, beside an operator's expected mix made from *another* trace's tasks (``ME
 extender's ``--expected-mix``); ``counted`` the tasks placed alone (a fresh extender, no expected mix);
 ``oracle`` every task of the shuffled workload before the first is placed, as the figures before issue #41
 were (no extender can know that). Files are named ``openb`` (expected), ``openb-counted``, ``openb-oracle``.
+
+``--compute`` (issue #43): every GPU task also asks for its GPU share as a compute request, rounded up to a
+whole percent, so each GPU is full when its memory or its compute is; the files get ``-compute``.
 """
 
 from __future__ import annotations
@@ -87,11 +90,13 @@ def inputs(data: str, trace: str) -> tuple[Any, Any]:
     return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
 
 
-def _run(job: tuple[str, str, str, int, str]) -> tuple[str, Replay]:
-    data, trace, policy, seed, mix = job
+def _run(job: tuple[str, str, str, int, str, bool]) -> tuple[str, Replay]:
+    data, trace, policy, seed, mix, compute = job
     nodes, pods = inputs(data, trace)
     expected = expected_for(data, trace) if mix == "expected" else None
-    return trace, replay(nodes, pods, policy=policy, seed=seed, causal=mix != "oracle", expected=expected)
+    return trace, replay(
+        nodes, pods, policy=policy, seed=seed, causal=mix != "oracle", expected=expected, compute=compute
+    )
 
 
 def run_all(run: Callable[[Job], Result], jobs: list[Job], *, workers: int) -> list[Result]:
@@ -250,8 +255,13 @@ def main() -> None:
     parser.add_argument(
         "--merge", action="store_true", help="keep --out's other traces and policies, replacing those run"
     )
+    parser.add_argument(
+        "--compute",
+        action="store_true",
+        help="each GPU task also asks for its GPU share as a compute request (issue #43); files *-compute*",
+    )
     args = parser.parse_args()
-    name = MIXES[args.mix]
+    name = MIXES[args.mix] + ("-compute" if args.compute else "")
     if args.table:
         print(table(json.loads((args.out / f"{name}.json").read_text()), paper_curves(args.data)))
         return
@@ -262,7 +272,9 @@ def main() -> None:
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
     traces = args.traces or traces_in(args.data)
-    jobs = [(str(args.data), t, p, s, args.mix) for t in traces for p in args.policies for s in args.seeds]
+    jobs = [
+        (str(args.data), t, p, s, args.mix, args.compute) for t in traces for p in args.policies for s in args.seeds
+    ]
     started = time.monotonic()
     results = run_all(_run, jobs, workers=args.jobs)
     summary, details = summarize(results)
@@ -271,6 +283,7 @@ def main() -> None:
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "seconds": round(time.monotonic() - started),
         "mix": args.mix,
+        "compute": args.compute,
         **(
             {"expectedMixFrom": {t: MEMORY_FROM.get(t, MEMORY_FROM["*"]) for t in traces}}
             if args.mix == "expected"

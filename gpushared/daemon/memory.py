@@ -47,6 +47,7 @@ from gpushared.core.memory import (
     given_by_kubelet,
     owner_ref,
 )
+from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
 from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
@@ -157,9 +158,11 @@ class MemoryWatcher:
         pods_version: Callable[[], int] | None = None,
         proc: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
+        compute: ComputeWatcher | None = None,
     ) -> None:
         """``pods_version``: a count that changes whenever ``pods()`` would answer differently (the pod
-        mirror's changes); while it stands, a poll reuses the pods and allowances of the last one."""
+        mirror's changes); while it stands, a poll reuses the pods and allowances of the last one.
+        ``compute``: given the processes each poll found and their containers, to watch their SM use."""
         self.backend = backend
         self.gpus = gpus
         self.pods = pods
@@ -178,6 +181,7 @@ class MemoryWatcher:
         self._listing_failed = False
         self.proc = proc
         self.clock = clock
+        self.compute = compute
         self.last = MemoryDecision()
         self._uuids: dict[int, str] = {}
         self._episodes: dict[EpisodeKey, Episode] = {}
@@ -222,6 +226,8 @@ class MemoryWatcher:
             done = {kill.pid for kill in decision.kills if table.kill(pinned[kill.pid])}
         self._episodes = decision.episodes
         self._uuids = {gpu.index: gpu.uuid for gpu in gpus}
+        if self.compute is not None:
+            self.compute.observe(self._uuids, processes, pods)
         self.last = decision
         self._tell(decision, pods, done)
         self.metrics.usage_polls.observe(time.perf_counter() - started)

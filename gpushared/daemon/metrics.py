@@ -116,6 +116,47 @@ class ContainerSeries(Collector):
         yield allocated
 
 
+@dataclass(frozen=True)
+class ContainerCompute:
+    """What one container's processes use of one GPU's SMs (0-1), and its pod's compute limit (None: none)."""
+
+    namespace: str
+    pod: str
+    container: str
+    gpu: int
+    uuid: str
+    used: float
+    limit: float | None
+
+
+class ComputeSeries(Collector):
+    """``gpushared_container_gpu_compute_used_ratio`` (and ``..._limit_ratio`` for pods that gave a limit)
+    per container and GPU, from the last poll's NVML samples."""
+
+    def __init__(self, usages: Callable[[], Iterable[ContainerCompute]], describe: Describe) -> None:
+        self.usages, self.dcgm = usages, describe
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ("namespace", "pod", "container", *GPU_LABELS)
+        used = GaugeMetricFamily(
+            "gpushared_container_gpu_compute_used_ratio",
+            "Share of a GPU's SMs a container's processes used, 0-1, as NVML's samples report it",
+            labels=labels,
+        )
+        limit = GaugeMetricFamily(
+            "gpushared_container_gpu_compute_limit_ratio",
+            "The compute limit of the container's pod, 0-1 (gpushared.io/gpu-compute-limit)",
+            labels=labels,
+        )
+        for usage in self.usages():
+            values = (usage.namespace, usage.pod, usage.container, str(usage.gpu), usage.uuid, *self.dcgm(usage.uuid))
+            used.add_metric(values, usage.used)
+            if usage.limit is not None:
+                limit.add_metric(values, usage.limit)
+        yield used
+        yield limit
+
+
 class Metrics:
     def __init__(self, *, hostname: str = "") -> None:
         """``hostname``: dcgm-exporter's ``Hostname`` label, the node's name."""
@@ -204,6 +245,11 @@ class Metrics:
             "Times a container went over its GPU memory allocation plus the tolerance",
             registry=self.registry,
         )
+        self.compute_overruns = Counter(
+            "gpushared_container_compute_overruns",
+            "Times a container's SM use went over its pod's compute limit plus the tolerance (measured, not enforced)",
+            registry=self.registry,
+        )
         self.overrun_kills = Counter(
             "gpushared_overrun_kills",
             "Processes killed for GPU memory used past their container's allocation",
@@ -215,6 +261,8 @@ class Metrics:
         self.registry.register(self._pods)
         self._containers = ContainerSeries(lambda: (), self._describe)
         self.registry.register(self._containers)
+        self._compute = ComputeSeries(lambda: (), self._describe)
+        self.registry.register(self._compute)
 
     def gpu_labels(self, gpu: GpuInfo | GpuDevice) -> dict[str, str]:
         """The label values of ``gpu``'s series: ours and dcgm-exporter's."""
@@ -235,3 +283,7 @@ class Metrics:
     def watch_containers(self, usages: Callable[[], Iterable[ContainerMemory]]) -> None:
         """Where the per-container memory series come from (the memory watcher)."""
         self._containers.usages = usages
+
+    def watch_compute(self, usages: Callable[[], Iterable[ContainerCompute]]) -> None:
+        """Where the per-container compute series come from (the compute watcher)."""
+        self._compute.usages = usages

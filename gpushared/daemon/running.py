@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from gpushared.contract import ResourceNames
 from gpushared.core.bodies import NodeBody
+from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import TokenRenewer
 from gpushared.daemon.gpus import GpuReader
@@ -156,4 +157,5 @@ def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWat
         poll_seconds=config.memory_poll_seconds,
         pod_devices=lambda: list_pod_devices(config.pod_resources_socket, resource=parts.resources.gpu_mem),
         pods_version=lambda: pods.changes,
+        compute=ComputeWatcher(backend=parts.backend, outbox=manager.outbox, metrics=parts.metrics),
     )

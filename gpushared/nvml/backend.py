@@ -78,6 +78,7 @@ class GpuBackend(Protocol):
     def driver_version(self) -> str: ...
     def set_exclusive_process(self, uuid: str, exclusive: bool) -> None: ...
     def processes(self, uuid: str) -> list[NvmlProcess]: ...
+    def sm_use(self, uuid: str, since_us: int) -> tuple[dict[int, int], int]: ...
     def links(self, gpus: list[GpuDevice]) -> dict[frozenset[int], Link]: ...
 
 
@@ -196,6 +197,25 @@ class NvmlBackend:
         except pynvml.NVMLError as exc:
             raise GpuBackendError(f"reading the processes of {uuid}: {exc}") from exc
         return sorted(found.values(), key=lambda p: p.pid)
+
+    def sm_use(self, uuid: str, since_us: int) -> tuple[dict[int, int], int]:
+        """Each process's SM use (%) in the driver's samples since ``since_us`` (its timestamps, in µs): the
+        largest sample of each PID, and the newest timestamp, for the next call. Nothing when no process
+        ran since, or the driver keeps no samples (NOT_FOUND, NOT_SUPPORTED)."""
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, since_us)
+        except pynvml.NVMLError as exc:
+            if exc.value in (pynvml.NVML_SUCCESS, pynvml.NVML_ERROR_NOT_FOUND, pynvml.NVML_ERROR_NOT_SUPPORTED):
+                return {}, since_us  # (pynvml raises SUCCESS when the driver had no samples to size)
+            raise GpuBackendError(f"reading the SM use of {uuid}'s processes: {exc}") from exc
+        use: dict[int, int] = {}
+        newest = since_us
+        for sample in samples:
+            pid = int(sample.pid)
+            use[pid] = max(use.get(pid, 0), int(sample.smUtil))
+            newest = max(newest, int(sample.timeStamp))
+        return use, newest
 
     def links(self, gpus: list[GpuDevice]) -> dict[frozenset[int], Link]:
         """How each pair of ``gpus`` is linked, by NVML index, as ``nvidia-smi topo -m`` shows it: NVLink with

@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
+from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.binding import holding_for
 from gpushared.core.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.ledger import Ledger
@@ -56,8 +56,10 @@ class SimNode:
     version: int = 0
     #: (request size, GPUs, CPU if the policy reads it) -> (version priced at, rank or None when too few GPUs
     #: fit, chosen GPU indices)
-    #: (need, GPUs, CPU, pinned to models) -> (version priced at, rank, GPUs chosen)
-    prices: dict[tuple[int, int, int, bool], tuple[int, NodeRank | None, tuple[int, ...]]] = field(default_factory=dict)
+    #: (need, GPUs, CPU, pinned to models, compute request) -> (version priced at, rank, GPUs chosen)
+    prices: dict[tuple[int, int, int, bool, int], tuple[int, NodeRank | None, tuple[int, ...]]] = field(
+        default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
@@ -129,16 +131,19 @@ class SimCluster:
         rng: random.Random,
         links: bool = False,
         expected: ExpectedMix | None = None,
+        compute: bool = False,
     ) -> None:
         """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
         the first task); None: the mix is counted as the extender counts it (``core.mixbook``), from the
         tasks placed so far, a new one every ROOMS_STEP of the capacity, beside the operator's ``expected``
-        mix where there is one (the extender's ``--expected-mix``)."""
+        mix where there is one (the extender's ``--expected-mix``). ``compute``: each GPU task also asks for
+        its GPU share as a compute request (``TracePod.compute_request``), the ledger's second dimension."""
         self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
         #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
         self.links = LinkTally()
         self.policy = policy
         self.rng = rng
+        self.compute = compute
         #: the cluster's nodes by class, as the extender counts them from the Nodes it watches
         self.classes = Counter(
             node_class(n.ledger.inventory, model=n.trace.model, cpu_allocatable=n.trace.cpu_milli) for n in self.nodes
@@ -190,7 +195,10 @@ class SimCluster:
         if self.allocated_mib >= self._rooms_due and self._recounts:
             self._count_mix()
         need = pod.memory_request
-        request = PodRequest(containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),))
+        share = ComputeShare(request=pod.compute_request) if self.compute and need else None
+        request = PodRequest(
+            containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
+        )
         ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []
         for node in self.nodes:
             if node.gpu_free < need or not node.admits(pod):
@@ -232,7 +240,8 @@ class SimCluster:
 
     def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeRank | None, tuple[int, ...]]:
         need = request.total
-        slot = (need, request.gpus, pod.cpu_milli if self.policy.reads_cpu else 0, bool(pod.models))
+        pod_cpu = pod.cpu_milli if self.policy.reads_cpu else 0
+        slot = (need, request.gpus, pod_cpu, bool(pod.models), request.compute_request)
         known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
             return known[1], known[2]

@@ -72,6 +72,7 @@ def replay(
     links: bool = False,
     causal: bool = True,
     expected: ExpectedMix | None = None,
+    compute: bool = False,
 ) -> Replay:
     """``links``: the nodes carry the links of their model (``replay.layouts.model_layout``) and placement
     weighs them; without, placement sees none. Either way the sets chosen are scored on them.
@@ -81,7 +82,10 @@ def replay(
     (the extender's ``--expected-mix``; for a figure, made by :func:`trace_kinds` from *another* trace).
     Without, it is the *oracle* mix: the kinds of every task of the shuffled workload, those still to
     arrive (and those that will fail) included, known before the first is placed; no extender can know
-    that."""
+    that.
+
+    ``compute``: every GPU task also asks for its GPU share as a compute request (issue #43), so a GPU
+    takes tasks until their memory *or* their compute (rounded up to whole percent) is used up."""
     if expected is not None and not causal:
         raise ValueError("an expected mix is counted beside the pods seen: it needs the causal replay")
     rng = random.Random(seed)
@@ -89,7 +93,7 @@ def replay(
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     mix = None if causal else oracle_mix(nodes, workload)
     chosen = policy if isinstance(policy, Policy) else policy_named(policy)
-    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected)
+    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0

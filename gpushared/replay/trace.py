@@ -51,6 +51,12 @@ class TracePod:
         return round(self.gpu_milli * GPU_MIB / 1000) if self.num_gpu else 0
 
     @property
+    def compute_request(self) -> int:
+        """Its GPU share as a compute request (``gpushared.io/gpu-compute-request``, percent of each of its
+        GPUs), rounded up: a task is guaranteed at least its share. 0 for a CPU-only task."""
+        return -(-self.gpu_milli // 10) if self.num_gpu else 0
+
+    @property
     def memory_request(self) -> int:
         """The task's gpu-mem request (MiB): its memory on all its GPUs (``gpu-count`` is ``num_gpu``)."""
         return self.memory_per_gpu * self.num_gpu

@@ -35,18 +35,46 @@ def gpu_of(kube: Kube, pod: dict[str, object]) -> tuple[int, str]:
 
 
 def assert_no_gpu_over_capacity(kube: Kube) -> dict[int, int]:
-    """Sum what the API says every live pod holds, per GPU, and compare with the GPUs' sizes."""
+    """Sum what the API says every live pod holds, per GPU, and compare with the GPUs' sizes (and the
+    compute requests with 100 %)."""
     inventory = kube.inventory()
     used: dict[int, int] = defaultdict(int)
+    compute: dict[int, int] = defaultdict(int)
     for pod in kube.all_pods():
         holding = holding_from_pod(pod, unit=inventory.unit)
         if holding is not None and pod["spec"].get("nodeName") == NODE:
             assert not holding.pending, f"{pod['metadata']['name']} runs on the node without a GPU choice"
             for index, amount in holding.gpus.items():
                 used[index] += amount
+                compute[index] += holding.compute
     for index, amount in used.items():
         assert amount <= inventory.gpus[index].memory, f"GPU {index}: {amount} > {inventory.gpus[index].memory}"
+        assert compute[index] <= 100, f"GPU {index}: compute requests of {compute[index]}%"
     return dict(used)
+
+
+def test_compute_requests_share_a_gpu_up_to_all_of_its_compute(kube: Kube, namespace: str) -> None:
+    """Three pods whose compute requests sum to 100 % share the 8 GiB GPU (best fit: memory is plentiful
+    there); a pod that asks for 10 % of each of the four GPUs then stays Pending with the extender's
+    reason, though every GPU has the memory it asks for; one that asks for 10 % of one GPU runs on
+    another GPU."""
+    for name, share in (("floor-a", "30"), ("floor-b", "30"), ("floor-c", "40")):
+        body = gpu_pod(name, 2, annotations={contract.POD_COMPUTE_REQUEST: share, contract.POD_COMPUTE_LIMIT: "60"})
+        kube.create(namespace, body)
+        [pod] = kube.wait_running(namespace, name)
+        assert gpu_of(kube, pod)[0] == 3
+        recorded = contract.parse_allocation(pod["metadata"]["annotations"][contract.POD_ALLOCATION])
+        assert recorded.compute == contract.ComputeShare(int(share), 60)
+    wide = gpu_pod("on-all-four", 8, annotations={contract.POD_COMPUTE_REQUEST: "10"})
+    wide["spec"]["containers"][0]["resources"]["limits"][contract.DEFAULT_RESOURCES.gpu_count] = "4"
+    kube.create(namespace, wide)
+    message = kube.wait_event(namespace, "on-all-four", lambda reason, _: reason == "FailedScheduling")
+    assert "GPU 3 has 0% of its compute unrequested, pod requests 10% on each of 4 GPUs" in message, message
+    assert not kube.pod(namespace, "on-all-four")["spec"].get("nodeName")
+    kube.create(namespace, gpu_pod("beside", 2, annotations={contract.POD_COMPUTE_REQUEST: "10"}))
+    [beside] = kube.wait_running(namespace, "beside")
+    assert gpu_of(kube, beside)[0] != 3
+    assert_no_gpu_over_capacity(kube)
 
 
 def test_seed_sample_is_scheduled_by_the_extender_and_allocated_by_the_kubelet(

@@ -86,6 +86,8 @@ class FakeGpu:
     numa: int | None = None
     #: the PCI bus at the far end of each active NVLink link (another GPU's, or an NVSwitch's)
     nvlinks: list[int] = field(default_factory=list)
+    #: pid -> its SM use, %: what nvmlDeviceGetProcessUtilization samples (a compute process not here has none)
+    sm_util: dict[int, int] = field(default_factory=dict)
 
     def bus(self, index: int) -> int:
         return 0x10 + index if self.pci_bus is None else self.pci_bus
@@ -103,7 +105,13 @@ class FakeGpu:
             "computeCapability": list(self.compute_capability),
             "migMode": self.mig_mode,
             "processes": [
-                {"pid": p[0], "usedMiB": p[1], "kind": p[2] if len(p) > 2 else "compute"} for p in self.processes
+                {
+                    "pid": p[0],
+                    "usedMiB": p[1],
+                    "kind": p[2] if len(p) > 2 else "compute",
+                    **({"smUtil": self.sm_util[p[0]]} if p[0] in self.sm_util else {}),
+                }
+                for p in self.processes
             ],
             "errors": self.errors,
         }
@@ -215,6 +223,11 @@ class FakeNvml:
     def set_processes(self, gpu: int, *processes: tuple[int, int] | tuple[int, int, str]) -> None:
         """What NVML lists running on GPU ``gpu``: (pid, used MiB[, "graphics"]); re-read live."""
         self.gpus[gpu].processes = list(processes)
+        self.write()
+
+    def set_sm_util(self, gpu: int, **by_pid: int) -> None:
+        """The SM use (%) NVML samples for processes of GPU ``gpu``: ``set_sm_util(0, **{"42": 70})``."""
+        self.gpus[gpu].sm_util = {int(pid): value for pid, value in by_pid.items()}
         self.write()
 
     def xid(self, gpu: int, xid: int) -> None:

@@ -20,6 +20,7 @@ from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
 from gpushared.core.binding import bind_annotations
 from gpushared.core.memory import Enforcement, MemoryPolicy
 from gpushared.core.requests import pod_request
+from gpushared.daemon.compute import EVENT_COMPUTE_OVER_LIMIT, ComputeWatcher
 from gpushared.daemon.memory import EVENT_OVER_LIMIT, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.nvml.backend import NvmlBackend
@@ -90,7 +91,14 @@ ID_A, ID_B = "a" * 64, "b" * 64
 
 
 def watcher(
-    backend: NvmlBackend, fake: FakeNvml, pods: list[dict[str, Any]], proc: Path, events: Events, *, now: list[float]
+    backend: NvmlBackend,
+    fake: FakeNvml,
+    pods: list[dict[str, Any]],
+    proc: Path,
+    events: Events,
+    *,
+    now: list[float],
+    compute: ComputeWatcher | None = None,
 ) -> MemoryWatcher:
     return MemoryWatcher(
         backend=backend,
@@ -104,6 +112,7 @@ def watcher(
         policy=MemoryPolicy(grace_seconds=10, tolerance_mib=256, reserve_mib=512),
         proc=proc,
         clock=lambda: now[0],
+        compute=compute,
     )
 
 
@@ -237,3 +246,52 @@ def test_the_kubelets_devices_are_the_allowance_and_its_absence_falls_back_to_th
     [usage] = watch.poll().usages
     assert usage.allocated_mib == 2048
     assert [reason for _, reason, _ in events.sent] == [EVENT_OVER_LIMIT]
+
+
+def test_sm_use_is_measured_per_container_and_use_over_the_compute_limit_reported_once(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    """Compute shares without MPS (issue #43): NVML's per-process SM samples, summed per container, against
+    the pod's compute limit. Over it (beyond the tolerance) is one Event per episode and a counter; nothing
+    is killed; a pod without a limit is measured and never reported."""
+    proc = tmp_path / "proc"
+    greedy, second, quiet = (subprocess.Popen(["sleep", "60"]) for _ in range(3))
+    children += [greedy, second, quiet]
+    a = placed("capped", 2, 0, uid=UID_A, **{contract.POD_COMPUTE_REQUEST: "20", contract.POD_COMPUTE_LIMIT: "40"})
+    b = placed("free", 2, 0, uid=UID_B)
+    running(a, "c0", ID_A)
+    running(b, "c0", ID_B)
+    in_container(proc, greedy.pid, UID_A, ID_A)
+    in_container(proc, second.pid, UID_A, ID_A)  # two processes of one container: their use is summed
+    in_container(proc, quiet.pid, UID_B, ID_B)
+    fake_nvml.set_processes(0, (greedy.pid, 100), (second.pid, 100), (quiet.pid, 100))
+    fake_nvml.set_sm_util(0, **{str(greedy.pid): 30, str(second.pid): 20, str(quiet.pid): 70})
+    events, metrics = Events(), Metrics()
+    compute = ComputeWatcher(backend=backend, outbox=events, metrics=metrics)  # type: ignore[arg-type]
+    watch = watcher(backend, fake_nvml, [a, b], proc, events, now=[0.0], compute=compute)
+
+    watch.poll()
+    assert [(u.ref.pod, u.gpu, u.sm_percent, u.limit) for u in compute.last.uses] == [
+        ("capped", 0, 50, 40),
+        ("free", 0, 70, None),
+    ]
+    assert [(name, reason) for name, reason, _ in events.sent] == [("capped", EVENT_COMPUTE_OVER_LIMIT)]
+    assert "used 50% of GPU 0's SMs, over its pod's compute limit of 40%" in events.sent[0][2]
+    watch.poll()  # still over: the same episode, no second Event
+    assert len(events.sent) == 1
+    fake_nvml.set_sm_util(0, **{str(greedy.pid): 20, str(second.pid): 20, str(quiet.pid): 70})
+    watch.poll()  # 40 %: within its limit, the episode ends
+    fake_nvml.set_sm_util(0, **{str(greedy.pid): 40, str(second.pid): 20})
+    watch.poll()  # over again: a new episode
+    assert [name for name, _, _ in events.sent] == ["capped", "capped"]
+    assert greedy.poll() is None and second.poll() is None  # measured and said, never killed
+    samples = {
+        (s.name, s.labels["pod"]): s.value
+        for family in metrics.registry.collect()
+        for s in family.samples
+        if s.name.startswith("gpushared_container_gpu_compute")
+    }
+    assert samples[("gpushared_container_gpu_compute_used_ratio", "capped")] == 0.6
+    assert samples[("gpushared_container_gpu_compute_limit_ratio", "capped")] == 0.4
+    assert ("gpushared_container_gpu_compute_limit_ratio", "free") not in samples
+    assert metrics.compute_overruns._value.get() == 2

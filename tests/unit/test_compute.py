@@ -147,3 +147,23 @@ def test_inspect_shows_each_pods_compute_request_and_each_gpus_sum() -> None:
     # no compute anywhere: the report and the table are what they were before compute shares
     plain = node_report(name="n1", address="10.0.0.1", inventory=INVENTORY, holdings=holdings[2:])
     assert "computeRequested" not in str(plain) and "Compute" not in render_details([plain])
+
+
+def test_decide_compute_sums_per_container_and_reports_beyond_the_tolerance() -> None:
+    from gpushared.core.compute import TOLERANCE, decide_compute
+    from gpushared.core.memory import ContainerRef
+
+    a, b = ContainerRef("ua", "d", "a", "c0"), ContainerRef("ub", "d", "b", "c0")
+    samples = [(0, a, 30), (0, a, 15), (0, b, 80), (0, b, 60), (1, a, 10), (0, None, 99)]
+    decision = decide_compute(samples, {"ua": 40, "ub": 100})
+    assert [(u.ref.pod, u.gpu, u.sm_percent, u.limit) for u in decision.uses] == [
+        ("a", 0, 45, 40),  # 5 over: within the tolerance
+        ("a", 1, 10, 40),
+        ("b", 0, 100, 100),  # two processes' samples add up to more than the GPU: capped at all of it
+    ]
+    assert TOLERANCE == 5 and decision.reports == () and decision.over == frozenset()
+    over = decide_compute([(0, a, 46)], {"ua": 40})
+    assert [u.sm_percent for u in over.reports] == [46] and over.over == {("ua", "c0", 0)}
+    again = decide_compute([(0, a, 90)], {"ua": 40}, over_before=over.over)
+    assert again.reports == () and again.over == over.over  # the same episode
+    assert decide_compute([(0, a, 90)], {}).reports == ()  # no limit: measured, never reported

@@ -178,3 +178,24 @@ def test_the_expected_mix_is_all_a_replay_knows_beside_the_tasks_placed() -> Non
         if cluster.place(pod):
             placed.add((pod.cpu_milli, pod.memory_per_gpu, pod.num_gpu, None))
     assert placed
+
+
+def test_with_compute_a_gpu_is_full_when_its_memory_or_its_compute_is() -> None:
+    """Three thirds of a GPU: 5,461 MiB each fits 16 GiB three times, but as compute each is 34 % (rounded
+    up: at least its share), so the third goes to another GPU; without compute all three share one."""
+    assert task(333).compute_request == 34 and task(0, gpus=0).compute_request == 0
+    single = [TraceNode(name="a", cpu_milli=32000, memory_mib=65536, gpus=2, model="T4")]
+    for compute, gpus_used in ((False, 1), (True, 2)):
+        cluster = SimCluster(single, policy=BINPACK, mix=RequestMix(), rng=random.Random(1), compute=compute)
+        assert all(cluster.place(task(333)) for _ in range(3))
+        (node,) = cluster.nodes
+        assert sum(node.ledger.used(gpu.index) > 0 for gpu in node.ledger.inventory.gpus) == gpus_used
+        assert all(node.ledger.compute_used(gpu.index) <= 100 for gpu in node.ledger.inventory.gpus)
+        assert max(node.ledger.compute_used(gpu.index) for gpu in node.ledger.inventory.gpus) == (68 if compute else 0)
+    rng = random.Random(5)
+    cluster = SimCluster(NODES, policy=FGD, mix=RequestMix(), rng=random.Random(2), compute=True)
+    for _ in range(300):
+        cluster.place(task(rng.choice([130, 250, 333, 500, 1000]), cpu=rng.choice([500, 1000])))
+    for node in cluster.nodes:
+        for gpu in node.ledger.inventory.gpus:
+            assert node.ledger.compute_used(gpu.index) <= 100 and node.ledger.free(gpu) >= 0

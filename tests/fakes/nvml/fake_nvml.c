@@ -13,7 +13,7 @@
  *    "errors": {"nvmlInitWithFlags": "DRIVER_NOT_LOADED"},
  *    "devices": [{"uuid": "GPU-...", "name": "Tesla T4", "memoryMiB": 15360, "usedMiB": 0, "minor": 0,
  *                 "computeCapability": [7, 5], "migMode": 0, "computeMode": 0, "gpuUtil": 0,
- *                 "processes": [{"pid": 42, "usedMiB": 100}, {"pid": 43, "usedMiB": 5, "kind": "graphics"}],
+ *                 "processes": [{"pid": 42, "usedMiB": 100, "smUtil": 35}, {"pid": 43, "usedMiB": 5, "kind": "graphics"}],
  *                 "pciBus": 7, "numaNode": 0, "nvlinks": [8, 8, 9, 129],
  *                 "errors": {"nvmlDeviceGetMemoryInfo": "GPU_IS_LOST"}}],
  *    "nvswitchBuses": [129, 130], "ancestors": [[0, 40], [40, 0]],
@@ -220,6 +220,7 @@ struct nvmlDevice_st {
     nvmlComputeMode_t compute_mode;
     unsigned int process_count, graphics_count;
     nvmlProcessInfo_t processes[MAX_PROCESSES];  /* compute processes */
+    int sm_util[MAX_PROCESSES];                  /* each compute process's SM use, %; -1: no sample */
     nvmlProcessInfo_t graphics[MAX_PROCESSES];
     unsigned int error_count;
     injected_error errors[MAX_ERRORS];
@@ -370,6 +371,7 @@ static void reload(void) {
             int graphics = strcmp(kind, "graphics") == 0;
             unsigned int *n = graphics ? &dev->graphics_count : &dev->process_count;
             if (*n >= MAX_PROCESSES) continue;
+            if (!graphics) dev->sm_util[*n] = (int)jnum(procs->items[p], "smUtil", -1);
             nvmlProcessInfo_t *info = graphics ? &dev->graphics[(*n)++] : &dev->processes[(*n)++];
             info->pid = (unsigned int)jnum(procs->items[p], "pid", 0);
             /* usedMiB -1: the driver cannot say (NVML_VALUE_NOT_AVAILABLE, as under WDDM) */
@@ -607,6 +609,32 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
     DEVICE_CALL(device);
     utilization->gpu = device->gpu_util;
     utilization->memory = device->memory_mib ? (unsigned int)(100 * device->used_mib / device->memory_mib) : 0;
+    DONE;
+}
+
+/* Each compute process that has "smUtil" as one sample, stamped now; none: NOT_FOUND, as the driver
+ * answers when no process ran since lastSeenTimeStamp. */
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
+                                             unsigned int *count, unsigned long long lastSeenTimeStamp) {
+    (void)lastSeenTimeStamp;
+    DEVICE_CALL(device);
+    if (!count) { pthread_mutex_unlock(&lock); return NVML_ERROR_INVALID_ARGUMENT; }
+    unsigned int have = 0;
+    for (unsigned int p = 0; p < device->process_count; p++) have += device->sm_util[p] >= 0;
+    if (!have) { *count = 0; pthread_mutex_unlock(&lock); return NVML_ERROR_NOT_FOUND; }
+    if (!samples || *count < have) { *count = have; pthread_mutex_unlock(&lock); return NVML_ERROR_INSUFFICIENT_SIZE; }
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    unsigned int n = 0;
+    for (unsigned int p = 0; p < device->process_count; p++) {
+        if (device->sm_util[p] < 0) continue;
+        memset(&samples[n], 0, sizeof samples[n]);
+        samples[n].pid = device->processes[p].pid;
+        samples[n].timeStamp = (unsigned long long)now.tv_sec * 1000000ull + (unsigned long long)now.tv_nsec / 1000;
+        samples[n].smUtil = (unsigned int)device->sm_util[p];
+        n++;
+    }
+    *count = n;
     DONE;
 }
 
