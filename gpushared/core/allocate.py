@@ -121,7 +121,7 @@ def decide(chosen: Candidate, devices: Sequence[str], node: NodeFacts) -> Contai
         compute = node.ledger.compute_used(gpu.index) + (0 if held else request.compute_request)
         if compute > 100:
             return Refusal(
-                f"pod {key} would bring the compute requests on GPU {gpu.index} to {compute}%: "
+                f"pod {key} would bring the compute requests on GPU {gpu.index} to {compute} percent: "
                 "it does not fit; was it scheduled by another scheduler?",
                 pod,
             )

@@ -66,7 +66,10 @@ def judge(ledger: Ledger, request: PodRequest, *, max_mps_clients: int = MAX_MPS
             reason = f"GPU {gpu.index} has {max(free, 0)} {unit} free, pod needs {need} {unit}{each}"
         if reason is None and compute and ledger.compute_free(gpu.index) < compute:
             left = max(ledger.compute_free(gpu.index), 0)
-            reason = f"GPU {gpu.index} has {left}% of its compute unrequested, pod requests {compute}%{each}"
+            # "percent", not "%": kube-scheduler passes an extender's reason through Sprintf as a format string
+            reason = (
+                f"GPU {gpu.index} has {left} percent of its compute unrequested, pod requests {compute} percent{each}"
+            )
         verdicts.append(GpuVerdict(gpu=gpu, free=free, reason=reason))
     return verdicts
 

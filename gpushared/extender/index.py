@@ -177,7 +177,10 @@ class FilterIndex:
             if 0 < need <= room:
                 passed.append(name)
             elif need > 0 and room >= 0:
-                unit = units[name]  # a node with room has a ledger, so a unit
+                unit = units.get(name, "")  # a node with room has a ledger, so a unit...
+                if not unit:  # ...not read yet where only pods on several GPUs were filtered since it came
+                    self._room_of(name)
+                    unit = self.rooms.units.get(name, "")
                 reason = full.get(unit)
                 if reason is None:
                     reason = full[unit] = no_room(request, unit=MemoryUnit(unit))

@@ -69,7 +69,9 @@ def test_compute_requests_share_a_gpu_up_to_all_of_its_compute(kube: Kube, names
     wide["spec"]["containers"][0]["resources"]["limits"][contract.DEFAULT_RESOURCES.gpu_count] = "4"
     kube.create(namespace, wide)
     message = kube.wait_event(namespace, "on-all-four", lambda reason, _: reason == "FailedScheduling")
-    assert "GPU 3 has 0% of its compute unrequested, pod requests 10% on each of 4 GPUs" in message, message
+    assert "GPU 3 has 0 percent of its compute unrequested, pod requests 10 percent on each of 4 GPUs" in message, (
+        message
+    )
     assert not kube.pod(namespace, "on-all-four")["spec"].get("nodeName")
     kube.create(namespace, gpu_pod("beside", 2, annotations={contract.POD_COMPUTE_REQUEST: "10"}))
     [beside] = kube.wait_running(namespace, "beside")

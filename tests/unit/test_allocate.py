@@ -220,7 +220,7 @@ CASES = [
             edited(placed("b", 2, gpus=(0,)), **{contract.POD_COMPUTE_REQUEST: "30"}),
         ],
         ids(0, 2),
-        refused=r"pod default/b would bring the compute requests on GPU 0 to 110%",
+        refused=r"pod default/b would bring the compute requests on GPU 0 to 110 percent",
         event_on="b",
     ),
     # --- refused: the handshake cannot name one container (docs/design.md §7's table) ----------------------

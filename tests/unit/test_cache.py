@@ -485,11 +485,22 @@ def test_compute_requests_are_filtered_ranked_and_reserved_on_both_dimensions() 
     greedy = with_compute(pod("greedy", 1, uid="g"), 95)
     passed, failed = cache.index.filter(["n1"], pod_request(greedy))
     assert passed == [] and failed["n1"] == (
-        "GPU 0 has 0% of its compute unrequested, pod requests 95%; "
-        "GPU 1 has 90% of its compute unrequested, pod requests 95%"
+        "GPU 0 has 0 percent of its compute unrequested, pod requests 95 percent; "
+        "GPU 1 has 90 percent of its compute unrequested, pod requests 95 percent"
     )
     ranks = cache.index.node_ranks(["n1"], greedy, pod_request(greedy), BINPACK)  # type: ignore[arg-type]
     assert ranks == [None]
     plain = pod("plain", 1, uid="q")
     assert cache.index.filter(["n1"], pod_request(plain))[0] == ["n1"]
     assert cache.index.node_ranks(["n1"], plain, pod_request(plain), BINPACK)[0] is not None  # type: ignore[arg-type]
+
+
+def test_a_node_filtered_first_for_a_pod_on_several_gpus_is_refused_with_the_reason() -> None:
+    """Regression (found by the e2e suite run out of its usual order): a node whose room table had no
+    entry yet, because only pods on several GPUs or with compute requests were filtered since it came,
+    failed filter with a 500 ("'' is not a valid MemoryUnit") instead of the too-full reason."""
+    cache = fed_by_hand()
+    cache.on_node(None, gpu_node("n1", inv=INVENTORY))
+    wide = pod_request(on_gpus(pod("wide", 40), 2))  # 20 GiB on each of two 16 GiB GPUs
+    passed, failed = cache.index.filter(["n1"], wide)
+    assert passed == [] and failed == {"n1": no_room(wide, unit=INVENTORY.unit)}

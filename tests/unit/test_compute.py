@@ -100,15 +100,15 @@ def test_three_shares_fill_a_gpu_and_a_fourth_is_told_why() -> None:
     fourth = pod_request(asking(2, request="10"))
     verdicts = judge(ledger, fourth)
     assert [v.fits for v in verdicts] == [False, True]
-    assert verdicts[0].reason == "GPU 0 has 0% of its compute unrequested, pod requests 10%"
+    assert verdicts[0].reason == "GPU 0 has 0 percent of its compute unrequested, pod requests 10 percent"
     # a pod asking for no compute still fits beside them: memory is all it needs
     assert [v.fits for v in judge(ledger, pod_request(asking(2)))] == [True, True]
     ledger.add(
         holding_for(pod_request(asking(2, request="95")), [INVENTORY.gpus[1]], uid="u9", namespace="d", name="p9")
     )
     assert explain(judge(ledger, fourth)) == (
-        "GPU 0 has 0% of its compute unrequested, pod requests 10%; "
-        "GPU 1 has 5% of its compute unrequested, pod requests 10%"
+        "GPU 0 has 0 percent of its compute unrequested, pod requests 10 percent; "
+        "GPU 1 has 5 percent of its compute unrequested, pod requests 10 percent"
     )
 
 
