@@ -294,6 +294,11 @@ class Ledger:
         node on no known GPU (``pending``)."""
         return gpu.memory - self.used(gpu.index) - self._unplaced
 
+    @property
+    def holds_compute(self) -> bool:
+        """Whether any pod here holds a compute request (fgd's fragment then reads compute too)."""
+        return bool(self._compute) or self._unplaced_compute > 0
+
     def compute_used(self, index: int) -> int:
         """Percent of GPU ``index``'s compute its pods are guaranteed."""
         return self._compute.get(index, 0)

@@ -56,10 +56,13 @@ class PricingContext:
         pod_cpu: int = 0,
         model: str | None = None,
         pinned: bool = False,
+        pod_compute: int = 0,
     ):
         self.ledger = ledger
         self.cpu = cpu
         self.pod_cpu = pod_cpu
+        #: the pod's compute request, percent of each of its GPUs (0: none)
+        self.pod_compute = pod_compute
         #: whether the pod priced may run only on some GPU models (its node affinity names them)
         self.pinned = pinned
         self._mix, self._model = mix, model
@@ -110,19 +113,40 @@ class PricingContext:
         return None if self.cpu is None else self.cpu.allocatable - self.cpu.requested
 
     @functools.cached_property
+    def _usable(self) -> list[int]:
+        """Each healthy GPU's free memory as the fragment sees it: where pods hold compute (compute shares),
+        no more than its unrequested compute expressed in its memory (``_usable_free``): memory left on a
+        GPU whose compute is taken is stranded, as a node's free GPU memory is when its CPU is (FGD's
+        second dimension). The free memory itself where no pod holds compute."""
+        position, frees, _, _ = self._gpus
+        if not self.ledger.holds_compute:
+            return frees
+        by_index = {gpu.index: gpu for gpu in self.ledger.inventory.gpus}
+        usable = list(frees)
+        for index, at in position.items():
+            usable[at] = _usable_free(frees[at], self.ledger.compute_free(index), by_index[index].memory)
+        return usable
+
+    @functools.cached_property
     def _fragment(self) -> float:
-        return self.mix.fragment(self._gpus[1], cpu_free=self.cpu_free)
+        return self.mix.fragment(self._usable, cpu_free=self.cpu_free)
 
     def growth(self, verdicts: Sequence[GpuVerdict], need: int) -> float:
         """How much the node's expected fragment (``RequestMix.fragment``) grows when the pod takes ``need``
-        units of each of the verdicts' GPUs."""
+        units, and its compute request, of each of the verdicts' GPUs."""
         position, frees, _, _ = self._gpus
-        after = list(frees)
+        after = list(self._usable)
+        compute = self.pod_compute
         for verdict in verdicts:
-            after[position[verdict.gpu.index]] -= need
+            at = position[verdict.gpu.index]
+            if compute or self.ledger.holds_compute:
+                left = self.ledger.compute_free(verdict.gpu.index) - compute
+                after[at] = _usable_free(frees[at] - need, left, verdict.gpu.memory)
+            else:
+                after[at] -= need
         cpu_free = self.cpu_free
-        left = None if cpu_free is None else cpu_free - self.pod_cpu
-        return self.mix.fragment(after, cpu_free=left) - self._fragment
+        left_cpu = None if cpu_free is None else cpu_free - self.pod_cpu
+        return self.mix.fragment(after, cpu_free=left_cpu) - self._fragment
 
     def imbalance(self, need: int) -> float:
         """How far apart the node's shares of CPU and of GPU memory left would be with the pod on it. A node
@@ -133,6 +157,13 @@ class PricingContext:
             return 0.0
         cpu_left = (cpu_free - self.pod_cpu) / self.cpu.allocatable
         return abs(cpu_left - (sum(frees) - need) / capacity)
+
+
+def _usable_free(free: int, compute_free: int, memory: int) -> int:
+    """A GPU's free memory, capped at its unrequested compute as a share of its memory: exact for pods that
+    ask compute in proportion to memory (the trace's tasks: one GPU share for both), and for the others
+    the memory a pod of average compute could still use."""
+    return min(free, max(compute_free, 0) * memory // 100)
 
 
 def _healthy_gpus(ledger: Ledger) -> tuple[dict[int, int], list[int], int, int]:

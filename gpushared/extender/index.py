@@ -148,6 +148,7 @@ class FilterIndex:
             pod_cpu=cpu_of(pod),
             model=node.model,
             pinned=self._pinned(pod),
+            pod_compute=request.compute_request,
         )
         return judge(ledger, request), context
 
@@ -230,7 +231,13 @@ class FilterIndex:
             known = memo.ranks.get(slot)
             if known is None or known[0] != cpu_version:
                 context = PricingContext(
-                    ledger, mix=mix, cpu=node.cpu, pod_cpu=pod_cpu, model=node.model, pinned=pinned
+                    ledger,
+                    mix=mix,
+                    cpu=node.cpu,
+                    pod_cpu=pod_cpu,
+                    model=node.model,
+                    pinned=pinned,
+                    pod_compute=request.compute_request,
                 )
                 appraised = policy.appraise(ledger, request, context)
                 if memo.full():

@@ -258,6 +258,7 @@ class SimCluster:
                 pod_cpu=pod.cpu_milli,
                 model=node.trace.model,
                 pinned=bool(pod.models),  # gpu_spec: the node affinity an extender reads (gpu_models)
+                pod_compute=request.compute_request,
             )
             appraised = self.policy.appraise(node.ledger, request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))

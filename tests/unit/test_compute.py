@@ -167,3 +167,30 @@ def test_decide_compute_sums_per_container_and_reports_beyond_the_tolerance() ->
     again = decide_compute([(0, a, 90)], {"ua": 40}, over_before=over.over)
     assert again.reports == () and again.over == over.over  # the same episode
     assert decide_compute([(0, a, 90)], {}).reports == ()  # no limit: measured, never reported
+
+
+def test_fgd_counts_memory_stranded_by_taken_compute_as_fragment() -> None:
+    """fgd's second dimension: a GPU whose compute is all but taken strands its free memory, as a node
+    whose CPU is taken strands its GPUs'. A small pod goes where its memory would be stranded anyway, and
+    a ledger without compute prices memory alone, as before compute shares."""
+    from gpushared.core.fragmentation import RequestMix
+    from gpushared.core.policies import FGD, PricingContext
+
+    mix = RequestMix([(1000, 4, 1)] * 10)  # the pods seen: 4 GiB on one GPU
+    ledger = Ledger.build(INVENTORY)
+    ledger.add(holding_for(pod_request(asking(4, request="90")), [INVENTORY.gpus[0]], uid="a", namespace="d", name="a"))
+    ledger.add(holding_for(pod_request(asking(8, request="40")), [INVENTORY.gpus[1]], uid="b", namespace="d", name="b"))
+    small = pod_request(asking(4, request="10"))
+    context = PricingContext(ledger, mix=mix, pod_compute=small.compute_request)
+    # GPU 0: 12 GiB free but 10 % of its compute: 1 GiB usable, fragment to a 4 GiB pod; GPU 1: 8 usable
+    assert context._usable == [1, 8]
+    choice = FGD.choose(judge(ledger, small), small, context)
+    assert choice is not None and [v.gpu.index for v in choice] == [0]  # strands nothing more there
+    # The same memory without compute requests: memory alone, the tighter GPU, as before compute shares
+    plain = Ledger.build(INVENTORY)
+    plain.add(holding_for(pod_request(asking(4)), [INVENTORY.gpus[0]], uid="a", namespace="d", name="a"))
+    plain.add(holding_for(pod_request(asking(8)), [INVENTORY.gpus[1]], uid="b", namespace="d", name="b"))
+    alone = PricingContext(plain, mix=mix)
+    assert alone._usable == [12, 8]
+    unaware = FGD.choose(judge(plain, pod_request(asking(4))), pod_request(asking(4)), alone)
+    assert unaware is not None and [v.gpu.index for v in unaware] == [1]
