@@ -19,11 +19,11 @@ from typing import Final
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory
-from gpushared.core.bodies import PodBody, uid_of
+from gpushared.core.bodies import PodBody, annotations_of, uid_of
 from gpushared.core.devices import gpu_of, natural
 from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
 from gpushared.core.handshake import Candidate, Slot
-from gpushared.core.ledger import Ledger
+from gpushared.core.ledger import Ledger, recorded_compute
 from gpushared.core.verdicts import MAX_MPS_CLIENTS
 
 #: Where an MPS client container finds its GPU's control daemon: the pipe directory is mounted here, at MPS's
@@ -190,8 +190,12 @@ def _mps(
         )
     assert chosen.request is not None
     request = chosen.request
-    # the pod's compute limit is its thread percentage (pod_request refuses a different override)
+    # The pod's compute limit is its thread percentage (pod_request refuses a different override), never
+    # above the limit its bind recorded: its owner may raise the annotation between bind and Allocate.
     override = request.thread_percentage or (request.compute.limit if request.compute is not None else None)
+    bound = recorded_compute(annotations_of(pod))
+    if bound is not None and override is not None:
+        override = min(override, bound.limit)
     percentage = thread_percentage(amount=slot.amount, gpu_memory=gpu.memory, override=override)
     amount_mib = node.inventory.unit.to_mib(slot.amount)
     return mps_client(daemon, amount_mib=amount_mib, gpu_memory_mib=gpu.memory_mib, percentage=percentage)

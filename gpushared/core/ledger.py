@@ -102,7 +102,8 @@ def holding_from_pod(
         gpus = None  # an empty choice (Alibaba's framework allocation may be "{}") is no choice: pending
     if gpus is None and request.total == 0 and not problems:
         return None
-    compute = max(request.compute_request, _bound_compute(annotations))
+    recorded = recorded_compute(annotations)
+    compute = max(request.compute_request, recorded.request if recorded is not None else 0)
     pending = request.total if gpus is None else 0
     if gpus and request.total:
         gpus = {index: max(amount, request.per_gpu) for index, amount in gpus.items()}
@@ -123,17 +124,17 @@ def holding_from_pod(
     )
 
 
-def _bound_compute(annotations: Mapping[str, str]) -> int:
-    """The compute request the bind recorded: counted even when the pod's own compute annotation was
-    lowered or removed since (its owner may edit it; the record is what the GPU's share was given on)."""
+def recorded_compute(annotations: Mapping[str, str]) -> contract.ComputeShare | None:
+    """The compute share the pod's bind recorded in its allocation: what its GPU's share was given on,
+    counted and capped even when the pod's own compute annotations were edited since (its owner may). None
+    where no share was recorded, or the record does not read (``_gpus_from_annotations`` reports that)."""
     text = annotations.get(contract.POD_ALLOCATION)
     if text is None:
-        return 0
+        return None
     try:
-        compute = contract.parse_allocation(text).compute
+        return contract.parse_allocation(text).compute
     except ContractError:
-        return 0  # unreadable records are reported by _gpus_from_annotations
-    return compute.request if compute is not None else 0
+        return None
 
 
 def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) -> dict[int, int] | None:

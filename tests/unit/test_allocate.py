@@ -66,6 +66,15 @@ def placed(
     return body
 
 
+def bound_with_limit(name: str, amount: int, *, gpu: int, limit: str) -> dict[str, Any]:
+    """An MPS pod bound to n1 on ``gpu`` of MPS_INV with a compute limit when it was bound."""
+    body = pod(name, amount, node="n1", annotations={contract.POD_MPS: "true", contract.POD_COMPUTE_LIMIT: limit})
+    body["metadata"]["annotations"].update(
+        bind_annotations(pod_request(body), [MPS_INV.gpus[gpu]], unit=MPS_INV.unit, now_ns=1)
+    )
+    return body
+
+
 def edited(body: dict[str, Any], **annotations: str) -> dict[str, Any]:
     body["metadata"]["annotations"].update(annotations)
     return body
@@ -208,6 +217,14 @@ CASES = [
     Case(
         "an MPS pod's thread share is its compute limit when it gives one (the cap MPS enforces)",
         [edited(placed("m", 6, gpus=(1,), mps=True, inv=MPS_INV), **{contract.POD_COMPUTE_LIMIT: "40"})],
+        ids(1, 6),
+        inventory=MPS_INV,
+        mps=MPS_DIRS,
+        envs={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"},
+    ),
+    Case(
+        "an MPS pod's compute limit raised after its bind: the recorded limit is its thread share",
+        [edited(bound_with_limit("m", 6, gpu=1, limit="40"), **{contract.POD_COMPUTE_LIMIT: "90"})],
         ids(1, 6),
         inventory=MPS_INV,
         mps=MPS_DIRS,
