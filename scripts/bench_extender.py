@@ -57,7 +57,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpushared import contract
 from gpushared.core.binding import bind_annotations, holding_for
 from gpushared.core.ledger import Ledger
-from gpushared.core.policies import BINPACK, PricingContext, policy_named
+from gpushared.core.policies import BINPACK, policy_named
+from gpushared.core.pricing import PricingContext
 from gpushared.core.requests import pod_request
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache

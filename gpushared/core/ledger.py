@@ -350,7 +350,7 @@ class LedgerViews:
     #: the same key -> their free units in order, and the verdicts in that order (``verdicts.by_free``)
     by_free: dict[tuple[bool, int], tuple[list[int], tuple[GpuVerdict, ...]]] = field(default_factory=dict)
     #: (GPU index -> position, free units per position, units in all, free units in all) of the healthy
-    #: GPUs (``policies.PricingContext``)
+    #: GPUs (``pricing.PricingContext``)
     healthy: tuple[dict[int, int], list[int], int, int] | None = None
 
 

@@ -14,7 +14,7 @@ from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.bodies import PodBody
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.policies import NodeCpu
+from gpushared.core.pricing import NodeCpu
 
 
 @dataclass(frozen=True)

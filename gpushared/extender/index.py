@@ -23,7 +23,8 @@ from gpushared.core.bodies import PodBody, gpu_models
 from gpushared.core.cpu import cpu_of
 from gpushared.core.ledger import Ledger
 from gpushared.core.nodes import ClusterView, NodeState, Rejected
-from gpushared.core.policies import NodeRank, Policy, PricingContext, derive_pricing
+from gpushared.core.policies import NodeRank, Policy
+from gpushared.core.pricing import PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
 from gpushared.core.verdicts import GpuVerdict, explain, idle_gpu_mib, judge, most_free, no_room
 

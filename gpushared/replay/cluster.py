@@ -30,7 +30,8 @@ from gpushared.core.binding import holding_for
 from gpushared.core.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.ledger import Ledger
 from gpushared.core.mixbook import ExpectedMix, MixBook, kind_of
-from gpushared.core.policies import NodeCpu, NodeRank, Policy, PricingContext, best_rank, ties
+from gpushared.core.policies import NodeRank, Policy, best_rank, ties
+from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import LinkKind, link_words, set_score
 from gpushared.core.verdicts import idle_gpu_mib

@@ -18,7 +18,8 @@ import pytest
 
 from gpushared import contract
 from gpushared.core.ledger import Ledger, holding_from_pod
-from gpushared.core.policies import PricingContext, policy_named
+from gpushared.core.policies import policy_named
+from gpushared.core.pricing import PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import LinkKind, set_score, topology_of
 from gpushared.core.verdicts import judge

@@ -17,7 +17,8 @@ from gpushared import contract
 from gpushared.core.binding import bind_annotations
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import Ledger
-from gpushared.core.policies import BINPACK, NodeCpu, Policy, PricingContext
+from gpushared.core.policies import BINPACK, Policy
+from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import pod_request
 from gpushared.core.reservations import LANDING_SECONDS, ghost_uid
 from gpushared.core.verdicts import GpuVerdict, judge, no_room

@@ -174,7 +174,8 @@ def test_fgd_counts_memory_stranded_by_taken_compute_as_fragment() -> None:
     whose CPU is taken strands its GPUs'. A small pod goes where its memory would be stranded anyway, and
     a ledger without compute prices memory alone, as before compute shares."""
     from gpushared.core.fragmentation import RequestMix
-    from gpushared.core.policies import FGD, PricingContext
+    from gpushared.core.policies import FGD
+    from gpushared.core.pricing import PricingContext
 
     mix = RequestMix([(1000, 4, 1)] * 10)  # the pods seen: 4 GiB on one GPU
     ledger = Ledger.build(INVENTORY)

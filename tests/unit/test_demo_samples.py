@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import PricingContext, policy_named
+from gpushared.core.policies import policy_named
+from gpushared.core.pricing import PricingContext
 from gpushared.core.requests import pod_request
 from gpushared.core.verdicts import fitting
 from tests.builders import inventory

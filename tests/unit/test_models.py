@@ -14,17 +14,8 @@ from gpushared.core.binding import bind_annotations
 from gpushared.core.bodies import gpu_models, slim_pod
 from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, hosts, hosts_now, node_room
 from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import (
-    BINPACK,
-    BINPACK_PRESSURE,
-    FGD,
-    FGD_PRESSURE,
-    NodeCpu,
-    NodeRank,
-    Policy,
-    PricingContext,
-    node_scores,
-)
+from gpushared.core.policies import BINPACK, BINPACK_PRESSURE, FGD, FGD_PRESSURE, NodeRank, Policy, node_scores
+from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
 from gpushared.core.verdicts import judge
 from gpushared.extender.cache import ClusterCache

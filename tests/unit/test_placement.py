@@ -22,14 +22,13 @@ from gpushared.core.policies import (
     MAX_SCORE,
     SPREAD,
     TIEBREAK,
-    NodeCpu,
     NodeRank,
     Policy,
-    PricingContext,
     best_nodes,
     node_scores,
     policy_named,
 )
+from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
 from gpushared.core.verdicts import explain, fitting, idle_gpu_mib, judge, most_free, no_room
 from tests.builders import inventory, on_gpus, pod

@@ -22,7 +22,8 @@ from gpushared.core.bodies import slim_pod
 from gpushared.core.cpu import cpu_request
 from gpushared.core.fragmentation import RequestMix
 from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.policies import POLICIES, NodeCpu, PricingContext
+from gpushared.core.policies import POLICIES
+from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
 from gpushared.core.verdicts import fitting, judge, most_free
 from tests.builders import GPU_MEM, on_gpus, pod

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from gpushared import contract
 from gpushared.contract import GpuInventory, MemoryUnit
 from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import BINPACK, POLICIES, PricingContext, node_scores, policy_named
+from gpushared.core.policies import BINPACK, POLICIES, node_scores, policy_named
+from gpushared.core.pricing import PricingContext
 from gpushared.core.requests import ContainerRequest, PodRequest
 from gpushared.core.topology import (
     EXHAUSTIVE_LIMIT,
