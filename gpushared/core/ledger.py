@@ -93,8 +93,9 @@ def holding_from_pod(
             request = spec_request(pod, resources=resources)  # still counted at what its spec asks
         except ContractError:
             request = PodRequest(containers=())
+    recorded: contract.ComputeShare | None = None
     try:
-        gpus = _gpus_from_annotations(annotations, unit=unit)
+        gpus, recorded = _gpus_from_annotations(annotations, unit=unit)
     except ContractError as exc:
         gpus = None
         problems.append(str(exc))
@@ -102,7 +103,6 @@ def holding_from_pod(
         gpus = None  # an empty choice (Alibaba's framework allocation may be "{}") is no choice: pending
     if gpus is None and request.total == 0 and not problems:
         return None
-    recorded = recorded_compute(annotations)
     compute = max(request.compute_request, recorded.request if recorded is not None else 0)
     pending = request.total if gpus is None else 0
     if gpus and request.total:
@@ -137,7 +137,11 @@ def recorded_compute(annotations: Mapping[str, str]) -> contract.ComputeShare | 
         return None
 
 
-def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) -> dict[int, int] | None:
+def _gpus_from_annotations(
+    annotations: Mapping[str, str], *, unit: MemoryUnit
+) -> tuple[dict[int, int] | None, contract.ComputeShare | None]:
+    """Units held per GPU, from the most exact record there is, and the compute share our allocation
+    recorded (read from the one parse: this runs for every pod event the extender's cache sees)."""
     if contract.POD_ALLOCATION in annotations:
         try:
             allocation = contract.parse_allocation(annotations[contract.POD_ALLOCATION])
@@ -148,18 +152,18 @@ def _gpus_from_annotations(annotations: Mapping[str, str], *, unit: MemoryUnit) 
             if annotations.get(contract.ALIYUN_GPU_MEM_IDX, "-1") == "-1":
                 raise
         else:
-            return holds_per_gpu(allocation, unit=unit)
+            return holds_per_gpu(allocation, unit=unit), allocation.compute
     if contract.ALIYUN_FRAMEWORK_ALLOCATION in annotations:
         held: dict[int, int] = {}
         for gpus in contract.parse_framework_allocation(annotations[contract.ALIYUN_FRAMEWORK_ALLOCATION]).values():
             for index, amount in gpus.items():
                 held[index] = held.get(index, 0) + amount
-        return held
+        return held, None
     if contract.ALIYUN_GPU_MEM_IDX in annotations:
         index = contract.parse_int(contract.ALIYUN_GPU_MEM_IDX, annotations[contract.ALIYUN_GPU_MEM_IDX])
         amount = contract.parse_int(contract.ALIYUN_GPU_MEM_POD, annotations.get(contract.ALIYUN_GPU_MEM_POD))
-        return {index: amount}
-    return None
+        return {index: amount}, None
+    return None, None
 
 
 def holds_per_gpu(allocation: contract.Allocation, *, unit: MemoryUnit) -> dict[int, int]:

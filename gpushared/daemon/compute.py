@@ -44,11 +44,8 @@ class ComputeWatcher:
             for pid, sm in self._sample(index, uuid).items():
                 if (index, pid) in owners:
                     samples.append((index, owners[(index, pid)], sm))
-        limits = {
-            ref.uid: limit
-            for _, ref, _ in samples
-            if ref is not None and (limit := _limit(pods.get(ref.uid))) is not None
-        }
+        owning = {ref.uid for _, ref, _ in samples if ref is not None}  # each pod's annotations read once
+        limits = {uid: limit for uid in owning if (limit := _limit(pods.get(uid))) is not None}
         decision = decide_compute(samples, limits, over_before=self._over)
         self._over, self.last, self._uuids = decision.over, decision, dict(gpus)
         for use in decision.reports:
