@@ -202,7 +202,12 @@ def test_gpu_check_compares_the_daemons_matrix_with_nvidia_smis(fake_nvml: FakeN
         (tmp_path / "topo.txt").write_text(printed(rows))
         tool.write_text(f"#!/bin/sh\ncat {tmp_path / 'topo.txt'}\n")
         tool.chmod(0o755)
-        env = {**os.environ, **fake_nvml.env(), "PATH": f"{tool.parent}:{os.environ['PATH']}"}
+        env = {
+            **os.environ,
+            **fake_nvml.env(),
+            "PATH": f"{tool.parent}:{os.environ['PATH']}",
+            "GPU_CHECK_RESULTS": str(tool.parent / "results"),
+        }
         script = Path(__file__).resolve().parents[2] / "scripts" / "gpu-check"
         done = subprocess.run(
             [sys.executable, str(script), "--topology"], capture_output=True, text=True, env=env, check=False
