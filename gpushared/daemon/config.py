@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from gpushared.contract import ContractError, MemoryUnit
+from gpushared.contract.dra import DRIVER
 from gpushared.core.exposure import ExposurePolicy, Strategy, parse_strategies
 from gpushared.core.health import APPLICATION_XIDS
 from gpushared.core.memory import Enforcement, MemoryPolicy
@@ -28,6 +29,11 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_STATUS_SOCKET = Path("/run/gpushared/status.sock")
 #: Beside dcgm-exporter's 9400, which GPU nodes often run too, not on it (metrics.port where 9402 is taken).
 DEFAULT_METRICS_PORT = 9402
+#: How the node's GPUs are handed out: to pods asking for gpu-mem through the device plugin (the extender
+#: places them), or to ResourceClaims that kube-scheduler allocates itself (Kubernetes >= 1.34). Never both.
+MODE_DEVICE_PLUGIN = "device-plugin"
+MODE_DRA = "dra"
+MODES = (MODE_DEVICE_PLUGIN, MODE_DRA)
 
 
 class ConfigError(Exception):
@@ -69,6 +75,19 @@ class Config:
     memory_tolerance_mib: int
     memory_reserve_mib: int
     inventory_usage_seconds: float
+    mode: str
+    dra_driver: str
+    cdi_root: Path
+
+    @property
+    def dra(self) -> bool:
+        """Whether the node's GPUs are served to DRA claims (docs/dra.md) instead of to the device plugin."""
+        return self.mode == MODE_DRA
+
+    @property
+    def dra_checkpoint(self) -> Path:
+        """The prepared claims, beside the driver's socket in the kubelet's plugin directory."""
+        return self.kubelet_dir / "plugins" / self.dra_driver / "checkpoint.json"
 
     @property
     def plugin_dir(self) -> Path:
@@ -185,6 +204,19 @@ def _level(value: Any) -> str:
     return value.lower()
 
 
+def _mode(value: Any) -> str:
+    if value not in MODES:
+        raise ValueError(f"must be one of {', '.join(MODES)}")
+    return str(value)
+
+
+def _driver_name(value: Any) -> str:
+    text = _text(value)
+    if len(text) > 63 or not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)+", text):
+        raise ValueError("must be a DNS subdomain of at most 63 characters, lower case, with a dot (gpu.example.com)")
+    return text
+
+
 def _mib(value: Any) -> int:
     number = _integer(value)
     if number < 0:
@@ -252,6 +284,9 @@ OPTIONS = (
     Option("memory_tolerance_mib", "memoryToleranceMiB", _mib, lambda: 256),
     Option("memory_reserve_mib", "memoryReserveMiB", _mib, lambda: 512),
     Option("inventory_usage_seconds", "inventoryUsageSeconds", _positive_seconds, lambda: 60.0),
+    Option("mode", "mode", _mode, lambda: MODE_DEVICE_PLUGIN),
+    Option("dra_driver", "dra.driverName", _driver_name, lambda: DRIVER),
+    Option("cdi_root", "dra.cdiRoot", _absolute, lambda: Path("/var/run/cdi")),
 )
 assert {o.field for o in OPTIONS} == {f.name for f in fields(Config)}
 

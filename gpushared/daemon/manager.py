@@ -215,7 +215,7 @@ class Manager:
         chosen = decision.chosen
         slot = chosen.next
         assert slot is not None
-        outcome = decide(chosen, devices, self._facts())
+        outcome = decide(chosen, devices, self.facts())
         if isinstance(outcome, Refusal):
             self._refuse(outcome)
         self.char_links.ensure(outcome.devices)
@@ -240,7 +240,7 @@ class Manager:
         )
         return outcome
 
-    def _facts(self) -> NodeFacts:
+    def facts(self) -> NodeFacts:
         """What decide() needs to know about the node now; the device files are looked at only when the
         node's policy passes them."""
         with self._lock:  # the inventory and its GPUs' minors from one reading

@@ -64,6 +64,13 @@ class KubeletLink:
         self.metrics.registrations.inc()
         log.info("registered %s with the kubelet at %s", self.plugin.manager.resource_name, kubelet)
 
+    @property
+    def watched(self) -> bool:
+        return self.plugin.watched
+
+    def stop(self) -> None:
+        self.plugin.stop()
+
 
 class NodePublisher:
     """Checks once that the configured node exists, then keeps its inventory annotation and Aliyun's

@@ -17,6 +17,9 @@ from gpushared.core.bodies import NodeBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import TokenRenewer
+from gpushared.daemon.dra import DraDriver, DraLink, SlicePublisher
+from gpushared.daemon.drabook import ClaimBook
+from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager
@@ -24,11 +27,13 @@ from gpushared.daemon.memory import GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
+from gpushared.deviceplugin.draplugin import DraPluginServer
 from gpushared.deviceplugin.podresources.client import list_pod_devices
 from gpushared.deviceplugin.server import PluginServer
-from gpushared.kube.api import Api
+from gpushared.kube.api import Api, KubeError
 from gpushared.kube.informer import Informer
 from gpushared.kube.podwatch import PodWatch
+from gpushared.kube.resources import ResourceApi
 from gpushared.nvml.backend import GpuBackend
 
 #: The device plugin's socket, in the kubelet's plugin directory.
@@ -57,10 +62,12 @@ class Running:
     mps: MpsSupervisor | None
     manager: Manager
     memory: MemoryWatcher
-    plugin: PluginServer
-    kubelet: KubeletLink
+    #: the device plugin's registration, or in DRA mode the DRA plugin's sockets and the node's slice
+    kubelet: KubeletLink | DraLink
     #: renews the daemon's token where it is one that expires; None otherwise
     credential: TokenRenewer | None = None
+    #: the prepared claims (DRA mode); None in device-plugin mode
+    dra: DraDriver | None = None
 
     @classmethod
     def start(cls, parts: Parts, api: Api, *, stop: threading.Event) -> Running:
@@ -101,7 +108,13 @@ class Running:
         manager.refresh(parts.gpus.devices, parts.gpus.links)
         metrics.watch_pods(manager.pod_shares)
         memory = _memory_watcher(parts, manager, pods)
-        plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
+        dra = None
+        kubelet: KubeletLink | DraLink
+        if config.dra:
+            dra, kubelet = _dra_driver(config, api, manager, watching_node)
+        else:
+            plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
+            kubelet = KubeletLink(plugin, metrics=metrics)
         renewer = None
         if config.renewed_token_file is not None:
             renewer = TokenRenewer.attach(api, saved=config.renewed_token_file, node=config.node_name, metrics=metrics)
@@ -114,8 +127,8 @@ class Running:
             mps=mps,
             manager=manager,
             memory=memory,
-            plugin=plugin,
-            kubelet=KubeletLink(plugin, metrics=metrics),
+            kubelet=kubelet,
+            dra=dra,
         )
         if renewer is not None:
             threading.Thread(target=renewer.run, args=(stop,), name="token-renewal", daemon=True).start()
@@ -130,7 +143,7 @@ class Running:
     def stop(self) -> None:
         """Stop serving; the MPS control daemons keep running (quitting them would cut off every MPS client
         on the node; the next gpushared adopts them)."""
-        self.plugin.stop()
+        self.kubelet.stop()
         self.pods.stop()
         self.node_watch.stop()
         self.manager.flush(timeout=3.0)
@@ -138,6 +151,33 @@ class Running:
     @property
     def registered(self) -> bool:
         return self.kubelet.registered
+
+
+def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeBody]) -> tuple[DraDriver, DraLink]:
+    """The DRA mode's parts (docs/dra.md): the claims prepared before a restart read back first, so that
+    the kubelet's first call after it gets the answers it got before."""
+    resources = ResourceApi(api.rest)
+    try:
+        served = resources.served()
+    except KubeError:
+        served = True  # not reachable now: the slice's publication will say so, and try again
+    if not served:
+        raise FatalError(
+            "mode: dra needs the API server to serve resource.k8s.io/v1 (Kubernetes 1.34 or later); "
+            "this one does not: use mode: device-plugin on this cluster"
+        )
+    book = ClaimBook(checkpoint=config.dra_checkpoint, cdi_root=config.cdi_root)
+    book.load()
+    driver = DraDriver(node=config.node_name, api=resources, book=book, facts=manager.facts)
+    plugin = DraPluginServer(driver, driver=config.dra_driver, kubelet_dir=config.kubelet_dir)
+    plugin.start()
+
+    def node_uid() -> str | None:
+        body = node.get("", config.node_name)
+        return None if body is None else (body.get("metadata") or {}).get("uid")
+
+    slices = SlicePublisher(resources, node=config.node_name, node_uid=node_uid, driver=config.dra_driver)
+    return driver, DraLink(plugin, slices, lambda: manager.inventory)
 
 
 def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWatcher:

@@ -241,7 +241,10 @@ class Service:
         elif not inventory.gpus:
             text = "no GPUs found; waiting"
         elif not running.registered:
-            text = f"{len(inventory.gpus)} GPUs; waiting for the kubelet at {self.config.plugin_dir}"
+            where = self.config.kubelet_dir / "plugins_registry" if self.config.dra else self.config.plugin_dir
+            text = f"{len(inventory.gpus)} GPUs; waiting for the kubelet at {where}"
+        elif running.dra is not None:
+            text = f"serving {len(inventory.gpus)} GPUs to DRA claims ({len(running.dra.book.claims())} prepared)"
         else:
             text = f"serving {len(inventory.gpus)} GPUs, {inventory.total} {inventory.unit.value}"
             if unhealthy:
@@ -303,7 +306,9 @@ class Service:
             "version": __version__,
             "state": self.notifier.text,
             "registered": self.registered,
-            "kubeletWatching": running is not None and running.plugin.watched,
+            "kubeletWatching": running is not None and running.kubelet.watched,
+            "mode": self.config.mode,
+            "claims": running.dra.status() if running is not None and running.dra is not None else None,
             "mps": running.mps.status() if running is not None and running.mps is not None else None,
             "memory": running.memory.status() if running is not None else None,
             "kubelet": str(self.config.plugin_dir),

@@ -1,0 +1,117 @@
+"""The DRA driver's checkpoint: the claims prepared on the node, as a versioned JSON document.
+
+The kubelet prepares a claim once per pod and unprepares it once; in between the daemon may restart, and
+a container of the pod may restart and need the claim's CDI spec again. So every prepared claim is written
+here before the kubelet hears of it, with everything its CDI spec is made from: a restarted daemon rewrites
+the specs from the checkpoint alone, answers a repeated prepare with what it answered before, and counts
+the claims' memory without asking the API server. Pure: the daemon reads and writes the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from gpushared.contract import ContractError
+from gpushared.core.allocate import Mount
+from gpushared.core.claims import ClaimRef
+from gpushared.core.exposure import DeviceFile
+from gpushared.core.prepare import CdiDevice, PreparedClaim, PreparedDevice
+
+VERSION: Final = 1
+KEY: Final = "DRA checkpoint"
+
+
+def format_checkpoint(claims: Sequence[PreparedClaim]) -> str:
+    return json.dumps(
+        {"version": VERSION, "claims": [_claim(c) for c in sorted(claims, key=lambda c: c.ref)]},
+        indent=1,
+        sort_keys=True,
+    )
+
+
+def parse_checkpoint(text: str) -> list[PreparedClaim]:
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ContractError(key=KEY, value=text[:80], reason=f"not JSON: {exc}") from None
+    if not isinstance(body, dict) or body.get("version") != VERSION:
+        raise ContractError(key=KEY, value=str(body)[:80], reason=f"expected version {VERSION}")
+    try:
+        return [_parse_claim(entry) for entry in body["claims"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ContractError(key=KEY, value=str(body)[:80], reason=f"malformed: {exc!r}") from None
+
+
+def _claim(claim: PreparedClaim) -> dict[str, Any]:
+    return {
+        "namespace": claim.ref.namespace,
+        "name": claim.ref.name,
+        "uid": claim.ref.uid,
+        "devices": [
+            {
+                "request": d.request,
+                "pool": d.pool,
+                "device": d.device,
+                "uuid": d.uuid,
+                "index": d.index,
+                "memory": d.memory,
+                "memoryMiB": d.memory_mib,
+                "compute": d.compute,
+                "mpsThreads": d.mps_threads,
+                "cdiDeviceIDs": list(d.cdi_device_ids),
+            }
+            for d in claim.devices
+        ],
+        "cdi": [
+            {
+                "name": c.name,
+                "env": dict(c.env),
+                "deviceNodes": [[f.container_path, f.host_path, f.permissions] for f in c.device_nodes],
+                "mounts": [[m.container_path, m.host_path, m.read_only] for m in c.mounts],
+            }
+            for c in claim.cdi
+        ],
+    }
+
+
+def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
+    ref = ClaimRef(namespace=_str(entry["namespace"]), name=_str(entry["name"]), uid=_str(entry["uid"]))
+    devices = tuple(
+        PreparedDevice(
+            request=_str(d["request"]),
+            pool=_str(d["pool"]),
+            device=_str(d["device"]),
+            uuid=_str(d["uuid"]),
+            index=_int(d["index"]),
+            memory=_int(d["memory"]),
+            memory_mib=_int(d["memoryMiB"]),
+            compute=_int(d["compute"]),
+            mps_threads=None if d.get("mpsThreads") is None else _int(d["mpsThreads"]),
+            cdi_device_ids=tuple(_str(i) for i in d["cdiDeviceIDs"]),
+        )
+        for d in entry["devices"]
+    )
+    cdi = tuple(
+        CdiDevice(
+            name=_str(c["name"]),
+            env={_str(k): _str(v) for k, v in c["env"].items()},
+            device_nodes=tuple(DeviceFile(_str(a), _str(b), _str(p)) for a, b, p in c["deviceNodes"]),
+            mounts=tuple(Mount(_str(a), _str(b), bool(ro)) for a, b, ro in c["mounts"]),
+        )
+        for c in entry["cdi"]
+    )
+    return PreparedClaim(ref=ref, devices=devices, cdi=cdi)
+
+
+def _str(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _int(value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an integer, got {value!r}")
+    return value

@@ -1,0 +1,277 @@
+"""NodePrepareResources for one claim, decided from what the node knows: which GPUs, and what each request's
+containers get, as a CDI spec the runtime applies.
+
+The scheduler allocated the claim against the slice the daemon published; ``decide`` checks the node can
+still give it (each device is a GPU of this node, healthy; the claims prepared here, this one counted once,
+stay within each GPU's memory and compute; an MPS claim has one GPU, a daemon that answers and room for a
+client) and says what each request's containers get: the GPU in the form the node's runtime reads
+(``core.exposure``, as for a device-plugin pod), Aliyun's env, and for MPS the daemon's pipe and limits
+(``core.allocate.mps_client``). Pure, a table test per refusal (tests/unit/test_dra_prepare.py); the
+daemon's driver gathers the facts, writes the CDI spec and the checkpoint, and answers the kubelet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from gpushared import contract
+from gpushared.contract import ContractError, GpuInfo, GpuInventory, dra
+from gpushared.core.allocate import Mount, MpsDaemon, mps_client, thread_percentage
+from gpushared.core.claims import AllocatedDevice, ClaimRef, allocated_devices
+from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
+from gpushared.core.verdicts import MAX_MPS_CLIENTS
+
+#: The CDI spec version written: 0.5.0 has device nodes' host paths, and containerd 1.7 reads it.
+CDI_VERSION: Final = "0.5.0"
+
+
+@dataclass(frozen=True)
+class PreparedDevice:
+    """One allocated device as prepared: the GPU, what the claim holds of it, and the CDI devices its
+    containers get (the request's own CDI device is listed with the request's first device only)."""
+
+    request: str
+    pool: str
+    device: str
+    uuid: str
+    index: int
+    #: memory held, in the node's unit (rounded up from the bytes consumed) and in MiB (for MPS)
+    memory: int
+    memory_mib: int
+    compute: int
+    #: the MPS thread percentage of its containers; None: not an MPS client
+    mps_threads: int | None = None
+    cdi_device_ids: tuple[str, ...] = ()
+
+    @property
+    def mps(self) -> bool:
+        return self.mps_threads is not None
+
+
+@dataclass(frozen=True)
+class CdiDevice:
+    """One device of the claim's CDI spec: the edits every container of one request gets."""
+
+    name: str
+    env: Mapping[str, str]
+    device_nodes: tuple[DeviceFile, ...] = ()
+    mounts: tuple[Mount, ...] = ()
+
+
+@dataclass(frozen=True)
+class PreparedClaim:
+    ref: ClaimRef
+    devices: tuple[PreparedDevice, ...]
+    cdi: tuple[CdiDevice, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class DraNode:
+    """What the node has when the kubelet calls, as the driver gathered it."""
+
+    name: str
+    inventory: GpuInventory
+    #: the claims prepared on the node (the one being prepared may be among them already)
+    prepared: Sequence[PreparedClaim] = ()
+    exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
+    minors: Mapping[str, int | None] = field(default_factory=dict)
+    present_devices: Collection[str] = ()
+    #: GPU UUID -> its MPS control daemon, for those that answer; None when the node runs no MPS daemons
+    mps: Mapping[str, MpsDaemon] | None = None
+
+
+@dataclass(frozen=True)
+class PrepareRefusal:
+    message: str
+
+
+def decide(ref: ClaimRef, claim: Mapping[str, Any], node: DraNode) -> PreparedClaim | PrepareRefusal:
+    """The claim as prepared on ``node``; or why not, in words for the pod's events."""
+    uid = (claim.get("metadata") or {}).get("uid")
+    if uid != ref.uid:
+        return PrepareRefusal(
+            f"claim {ref.key} is now another object (UID {uid}, the kubelet asked for {ref.uid}): "
+            "it was deleted and created again"
+        )
+    try:
+        allocated = allocated_devices(claim)
+    except ContractError as exc:
+        return PrepareRefusal(f"claim {ref.key}: {exc}")
+    by_name = {dra.device_name(gpu.uuid): gpu for gpu in node.inventory.gpus}
+    others = [p for p in node.prepared if p.ref.uid != ref.uid]
+    devices: list[PreparedDevice] = []
+    for device in allocated:
+        prepared = _device(ref, device, by_name, [*others, PreparedClaim(ref, tuple(devices))], node)
+        if isinstance(prepared, PrepareRefusal):
+            return prepared
+        devices.append(prepared)
+    if sum(d.mps for d in devices) > 1:
+        gpus = sorted(d.index for d in devices if d.mps)
+        return PrepareRefusal(
+            f"claim {ref.key} asks for MPS on GPUs {gpus}: an MPS client reaches one GPU's daemon only; "
+            "ask for one GPU per MPS claim"
+        )
+    return _with_cdi(ref, devices, node)
+
+
+def _device(
+    ref: ClaimRef,
+    device: AllocatedDevice,
+    by_name: Mapping[str, GpuInfo],
+    prepared: Sequence[PreparedClaim],
+    node: DraNode,
+) -> PreparedDevice | PrepareRefusal:
+    key, inventory = ref.key, node.inventory
+    if device.pool != node.name:
+        return PrepareRefusal(
+            f"claim {ref.key} was allocated {device.device} of pool {device.pool}, not of node {node.name}"
+        )
+    gpu = by_name.get(device.device)
+    if gpu is None:
+        return PrepareRefusal(
+            f"claim {key} was allocated device {device.device}, which node {node.name} does not have "
+            "(the GPUs changed since it was allocated): delete the pod"
+        )
+    if not gpu.healthy:
+        return PrepareRefusal(f"claim {key} was allocated GPU {gpu.index} ({gpu.uuid}), which is unhealthy")
+    unit_bytes = inventory.unit.to_bytes(1)
+    memory = gpu.memory if device.memory is None else math.ceil(device.memory / unit_bytes)
+    memory_mib = gpu.memory_mib if device.memory is None else math.ceil(device.memory / 2**20)
+    on_gpu = [d for claim in prepared for d in claim.devices if d.uuid == gpu.uuid]
+    unit = inventory.unit.value
+    used = sum(d.memory for d in on_gpu) + memory
+    if used > gpu.memory:
+        return PrepareRefusal(
+            f"claim {key} would bring GPU {gpu.index} to {used} {unit} of {gpu.memory} {unit}: it does not fit; "
+            "was it allocated by a scheduler without consumable capacity (DRAConsumableCapacity)?"
+        )
+    compute = sum(d.compute for d in on_gpu) + device.compute
+    if compute > 100:
+        return PrepareRefusal(f"claim {key} would bring the compute claimed on GPU {gpu.index} to {compute} percent")
+    config = device.config
+    threads = None
+    if config.mps:
+        if node.mps is None:
+            return PrepareRefusal(
+                f"claim {key} asks for MPS, but node {node.name} runs no MPS daemons: set mps.enabled in "
+                "the gpushared configuration, or drop mps from the claim's configuration"
+            )
+        if node.mps.get(gpu.uuid) is None:
+            return PrepareRefusal(f"claim {key}: the MPS control daemon of GPU {gpu.index} is not running")
+        clients = sum(d.mps for d in on_gpu) + 1
+        if clients > MAX_MPS_CLIENTS:
+            return PrepareRefusal(
+                f"claim {key} would be MPS client {clients} of GPU {gpu.index}; an MPS server takes {MAX_MPS_CLIENTS}"
+            )
+        if config.compute_limit is not None and config.compute_limit < device.compute:
+            return PrepareRefusal(
+                f"claim {key}: computeLimit {config.compute_limit} is below the {device.compute} percent of "
+                f"GPU {gpu.index} it claimed"
+            )
+        # Its limit, else what it claimed, else its share of the GPU's memory (as for a device-plugin pod).
+        threads = thread_percentage(
+            amount=memory, gpu_memory=gpu.memory, override=config.compute_limit or device.compute or None
+        )
+    return PreparedDevice(
+        request=device.request,
+        pool=device.pool,
+        device=device.device,
+        uuid=gpu.uuid,
+        index=gpu.index,
+        memory=memory,
+        memory_mib=memory_mib,
+        compute=device.compute,
+        mps_threads=threads,
+    )
+
+
+def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> PreparedClaim | PrepareRefusal:
+    """One CDI device per request, named on the request's first device; each GPU's own CDI name from
+    NVIDIA's toolkit (the ``cdi-cri`` strategy) on its device."""
+    requests: dict[str, list[PreparedDevice]] = {}
+    for device in devices:
+        requests.setdefault(device.request, []).append(device)
+    cdi: list[CdiDevice] = []
+    first: dict[str, str] = {}
+    nvidia: dict[str, tuple[str, ...]] = {}
+    for request, members in requests.items():
+        gpus = [node.inventory.by_index(d.index) for d in members]
+        try:
+            given = exposure(
+                node.exposure,
+                [ExposedGpu(d.uuid, node.minors.get(d.uuid)) for d in members],
+                present=node.present_devices,
+            )
+        except CannotExpose as exc:
+            return PrepareRefusal(f"claim {ref.key}: {exc}")
+        env = {
+            **given.envs,
+            contract.ENV_GPU_MEM_IDX: ",".join(str(d.index) for d in members),
+            contract.ENV_GPU_MEM_CONTAINER: str(sum(d.memory for d in members)),
+            contract.ENV_GPU_MEM_DEV: str(gpus[0].memory if gpus[0] is not None else 0),
+        }
+        mounts = [Mount(container_path=inside, host_path=outside, read_only=True) for inside, outside in given.mounts]
+        mps = [d for d in members if d.mps]
+        if mps:
+            device, gpu = mps[0], gpus[0]
+            assert node.mps is not None, "checked in _device"
+            assert gpu is not None, "checked in _device"
+            assert device.mps_threads is not None, "checked in _device"
+            mps_env, mps_mounts = mps_client(
+                node.mps[device.uuid],
+                amount_mib=device.memory_mib,
+                gpu_memory_mib=gpu.memory_mib,
+                percentage=device.mps_threads,
+            )
+            env.update(mps_env)
+            mounts += mps_mounts
+        name = cdi_name(ref, request)
+        cdi.append(CdiDevice(name=name, env=env, device_nodes=given.devices, mounts=tuple(mounts)))
+        first[request] = members[0].device
+        for device, cdi_id in zip(members, given.cdi_devices, strict=False):
+            nvidia[device.device] = (cdi_id,)
+    answered = tuple(
+        _replace_ids(
+            d,
+            ((dra.cdi_device_id(cdi_name(ref, d.request)),) if first[d.request] == d.device else ())
+            + nvidia.get(d.device, ()),
+        )
+        for d in devices
+    )
+    return PreparedClaim(ref=ref, devices=answered, cdi=tuple(cdi))
+
+
+def _replace_ids(device: PreparedDevice, ids: tuple[str, ...]) -> PreparedDevice:
+    return dataclasses.replace(device, cdi_device_ids=ids)
+
+
+def cdi_name(ref: ClaimRef, request: str) -> str:
+    """The claim's CDI device for one request: ``<claim UID>-<request>`` (a subrequest's ``/`` as ``_``)."""
+    return f"{ref.uid}-{request.replace('/', '_')}"
+
+
+def cdi_spec(claim: PreparedClaim) -> dict[str, Any]:
+    """The claim's CDI spec (the runtime reads it from the CDI directory by its kind and device names)."""
+    devices = []
+    for device in claim.cdi:
+        edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in sorted(device.env.items())]}
+        if device.device_nodes:
+            edits["deviceNodes"] = [
+                {"path": d.container_path, "hostPath": d.host_path, "permissions": d.permissions}
+                for d in device.device_nodes
+            ]
+        if device.mounts:
+            edits["mounts"] = [
+                {
+                    "hostPath": m.host_path,
+                    "containerPath": m.container_path,
+                    "options": ["ro" if m.read_only else "rw", "nosuid", "nodev", "rbind"],
+                }
+                for m in device.mounts
+            ]
+        devices.append({"name": device.name, "containerEdits": edits})
+    return {"cdiVersion": CDI_VERSION, "kind": dra.CDI_KIND, "devices": devices}

@@ -1,0 +1,223 @@
+"""gpushared as a DRA driver: the node's slice out, the kubelet's claims in (docs/dra.md).
+
+Two parts, both fed by the manager's GPU inventory:
+
+- :class:`SlicePublisher` keeps the node's ResourceSlice equal to its healthy GPUs (``core.slices``),
+  changing the pool's generation only when the devices change;
+- :class:`DraDriver` answers the kubelet's NodePrepareResources / NodeUnprepareResources: it reads each
+  claim's allocation from the API server, lets ``core.prepare.decide`` check it against the claims already
+  prepared here, records the claim (CDI spec, then checkpoint: ``daemon.drabook``) and answers with the CDI
+  devices. Both calls are idempotent: a claim already prepared gets the same answer without another read,
+  and unpreparing a claim that is not prepared succeeds.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from gpushared.contract import GpuInventory, dra
+from gpushared.core.allocate import NodeFacts
+from gpushared.core.claims import ClaimRef
+from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
+from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
+from gpushared.daemon.devfiles import CharLinks
+from gpushared.daemon.drabook import ClaimBook
+from gpushared.deviceplugin.draplugin import DraPluginServer
+from gpushared.kube.errors import Conflict, KubeError, NotFound
+from gpushared.kube.resources import ResourceApi
+
+log = logging.getLogger(__name__)
+
+#: How long one claim's read may take: the kubelet's own deadline for a prepare call is 45 s.
+CLAIM_READ_SECONDS = 10.0
+#: After a failed publication, the next try waits this long (the loop ticks every second).
+RETRY_SECONDS = 5.0
+
+
+class SlicePublisher:
+    """The node's one ResourceSlice, kept equal to its healthy GPUs."""
+
+    def __init__(
+        self, api: ResourceApi, *, node: str, node_uid: Callable[[], str | None], driver: str = dra.DRIVER
+    ) -> None:
+        self.api = api
+        self.node = node
+        self.node_uid = node_uid
+        self.driver = driver
+        self._published: list[dict[str, Any]] | None = None
+        self._retry_at = 0.0
+        self.generation = 0
+
+    @property
+    def published(self) -> bool:
+        return self._published is not None
+
+    def publish(self, inventory: GpuInventory) -> None:
+        """Write the slice when the devices differ from what was last written; errors are retried later."""
+        devices = slice_devices(inventory)
+        if devices == self._published or time.monotonic() < self._retry_at:
+            return
+        try:
+            self._write(devices)
+        except KubeError as exc:
+            self._retry_at = time.monotonic() + RETRY_SECONDS
+            log.warning("ResourceSlice of node %s not published (%s); trying again", self.node, exc)
+            return
+        self._published = devices
+
+    def _write(self, devices: list[dict[str, Any]]) -> None:
+        existing = self.api.list_slices(node=self.node, driver=self.driver)
+        generation, changed = pool_generation(existing, devices)
+        name = slice_name(self.node, self.driver)
+        if changed:
+            body = slice_body(
+                node=self.node, node_uid=self.node_uid(), generation=generation, devices=devices, driver=self.driver
+            )
+            mine = next((s for s in existing if s["metadata"]["name"] == name), None)
+            if mine is None:
+                self.api.create_slice(body)
+            else:
+                body["metadata"]["resourceVersion"] = mine["metadata"].get("resourceVersion")
+                try:
+                    self.api.replace_slice(body)
+                except (Conflict, NotFound):
+                    self._published = None
+                    raise
+            log.info("published ResourceSlice %s: %d GPUs, pool generation %d", name, len(devices), generation)
+        # Slices of this node and driver under other names are from an older layout: the pool is one slice.
+        for other in existing:
+            if other["metadata"]["name"] != name:
+                self.api.delete_slice(other["metadata"]["name"])
+        self.generation = generation
+
+    def withdraw(self) -> None:
+        """Delete the node's slice (the daemon leaves DRA mode or the node is drained of it)."""
+        self.api.delete_slice(slice_name(self.node, self.driver))
+        self._published = None
+
+
+class DraDriver:
+    """The kubelet plugin's decisions, for ``deviceplugin.draplugin``."""
+
+    def __init__(
+        self,
+        *,
+        node: str,
+        api: ResourceApi,
+        book: ClaimBook,
+        facts: Callable[[], NodeFacts],
+    ) -> None:
+        self.node = node
+        self.api = api
+        self.book = book
+        self.facts = facts
+        self.char_links = CharLinks()
+        # One call at a time: two claims decided at once could each see room the other takes.
+        self._lock = threading.Lock()
+
+    def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PreparedClaim | str]:
+        answers: dict[str, PreparedClaim | str] = {}
+        with self._lock:
+            for ref in claims:
+                answers[ref.uid] = self._prepare(ref)
+        return answers
+
+    def _prepare(self, ref: ClaimRef) -> PreparedClaim | str:
+        done = self.book.get(ref.uid)
+        if done is not None:
+            return done
+        try:
+            claim = self.api.get_claim(ref.namespace, ref.name, timeout=CLAIM_READ_SECONDS)
+        except NotFound:
+            return f"claim {ref.key} does not exist"
+        except KubeError as exc:
+            return f"claim {ref.key}: {exc}"
+        facts = self.facts()
+        node = DraNode(
+            name=self.node,
+            inventory=facts.inventory,
+            prepared=self.book.claims(),
+            exposure=facts.exposure,
+            minors=facts.minors,
+            present_devices=facts.present_devices,
+            mps=facts.mps,
+        )
+        outcome = decide(ref, claim, node)
+        if isinstance(outcome, PrepareRefusal):
+            # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
+            log.warning("NodePrepareResources refused: %s", outcome.message)
+            return outcome.message
+        try:
+            self.book.record(outcome)
+        except OSError as exc:
+            return f"claim {ref.key}: cannot write its CDI spec or the checkpoint: {exc}"
+        self.char_links.ensure([f for cdi in outcome.cdi for f in cdi.device_nodes])
+        placed = ", ".join(
+            f"{d.request}: GPU {d.index} ({d.memory} {facts.inventory.unit.value})" for d in outcome.devices
+        )
+        log.info("prepared claim %s: %s", ref.key, placed or "no devices of this driver")
+        return outcome
+
+    def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        errors: dict[str, str] = {}
+        with self._lock:
+            for ref in claims:
+                try:
+                    if self.book.forget(ref.uid):
+                        log.info("unprepared claim %s", ref.key)
+                    errors[ref.uid] = ""
+                except OSError as exc:
+                    errors[ref.uid] = f"claim {ref.key}: cannot update the checkpoint: {exc}"
+        return errors
+
+    def status(self) -> list[dict[str, Any]]:
+        """The prepared claims, for `gpushared status` and the inspect tool."""
+        return [
+            {
+                "namespace": c.ref.namespace,
+                "name": c.ref.name,
+                "uid": c.ref.uid,
+                "devices": [
+                    {
+                        "request": d.request,
+                        "gpu": d.index,
+                        "uuid": d.uuid,
+                        "memory": d.memory,
+                        "compute": d.compute,
+                        "mps": d.mps,
+                    }
+                    for d in c.devices
+                ],
+            }
+            for c in sorted(self.book.claims(), key=lambda c: c.ref)
+        ]
+
+
+class DraLink:
+    """The DRA mode's link to the kubelet and the scheduler, kept up by the service loop: the plugin's
+    sockets served, and the node's slice equal to its GPUs."""
+
+    def __init__(self, plugin: DraPluginServer, slices: SlicePublisher, inventory: Callable[[], GpuInventory]) -> None:
+        self.plugin = plugin
+        self.slices = slices
+        self.inventory = inventory
+
+    def keep(self) -> None:
+        self.plugin.keep()
+        self.slices.publish(self.inventory())
+
+    @property
+    def registered(self) -> bool:
+        return self.plugin.registered
+
+    @property
+    def watched(self) -> bool:
+        """Claims can be allocated here and prepared: the slice is out and the kubelet has the plugin."""
+        return self.plugin.registered and self.slices.published
+
+    def stop(self) -> None:
+        self.plugin.stop()
