@@ -69,6 +69,11 @@ def nvlink_domains(inventory: GpuInventory) -> dict[int, str]:
 def gpu_device(gpu: GpuInfo, inventory: GpuInventory, *, domain: str | None) -> dict[str, Any]:
     unit_bytes = inventory.unit.to_bytes(1)
     memory = inventory.unit.to_bytes(gpu.memory)
+    # In steps of one unit from one unit; the API server wants min + step within the value, so a GPU of one
+    # unit has no step (every request is then the whole GPU anyway).
+    memory_range = {"min": format_bytes(unit_bytes)}
+    if memory >= 2 * unit_bytes:
+        memory_range["step"] = format_bytes(unit_bytes)
     attributes: dict[str, Any] = {
         dra.ATTRIBUTE_UUID: {"string": gpu.uuid},
         dra.ATTRIBUTE_INDEX: {"int": gpu.index},
@@ -86,10 +91,7 @@ def gpu_device(gpu: GpuInfo, inventory: GpuInventory, *, domain: str | None) -> 
         "capacity": {
             dra.CAPACITY_MEMORY: {
                 "value": format_bytes(memory),
-                "requestPolicy": {
-                    "default": format_bytes(memory),
-                    "validRange": {"min": format_bytes(unit_bytes), "step": format_bytes(unit_bytes)},
-                },
+                "requestPolicy": {"default": format_bytes(memory), "validRange": memory_range},
             },
             dra.CAPACITY_COMPUTE: {
                 "value": str(COMPUTE_PERCENT),
