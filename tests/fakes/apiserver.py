@@ -30,6 +30,7 @@ import kubernetes
 
 from gpushared.kube.credentials import Credentials, StaticCredential
 from gpushared.kube.rest import Rest
+from tests.fakes.dra import Invalid, validate_slice
 from tests.fakes.selectors import SelectorError, field_selector, label_selector
 from tests.fakes.store import (
     REASONS,
@@ -112,6 +113,8 @@ class FakeApiServer:
         self.max_token_seconds: float | None = None
         #: requests refused because their token had expired
         self.expired_refusals = 0
+        #: whether resource.k8s.io/v1 (DRA) is served, as by kube-apiserver >= 1.34; False: a 1.20 one
+        self.dra_served = True
         self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -369,6 +372,26 @@ def _translate(event: Event, selected: Any) -> dict[str, Any] | None:
 _PATH = re.compile(r"^/(?:api/(?P<core>v1)|apis/(?P<group>[^/]+)/(?P<version>[^/]+))(?P<rest>(?:/[^/]+)*)/?$")
 
 
+_DISCOVERY = re.compile(r"^/apis/([^/]+)/([^/]+)/?$")
+
+
+def _resource_list(server: FakeApiServer, group: str, version: str) -> dict[str, Any]:
+    """An APIResourceList, as discovery answers it; 404 for a group/version not served."""
+    served = [
+        r
+        for r in RESOURCES.values()
+        if (r.group, r.version) == (group, version) and (r.group != "resource.k8s.io" or server.dra_served)
+    ]
+    if not served:
+        raise ApiError(404, "NotFound", f"the server could not find the requested resource (/apis/{group}/{version})")
+    return {
+        "kind": "APIResourceList",
+        "apiVersion": "v1",
+        "groupVersion": f"{group}/{version}",
+        "resources": [{"name": r.plural, "kind": r.kind, "namespaced": r.namespaced} for r in served],
+    }
+
+
 _TOKEN_REQUEST = re.compile(r"^/api/v1/namespaces/([^/]+)/serviceaccounts/([^/]+)/token$")
 
 
@@ -506,7 +529,17 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     "spec": spec,
                     "status": status,
                 }
+            discovery = _DISCOVERY.match(path)
+            if discovery is not None and method == "GET":
+                return 200, _resource_list(server, discovery.group(1), discovery.group(2))
             resource, namespace, name, sub = _route(path)
+            if resource.group == "resource.k8s.io" and not server.dra_served:
+                raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+            if resource.plural == "resourceslices" and method in ("POST", "PUT"):
+                try:
+                    validate_slice(_json(body))
+                except Invalid as exc:
+                    raise ApiError(422, "Invalid", f"ResourceSlice is invalid: {exc}") from None
             scope = namespace if resource.namespaced else ""
             if sub in {"bindings", "binding"}:
                 if method != "POST":

@@ -21,6 +21,7 @@ SELECTABLE_FIELDS = {
         "status.nominatedNodeName",
     },
     "nodes": {"metadata.name", "spec.unschedulable"},
+    "resourceslices": {"metadata.name", "spec.nodeName", "spec.driver"},
     "events": {
         "metadata.name",
         "metadata.namespace",

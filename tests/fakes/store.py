@@ -46,6 +46,10 @@ RESOURCES = {
         Resource("", "v1", "namespaces", "Namespace", namespaced=False, has_status=True),
         Resource("", "v1", "serviceaccounts", "ServiceAccount", namespaced=True),
         Resource("coordination.k8s.io", "v1", "leases", "Lease", namespaced=True),
+        Resource("resource.k8s.io", "v1", "resourceslices", "ResourceSlice", namespaced=False),
+        Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", namespaced=True, has_status=True),
+        Resource("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", namespaced=True),
+        Resource("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", namespaced=False),
     )
 }
 
