@@ -40,6 +40,9 @@ SERVED: dict[tuple[str, str], tuple[int, int]] = {
     ("policy/v1beta1", "PodDisruptionBudget"): (5, 24),
     ("admissionregistration.k8s.io/v1", "MutatingWebhookConfiguration"): (16, 99),
     ("networking.k8s.io/v1", "NetworkPolicy"): (7, 99),
+    ("resource.k8s.io/v1", "DeviceClass"): (34, 99),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy"): (30, 99),
+    ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding"): (30, 99),
 }
 #: KubeSchedulerConfiguration, inside the ConfigMap: which API versions kube-scheduler reads.
 SCHEDULER_CONFIG_SERVED = {
@@ -106,8 +109,10 @@ def test_the_chart_is_gpushareds_release() -> None:
 @pytest.mark.parametrize("version", VERSIONS)
 def test_everything_rendered_is_served_by_the_clusters_version(render: Render, version: str) -> None:
     minor = int(version.split(".")[1])
-    docs = render("--set", "node.daemonset.enabled=true", version=version)
+    dra = ("--set", "dra.enabled=true") if minor >= 34 else ()
+    docs = render("--set", "node.daemonset.enabled=true", *dra, version=version)
     assert one(docs, "DaemonSet", "gpushared-node")
+    assert bool(dra) == any(d["kind"] == "DeviceClass" for d in docs)
     for doc in docs:
         first, last = SERVED[(doc["apiVersion"], doc["kind"])]
         assert first <= minor <= last, f"{doc['apiVersion']} {doc['kind']} is not served by {version}"
@@ -337,6 +342,44 @@ def test_the_node_daemonset_runs_the_daemon_on_the_nodes_paths(render: Render, t
     assert mounts["pod-resources"] == str(config.pod_resources_socket.parent)
     run = next(m for m in daemon["volumeMounts"] if m["name"] == "run")
     assert run["mountPropagation"] == "Bidirectional"  # MPS shm mounts reach the host, where clients mount them
+
+
+def test_dra_ships_deploy_dras_objects_and_runs_the_daemonset_as_a_dra_driver(render: Render, tmp_path: Path) -> None:
+    """dra.enabled (Kubernetes >= 1.34): the DeviceClass, RBAC and admission policy of deploy/dra/, and the
+    DaemonSet in mode: dra with the kubelet's plugin directories and the CDI directory at the node's paths."""
+    docs = render("--set", "dra.enabled=true", "--set", "node.daemonset.enabled=true", "-n", "kube-system")
+    source = [
+        d for name in ("deviceclass.yaml", "driver-rbac.yaml", "admission-policy.yaml") for d in shipped(f"dra/{name}")
+    ]
+    for kind, name in [
+        ("DeviceClass", "gpu-mem.gpushared.io"),
+        ("ClusterRole", "gpushared-dra-driver"),
+        ("ValidatingAdmissionPolicy", "gpushared-dra-own-slices"),
+        ("ValidatingAdmissionPolicyBinding", "gpushared-dra-own-slices"),
+    ]:
+        ours, theirs = one(docs, kind, name), one(source, kind, name)
+        assert ours.get("spec", ours.get("rules")) == theirs.get("spec", theirs.get("rules")), name
+    written = tmp_path / "config.yaml"
+    written.write_text(one(docs, "ConfigMap", "gpushared-node")["data"]["config.yaml"])
+    config = load_daemon_config(written, env={"GPUSHARED_NODE_NAME": "gpu-1"}, required=True)
+    assert config.dra and str(config.cdi_root) == "/var/run/cdi"
+    pod = one(docs, "DaemonSet", "gpushared-node")["spec"]["template"]["spec"]
+    volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    for name in ("plugins", "plugins-registry", "cdi"):
+        assert volumes[name] == mounts[name], name
+    assert mounts["plugins"] == str(config.dra_checkpoint.parent.parent)
+    assert mounts["plugins-registry"] == str(config.kubelet_dir / "plugins_registry")
+    assert mounts["cdi"] == str(config.cdi_root)
+    assert not [d for d in render("--set", "node.daemonset.enabled=true") if d["kind"] == "DeviceClass"]
+
+
+def test_dra_needs_kubernetes_1_34(helm: Path) -> None:
+    assert "dra.enabled needs Kubernetes 1.34 or later" in refused(
+        helm, "--set", "dra.enabled=true", "--kube-version", "1.29.0"
+    )
+    on = ("--set", "node.daemonset.enabled=true")
+    assert "node.daemonset.config" in refused(helm, *on, "--set", "node.daemonset.config.mode=dra")
 
 
 def test_the_node_daemonset_refusals(helm: Path) -> None:
