@@ -100,6 +100,19 @@ class SlicePublisher:
         self._published = None
 
 
+def withdraw_stale(api: ResourceApi, *, node: str, driver: str) -> None:
+    """A node in device-plugin mode deletes the slice it published in DRA mode, if any: a slice left behind
+    would have the scheduler allocate claims that nothing on the node prepares. Best effort, once at start:
+    clusters without DRA (404) and identities without its RBAC (403) have none to delete."""
+    try:
+        stale = api.list_slices(node=node, driver=driver)
+        for body in stale:
+            api.delete_slice(body["metadata"]["name"])
+            log.warning("deleted ResourceSlice %s: this node is in device-plugin mode now", body["metadata"]["name"])
+    except KubeError as exc:
+        log.debug("no stale ResourceSlice looked for: %s", exc)
+
+
 class DraDriver:
     """The kubelet plugin's decisions, for ``deviceplugin.draplugin``."""
 

@@ -17,7 +17,7 @@ from gpushared.core.bodies import NodeBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import TokenRenewer
-from gpushared.daemon.dra import DraDriver, DraLink, SlicePublisher
+from gpushared.daemon.dra import DraDriver, DraLink, SlicePublisher, withdraw_stale
 from gpushared.daemon.drabook import ClaimBook
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
@@ -115,6 +115,13 @@ class Running:
         else:
             plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
             kubelet = KubeletLink(plugin, metrics=metrics)
+            threading.Thread(
+                target=withdraw_stale,
+                args=(ResourceApi(api.rest),),
+                kwargs={"node": config.node_name, "driver": config.dra_driver},
+                name="stale-slices",
+                daemon=True,
+            ).start()
         renewer = None
         if config.renewed_token_file is not None:
             renewer = TokenRenewer.attach(api, saved=config.renewed_token_file, node=config.node_name, metrics=metrics)

@@ -120,6 +120,11 @@ class LocalCluster:
         return self._versions[binary]
 
     @property
+    def cdi_root(self) -> Path:
+        """Where containerd (>= 1.7) reads CDI specs and gpushared in DRA mode writes them."""
+        return self.state / "cdi"
+
+    @property
     def server(self) -> str:
         return f"https://127.0.0.1:{self.ports.apiserver}"
 
@@ -248,6 +253,7 @@ class LocalCluster:
                 "--advertise-address", "127.0.0.1",
                 "--secure-port", self.ports.apiserver,
                 *versions.apiserver_flags(self.version("kube-apiserver")),
+                *versions.feature_gate_flags(self.version("kube-apiserver")),
                 "--tls-cert-file", pki / "apiserver.crt",
                 "--tls-private-key-file", pki / "apiserver.key",
                 "--client-ca-file", pki / "ca.crt",
@@ -298,6 +304,7 @@ class LocalCluster:
                 "--bind-address", "127.0.0.1",
                 "--secure-port", self.ports.controller_manager,
                 *versions.insecure_port_flags(self.version("kube-controller-manager")),
+                *versions.feature_gate_flags(self.version("kube-controller-manager")),
                 "--leader-elect=false",
                 "--service-account-private-key-file", pki / "sa.key",
                 "--root-ca-file", pki / "ca.crt",

@@ -37,6 +37,8 @@ USERS = {
     "admin": ("admin", "system:masters"),
     "gpushared-node": ("system:serviceaccount:kube-system:gpushared-node", "system:serviceaccounts"),
     "gpushared-extender": ("system:serviceaccount:kube-system:gpushared-extender", "system:serviceaccounts"),
+    # the node's own identity (scripts/node-kubeconfig --node): what DRA nodes run as (tests/e2e/test_dra.py)
+    "gpushared-node-own": (f"system:serviceaccount:kube-system:gpushared-node-{NODE}", "system:serviceaccounts"),
 }
 
 

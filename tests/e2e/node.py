@@ -82,6 +82,7 @@ state = "{base}/state"
   sandbox_image = "{PAUSE_IMAGE}"
   # The sandbox lacks CAP_SYS_RESOURCE: without this runc cannot lower a container's oom_score_adj.
   restrict_oom_score_adj = true
+  {versions.containerd_cdi(c.version("containerd"), spec_dirs=[str(c.cdi_root)])}
 [{cri}.containerd]
   snapshotter = "overlayfs"
   default_runtime_name = "runc"
@@ -216,13 +217,15 @@ state = "{base}/state"
 
     # --- the gpushared daemon --------------------------------------------------------------------------------
 
-    def start_daemon(self, *, memory_unit: str = "GiB") -> None:
+    def start_daemon(self, *, memory_unit: str = "GiB", dra: bool = False) -> None:
+        """The daemon as the .deb runs it; ``dra``: in DRA mode (docs/dra.md), the device plugin off."""
         c = self.cluster
         gpus = c.gpus
         gpus.make_device_nodes(gpus.gpu_count())
         config = {
             "nodeName": NODE,
-            "kubeconfig": str(c.kubeconfig_for("gpushared-node")),
+            # a DRA node writes its own slice: it runs as its own identity (deploy/dra/admission-policy.yaml)
+            "kubeconfig": str(c.kubeconfig_for("gpushared-node-own" if dra else "gpushared-node")),
             "kubeletDir": str(KUBELET_ROOT),
             "memoryUnit": memory_unit,
             # Both ways at once: the UUIDs for NVIDIA's hook (absent here) and the device files, which
@@ -240,6 +243,9 @@ state = "{base}/state"
                 "probeSeconds": 1,
             },
         }
+        if dra:
+            config["mode"] = "dra"
+            config["dra"] = {"cdiRoot": str(c.cdi_root)}
         (c.state / "gpushared.yaml").write_text(yaml.safe_dump(config))
         c.processes.spawn(
             "gpushared",
@@ -247,9 +253,9 @@ state = "{base}/state"
             env={"LD_LIBRARY_PATH": str(gpus.file.parent), "FAKE_NVML_CONFIG": str(gpus.file)},
         )
 
-    def restart_daemon(self, *, memory_unit: str = "GiB") -> None:
+    def restart_daemon(self, *, memory_unit: str = "GiB", dra: bool = False) -> None:
         self.cluster.processes.stop("gpushared")
-        self.start_daemon(memory_unit=memory_unit)
+        self.start_daemon(memory_unit=memory_unit, dra=dra)
 
     @property
     def status_socket(self) -> Path:

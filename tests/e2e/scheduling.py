@@ -135,6 +135,7 @@ class Scheduling:
                 "--bind-address", "127.0.0.1",
                 "--secure-port", p.scheduler,
                 *versions.insecure_port_flags(version),
+                *versions.feature_gate_flags(version),
                 *versions.scheduler_auth_flags(version, kubeconfig=str(c.kubeconfig_for("admin"))),
             ],
             env=env,

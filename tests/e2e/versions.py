@@ -16,6 +16,11 @@ What changed, and where (upstream changelogs):
 - kubelet ``failCgroupV1``: from 1.35 the kubelet refuses cgroup v1 hosts unless it is false (field: 1.31+).
 - PodDisruptionBudget: ``policy/v1`` from 1.21 (what deploy/ ships), ``policy/v1beta1`` before.
 - ServiceAccount token Secrets: created by the controller manager before 1.24, not after.
+- DRA (``resource.k8s.io/v1``): GA in 1.34, on by default; its consumable capacity (KEP-5075, what lets a
+  claim take part of a GPU) is alpha in 1.34-1.35, behind ``DRAConsumableCapacity`` on the API server, the
+  scheduler, the controller manager and the kubelet, and beta, on by default, from 1.36.
+- containerd: CDI (what a prepared claim's devices are given to a container by) from 1.7, behind the CRI
+  plugin's ``enable_cdi``; on by default in 2.0, whose configuration is version 3.
 - kube-scheduler configuration: ``v1beta1`` (1.18-1.22, with ``healthzBindAddress``/``metricsBindAddress``),
   ``v1beta3`` (1.23-1.28, same extender fields, no bind addresses), ``v1`` (1.25+): from 1.25 the scheduler
   runs ``deploy/scheduler-config.yaml`` as shipped.
@@ -134,6 +139,8 @@ def kubelet(version: Version, *, runtime_endpoint: str, pause_image: str, cgroup
         flags += ["--pod-infra-container-image", pause_image]
     if cgroup_v1 and version.at_least(31):
         config["failCgroupV1"] = False
+    if feature_gates(version):
+        config["featureGates"] = feature_gates(version)
     return KubeletChoice(flags, config)
 
 
@@ -145,3 +152,29 @@ def pdb_api(version: Version) -> str:
 def creates_token_secrets(version: Version) -> bool:
     """Whether the controller manager still makes a token Secret for every ServiceAccount."""
     return not version.at_least(24)
+
+
+def serves_dra(version: Version) -> bool:
+    """Whether the API server serves ``resource.k8s.io/v1`` (DRA GA), which gpushared's DRA mode uses."""
+    return version.at_least(34)
+
+
+def feature_gates(version: Version) -> dict[str, bool]:
+    """The gates every component of this version runs with: DRA's consumable capacity where it is alpha."""
+    return {"DRAConsumableCapacity": True} if version.at_least(34) and not version.at_least(36) else {}
+
+
+def feature_gate_flags(version: Version) -> list[str]:
+    gates = feature_gates(version)
+    if not gates:
+        return []
+    return ["--feature-gates", ",".join(f"{name}={str(on).lower()}" for name, on in sorted(gates.items()))]
+
+
+def containerd_cdi(version: Version, *, spec_dirs: list[str]) -> str:
+    """The lines of the CRI plugin's section of containerd's (version 2) configuration that turn CDI on and
+    name where specs are; empty before 1.7, which has no CDI. (``Version`` reads containerd's own too.)"""
+    if (version.major, version.minor) < (1, 7):
+        return ""
+    dirs = ", ".join(f'"{d}"' for d in spec_dirs)
+    return f"enable_cdi = true\n  cdi_spec_dirs = [{dirs}]\n"

@@ -23,7 +23,7 @@ from tests.fakes.kubelet import FakeKubelet
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.store import RESOURCES
 from tests.fakes.systemd import NotifySocket
-from tests.harness import NODE, Daemon, node_body, wait_until
+from tests.harness import GPU_MEM, NODE, Daemon, node_body, wait_until
 
 #: MiB: 16, 12, 24 and 8 GiB
 SIZES = (16384, 12288, 24576, 8192)
@@ -275,3 +275,12 @@ def test_an_api_server_without_dra_stops_the_daemon_with_the_reason(world: tuple
     daemon.start()
     assert daemon.wait_exit() != 0
     assert "mode: dra needs the API server to serve resource.k8s.io/v1 (Kubernetes 1.34 or later)" in daemon.log()
+
+
+def test_a_node_back_in_device_plugin_mode_withdraws_its_slice(world: tuple[Daemon, FakeDraKubelet]) -> None:
+    daemon, _ = started(world)
+    daemon.stop()
+    daemon.write_config(mode="device-plugin")
+    daemon.start()
+    daemon.kubelet.wait_for(GPU_MEM, capacity=16 + 12 + 24 + 8)
+    wait_until(lambda: not daemon.api.objects("resourceslices"), message="the DRA slice deleted")

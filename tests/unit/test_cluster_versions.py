@@ -74,6 +74,12 @@ KUBELET = [
         {},
     ),
     ("1.29.4", True, ["--pod-infra-container-image", PAUSE], {"containerRuntimeEndpoint": ENDPOINT}),
+    (
+        "1.34.1",
+        False,
+        ["--pod-infra-container-image", PAUSE],
+        {"containerRuntimeEndpoint": ENDPOINT, "featureGates": {"DRAConsumableCapacity": True}},
+    ),
     ("1.36.0", True, [], {"containerRuntimeEndpoint": ENDPOINT, "failCgroupV1": False}),
     ("1.36.0", False, [], {"containerRuntimeEndpoint": ENDPOINT}),
 ]
@@ -108,3 +114,33 @@ def test_the_scheduler_runs_the_shipped_file_with_only_the_harness_fields_change
 def test_v1beta3_and_v1_files_carry_the_same_extender_fields() -> None:
     """1.23-1.24 run the v1 file under v1beta3: that holds only while the extender entries are the same."""
     assert scheduler_config(SCHEDULER_V1)["extenders"] == scheduler_config(SCHEDULER_V1BETA1)["extenders"]
+
+
+@pytest.mark.parametrize(
+    ("version", "dra", "flags"),
+    [
+        ("1.20.2", False, []),
+        ("1.33.5", False, []),
+        ("1.34.1", True, ["--feature-gates", "DRAConsumableCapacity=true"]),
+        ("1.35.0", True, ["--feature-gates", "DRAConsumableCapacity=true"]),
+        ("1.36.2", True, []),
+    ],
+)
+def test_dra_and_its_consumable_capacity_by_version(version: str, dra: bool, flags: list[str]) -> None:
+    v = Version.parse(version)
+    assert versions.serves_dra(v) is dra
+    assert versions.feature_gate_flags(v) == flags
+
+
+@pytest.mark.parametrize(
+    ("text", "on"),
+    [
+        ("containerd github.com/containerd/containerd 1.6.20~ds1 1.6.20~ds1-1+b1", False),
+        ("containerd 1.7.24~ds1", True),
+    ],
+)
+def test_cdi_in_containerd_from_1_7(text: str, on: bool) -> None:
+    lines = versions.containerd_cdi(Version.parse(text), spec_dirs=["/x/cdi"])
+    assert bool(lines) is on
+    if on:
+        assert lines == 'enable_cdi = true\n  cdi_spec_dirs = ["/x/cdi"]\n'
