@@ -28,6 +28,7 @@ import enum
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
@@ -35,6 +36,7 @@ from gpushared.core.bodies import PodBody, annotations_of, key_of, uid_of
 from gpushared.core.cgroups import CgroupOwner, container_id_of
 from gpushared.core.devices import gpu_of
 from gpushared.core.handshake import slots_of
+from gpushared.core.prepare import PreparedClaim
 from gpushared.core.requests import pod_request
 
 
@@ -343,3 +345,46 @@ def owner_ref(owner: CgroupOwner | None, pods: Mapping[str, PodBody]) -> Contain
             namespace, name = key_of(pod)
             return ContainerRef(owner.pod_uid, namespace, name, container.get("name", ""))
     return None
+
+
+def claim_allowances(
+    pod: PodBody, claims: Mapping[tuple[str, str], PreparedClaim], *, node: Enforcement
+) -> dict[tuple[str, str], Allowance]:
+    """What each container of a DRA pod may use, from the claims prepared on the node (``claims``: by
+    namespace and name). A container names the pod's claims it uses (``resources.claims``, optionally one
+    request of each); the pod maps each to a ResourceClaim (``spec.resourceClaims``, or for a template the
+    claim generated for it, ``status.resourceClaimStatuses``). The container may use what those claims hold
+    on each GPU. Containers that share a claim share its memory: each is judged against the whole of it."""
+    uid = uid_of(pod)
+    namespace = key_of(pod)[0]
+    enforcement = pod_enforcement(node, annotations_of(pod).get(contract.POD_MEMORY_ENFORCEMENT))
+    spec: Any = pod.get("spec") or {}
+    status: Any = pod.get("status") or {}
+    names: dict[str, str] = {}
+    for entry in spec.get("resourceClaims") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("resourceClaimName"), str):
+            names[str(entry.get("name"))] = entry["resourceClaimName"]
+    for entry in status.get("resourceClaimStatuses") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("resourceClaimName"), str):
+            names[str(entry.get("name"))] = entry["resourceClaimName"]
+    allowances: dict[tuple[str, str], Allowance] = {}
+    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
+        if not isinstance(container, dict):
+            continue
+        allocated: dict[int, int] = defaultdict(int)
+        mps = False
+        for ref in (container.get("resources") or {}).get("claims") or []:
+            if not isinstance(ref, dict):
+                continue
+            claim = claims.get((namespace, names.get(str(ref.get("name")), "")))
+            if claim is None:
+                continue
+            request = ref.get("request")
+            for device in claim.devices:
+                if request and request not in (device.request, device.request.split("/", 1)[0]):
+                    continue
+                allocated[device.index] += device.memory_mib
+                mps = mps or device.mps
+        if allocated:
+            allowances[(uid, str(container.get("name", "")))] = Allowance(dict(allocated), enforcement, mps)
+    return allowances

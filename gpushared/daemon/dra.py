@@ -187,6 +187,15 @@ class DraDriver:
                     errors[ref.uid] = f"claim {ref.key}: cannot update the checkpoint: {exc}"
         return errors
 
+    def claimed(self) -> dict[int, tuple[int, int]]:
+        """GPU index -> (memory in the node's unit, compute percent) the prepared claims hold there."""
+        held: dict[int, tuple[int, int]] = {}
+        for claim in self.book.claims():
+            for device in claim.devices:
+                memory, compute = held.get(device.index, (0, 0))
+                held[device.index] = (memory + device.memory, compute + device.compute)
+        return held
+
     def status(self) -> list[dict[str, Any]]:
         """The prepared claims, for `gpushared status` and the inspect tool."""
         return [

@@ -32,6 +32,8 @@ class ClaimBook:
         self.cdi_root = cdi_root
         self._claims: dict[str, PreparedClaim] = {}
         self._lock = threading.Lock()
+        #: changes whenever the prepared claims do (the memory watcher reads their pods' allowances again)
+        self.version = 0
 
     def load(self) -> None:
         """Read the checkpoint; write the specs it names that are missing, remove those it does not name."""
@@ -50,6 +52,7 @@ class ClaimBook:
                 return
         with self._lock:
             self._claims = {c.ref.uid: c for c in claims}
+            self.version += 1
             for claim in claims:
                 path = self.cdi_path(claim.ref.uid)
                 if not path.exists():
@@ -66,6 +69,11 @@ class ClaimBook:
         with self._lock:
             return list(self._claims.values())
 
+    def by_name(self) -> dict[tuple[str, str], PreparedClaim]:
+        """The prepared claims by namespace and name, as pods name them."""
+        with self._lock:
+            return {(c.ref.namespace, c.ref.name): c for c in self._claims.values()}
+
     def get(self, uid: str) -> PreparedClaim | None:
         with self._lock:
             return self._claims.get(uid)
@@ -80,6 +88,7 @@ class ClaimBook:
             claims = {**self._claims, claim.ref.uid: claim}
             _write(self.checkpoint, format_checkpoint(list(claims.values())))
             self._claims = claims
+            self.version += 1
 
     def forget(self, uid: str) -> bool:
         """Checkpoint first, then the spec; False when the claim was not prepared here (nothing to do)."""
@@ -90,6 +99,7 @@ class ClaimBook:
             claims = {k: v for k, v in self._claims.items() if k != uid}
             _write(self.checkpoint, format_checkpoint(list(claims.values())))
             self._claims = claims
+            self.version += 1
             self.cdi_path(uid).unlink(missing_ok=True)
             return True
 

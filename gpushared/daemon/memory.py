@@ -42,11 +42,13 @@ from gpushared.core.memory import (
     MemoryPolicy,
     Report,
     allowances_of,
+    claim_allowances,
     decide_memory,
     enforcement_problem,
     given_by_kubelet,
     owner_ref,
 )
+from gpushared.core.prepare import PreparedClaim
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
@@ -137,7 +139,15 @@ class GpuView:
 
 
 #: what a poll read of the pods: ((the pods' version, GPU indices), pods by UID, their containers' allowances)
-_Read = tuple[tuple[int, tuple[int, ...]], dict[str, "PodBody"], dict[tuple[str, str], "Allowance"]]
+_Read = tuple[tuple[int, tuple[int, ...], int], dict[str, "PodBody"], dict[tuple[str, str], "Allowance"]]
+
+
+@dataclass(frozen=True)
+class ClaimsView:
+    """The DRA claims prepared on the node, by namespace and name, and a count that changes with them."""
+
+    claims: Callable[[], Mapping[tuple[str, str], PreparedClaim]]
+    version: Callable[[], int]
 
 
 class MemoryWatcher:
@@ -159,10 +169,12 @@ class MemoryWatcher:
         proc: Path = Path("/proc"),
         clock: Callable[[], float] = time.monotonic,
         compute: ComputeWatcher | None = None,
+        claims: ClaimsView | None = None,
     ) -> None:
         """``pods_version``: a count that changes whenever ``pods()`` would answer differently (the pod
         mirror's changes); while it stands, a poll reuses the pods and allowances of the last one.
-        ``compute``: given the processes each poll found and their containers, to watch their SM use."""
+        ``compute``: given the processes each poll found and their containers, to watch their SM use.
+        ``claims``: in DRA mode, the claims prepared on the node, which give their pods' containers theirs."""
         self.backend = backend
         self.gpus = gpus
         self.pods = pods
@@ -182,12 +194,13 @@ class MemoryWatcher:
         self.proc = proc
         self.clock = clock
         self.compute = compute
+        self.claims = claims
         self.last = MemoryDecision()
         self._uuids: dict[int, str] = {}
         self._episodes: dict[EpisodeKey, Episode] = {}
         self._unreadable: set[str] = set()  # GPUs whose processes NVML would not list, logged once
-        #: pod UID -> (resourceVersion, GPU indices, its containers' allowances)
-        self._known: dict[str, tuple[str, tuple[int, ...], dict[tuple[str, str], Allowance]]] = {}
+        #: pod UID -> (resourceVersion, (GPU indices, claims' version), its containers' allowances)
+        self._known: dict[str, tuple[str, tuple[tuple[int, ...], int], dict[tuple[str, str], Allowance]]] = {}
         metrics.watch_containers(self.series)
 
     def run(self, stop: threading.Event) -> None:
@@ -237,7 +250,8 @@ class MemoryWatcher:
         """The node's pods by UID and their containers' allowances; read again only when the pod mirror or the
         GPUs changed since the last poll (an idle node's poll was mostly this: 400 pods walked every 2 s)."""
         indices = tuple(gpu.index for gpu in gpus)
-        version = (self.pods_version(), indices) if self.pods_version is not None else None
+        claims = self.claims.version() if self.claims is not None else 0
+        version = (self.pods_version(), indices, claims) if self.pods_version is not None else None
         if version is not None and self._read is not None and self._read[0] == version:
             return self._read[1], self._read[2]
         pods = {uid_of(pod): pod for pod in self.pods()}
@@ -250,22 +264,27 @@ class MemoryWatcher:
         """Every container's allowance, each pod's worked out again only when its resourceVersion (or the
         node's GPUs) changed: parsing 400 pods' records took half of a poll."""
         indices = tuple(gpu.index for gpu in gpus)
+        prepared = self.claims.claims() if self.claims is not None else {}
+        # a claim prepared or gone changes its pod's allowances without a new resourceVersion
+        basis = (indices, self.claims.version() if self.claims is not None else 0)
         allowances: dict[tuple[str, str], Allowance] = {}
-        kept: dict[str, tuple[str, tuple[int, ...], dict[tuple[str, str], Allowance]]] = {}
+        kept: dict[str, tuple[str, tuple[tuple[int, ...], int], dict[tuple[str, str], Allowance]]] = {}
         for uid, pod in pods.items():
             version = meta_of(pod).get("resourceVersion") or ""
             known = self._known.get(uid)
-            if version and known is not None and known[:2] == (version, indices):
+            if version and known is not None and known[:2] == (version, basis):
                 found = known[2]
             else:
                 found = allowances_of(
                     pod, unit=self.unit, resources=self.resources, node=self.enforcement, gpus=list(indices)
                 )
+                if prepared:
+                    found.update(claim_allowances(pod, prepared, node=self.enforcement))
                 problem = enforcement_problem(pod, self.enforcement)
                 if problem is not None and (known is None or known[0] != version):
                     log.warning("pod %s: %s", qualified_name(pod), problem)
                     self.outbox.event(pod, EVENT_BAD_ANNOTATION, problem, warning=True)
-            kept[uid] = (version, indices, found)
+            kept[uid] = (version, basis, found)
             allowances.update(found)
         self._known = kept
         return allowances

@@ -23,7 +23,7 @@ from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager
-from gpushared.daemon.memory import GpuView, MemoryWatcher
+from gpushared.daemon.memory import ClaimsView, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
@@ -107,12 +107,12 @@ class Running:
         )
         manager.refresh(parts.gpus.devices, parts.gpus.links)
         metrics.watch_pods(manager.pod_shares)
-        memory = _memory_watcher(parts, manager, pods)
         dra = None
         kubelet: KubeletLink | DraLink
         if config.dra:
             dra, kubelet = _dra_driver(config, api, manager, watching_node)
-        else:
+        memory = _memory_watcher(parts, manager, pods, dra)
+        if dra is None:
             plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)
             kubelet = KubeletLink(plugin, metrics=metrics)
             threading.Thread(
@@ -187,7 +187,7 @@ def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeB
     return driver, DraLink(plugin, slices, lambda: manager.inventory)
 
 
-def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWatcher:
+def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch, dra: DraDriver | None) -> MemoryWatcher:
     """The memory watcher (docs/memory.md). It runs with the node's enforcement off too: a pod's
     annotation may still ask for report or kill."""
     config = parts.config
@@ -205,4 +205,5 @@ def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch) -> MemoryWat
         pod_devices=lambda: list_pod_devices(config.pod_resources_socket, resource=parts.resources.gpu_mem),
         pods_version=lambda: pods.changes,
         compute=ComputeWatcher(backend=parts.backend, outbox=manager.outbox, metrics=parts.metrics),
+        claims=None if dra is None else ClaimsView(claims=dra.book.by_name, version=lambda: dra.book.version),
     )

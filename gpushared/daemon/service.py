@@ -252,16 +252,18 @@ class Service:
         self.notifier.status(text)
         # Building the ledger reads every pod of the node: twice a second for a gauge that changes only with
         # the pods or the GPUs was most of what an idle daemon spent (docs/benchmarks.md, "Idle, again").
-        key = manager.ledger_key()
+        key = (manager.ledger_key(), running.dra.book.version if running.dra is not None else 0)
         if key == self._reported:
             return
         self._reported = key
         ledger = manager.ledger()
+        claimed = running.dra.claimed() if running.dra is not None else {}  # DRA mode: the prepared claims
         for gpu in inventory.gpus:
-            used = self.config.memory_unit.to_bytes(ledger.used(gpu.index))
+            memory, compute = claimed.get(gpu.index, (0, 0))
+            used = self.config.memory_unit.to_bytes(ledger.used(gpu.index) + memory)
             labels = self.metrics.gpu_labels(gpu)
             self.metrics.gpu_used.labels(**labels).set(used)
-            self.metrics.gpu_compute_requested.labels(**labels).set(ledger.compute_used(gpu.index) / 100)
+            self.metrics.gpu_compute_requested.labels(**labels).set((ledger.compute_used(gpu.index) + compute) / 100)
 
     def _apply_reload(self) -> None:
         """SIGHUP: re-read the config; apply what can change live, name what needs a restart."""

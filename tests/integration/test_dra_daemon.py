@@ -14,6 +14,7 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from gpushared.contract import dra
 from tests.fakes.apiserver import FakeApiServer, Fault
@@ -111,6 +112,16 @@ def cdi_spec(daemon: Daemon, uid: str) -> dict[str, Any]:
     return json.loads((daemon.workdir / "cdi" / f"gpushared.io-claim_{uid}.json").read_text())  # type: ignore[no-any-return]
 
 
+def allocated_bytes(daemon: Daemon) -> dict[str, float]:
+    """gpushared_gpu_memory_allocated_bytes by GPU index."""
+    return {
+        sample.labels["gpu"]: sample.value
+        for family in text_string_to_metric_families(daemon.metrics_text())
+        if family.name == "gpushared_gpu_memory_allocated_bytes"
+        for sample in family.samples
+    }
+
+
 def claim_reads(daemon: Daemon) -> int:
     return sum(1 for r in daemon.api.requests if r.method == "GET" and "/resourceclaims/" in r.path)
 
@@ -170,6 +181,12 @@ def test_prepare_writes_the_cdi_spec_answers_again_from_the_checkpoint_and_unpre
     assert kubelet.unprepare(dra.DRIVER, first) == {first.uid: ""}, "unprepare is idempotent"
     claims = daemon.status()["claims"]
     assert [(c["name"], [d["memory"] for d in c["devices"]]) for c in claims] == [("b", [6])]
+    # the GPU's memory gauge counts DRA claims as it counts device-plugin pods
+    (left,) = claims[0]["devices"]
+    wait_until(
+        lambda: allocated_bytes(daemon).get(str(left["gpu"])) == 6 * 2**30,
+        message="the claim's memory in gpushared_gpu_memory_allocated_bytes",
+    )
 
 
 def test_a_killed_daemon_comes_back_with_its_claims(world: tuple[Daemon, FakeDraKubelet]) -> None:

@@ -16,12 +16,15 @@ import pynvml
 import pytest
 
 from gpushared import contract
-from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
+from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit, dra
 from gpushared.core.binding import bind_annotations
+from gpushared.core.claims import ClaimRef
+from gpushared.core.exposure import ExposurePolicy
 from gpushared.core.memory import Enforcement, MemoryPolicy
+from gpushared.core.prepare import DraNode, PreparedClaim, decide
 from gpushared.core.requests import pod_request
 from gpushared.daemon.compute import EVENT_COMPUTE_OVER_LIMIT, ComputeWatcher
-from gpushared.daemon.memory import EVENT_OVER_LIMIT, GpuView, MemoryWatcher
+from gpushared.daemon.memory import EVENT_OVER_LIMIT, ClaimsView, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.nvml.backend import NvmlBackend
 from tests.builders import inventory, pod
@@ -295,3 +298,49 @@ def test_sm_use_is_measured_per_container_and_use_over_the_compute_limit_reporte
     assert samples[("gpushared_container_gpu_compute_limit_ratio", "capped")] == 0.4
     assert ("gpushared_container_gpu_compute_limit_ratio", "free") not in samples
     assert metrics.compute_overruns._value.get() == 2
+
+
+def test_a_dra_pods_containers_may_use_what_their_claims_hold(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
+) -> None:
+    """DRA mode: a container that uses a claim prepared on the node is judged against the claim's memory on
+    its GPU, not as a container that asked for none; a claim prepared later is seen at the next poll."""
+    proc = tmp_path / "proc"
+    worker = subprocess.Popen(["sleep", "60"])
+    children.append(worker)
+    body = pod("trainer", 0, node="n1", uid=UID_A)
+    body["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu-3gi"}]
+    body["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpu"}]}
+    running(body, body["spec"]["containers"][0]["name"], ID_A)
+    body["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": "trainer-gpu-x7k2"}]
+    in_container(proc, worker.pid, UID_A, ID_A)
+    fake_nvml.set_processes(1, (worker.pid, 3000))
+    inventory = contract.GpuInventory(
+        unit=MemoryUnit.GIB,
+        gpus=tuple(
+            contract.GpuInfo(i, g.uuid, "m", g.memory_mib // 1024, g.memory_mib) for i, g in enumerate(fake_nvml.gpus)
+        ),
+    )
+    ref = ClaimRef("default", "trainer-gpu-x7k2", "claim-uid")
+    result = {
+        "request": "gpu",
+        "driver": dra.DRIVER,
+        "pool": "n1",
+        "device": dra.device_name(fake_nvml.gpus[1].uuid),
+        "consumedCapacity": {"memory": "3Gi"},
+    }
+    claim = {"metadata": {"uid": "claim-uid"}, "status": {"allocation": {"devices": {"results": [result]}}}}
+    prepared = decide(ref, claim, DraNode(name="n1", inventory=inventory, exposure=ExposurePolicy(device_nodes=False)))
+    assert isinstance(prepared, PreparedClaim)
+    book: dict[tuple[str, str], PreparedClaim] = {}
+    version = [0]
+    events, now = Events(), [100.0]
+    watch = watcher(backend, fake_nvml, [body], proc, events, now=now)
+    watch.claims = ClaimsView(claims=lambda: dict(book), version=lambda: version[0])
+
+    before = watch.poll()
+    assert [(u.ref.pod, u.used_mib, u.allocated_mib) for u in before.usages] == [("trainer", 3000, 0)]
+    book[(ref.namespace, ref.name)] = prepared
+    version[0] += 1
+    after = watch.poll()
+    assert [(u.ref.pod, u.gpu, u.used_mib, u.allocated_mib) for u in after.usages] == [("trainer", 1, 3000, 3072)]

@@ -12,6 +12,7 @@ from gpushared.core.allocate import MpsDaemon
 from gpushared.core.checkpoint import format_checkpoint, parse_checkpoint
 from gpushared.core.claims import ClaimRef, allocated_devices
 from gpushared.core.exposure import ExposurePolicy, Strategy
+from gpushared.core.memory import Allowance, Enforcement, claim_allowances
 from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide
 
 GPUS = (
@@ -273,3 +274,55 @@ def test_the_checkpoint_holds_everything_a_spec_is_made_of() -> None:
 def test_a_checkpoint_that_does_not_parse_is_an_error_not_a_crash(text: str) -> None:
     with pytest.raises(ContractError):
         parse_checkpoint(text)
+
+
+# --- what a DRA pod's containers may use (core.memory.claim_allowances) -------------------------------------
+
+
+def dra_pod(
+    *containers: dict[str, Any], claims: list[dict[str, Any]], statuses: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "metadata": {"name": "p", "namespace": "team", "uid": "pod-uid"},
+        "spec": {"resourceClaims": claims, "containers": list(containers)},
+        "status": {},
+    }
+    if statuses is not None:
+        body["status"]["resourceClaimStatuses"] = statuses
+    return body
+
+
+def test_containers_may_use_what_the_claims_they_name_hold() -> None:
+    two = decide(REF, claim(result(G0, "3Gi", request="a"), result(G1, "5Gi", request="b")), NODE)
+    assert isinstance(two, PreparedClaim)
+    book = {("team", "train"): two}
+    body = dra_pod(
+        {"name": "both", "resources": {"claims": [{"name": "gpus"}]}},
+        {"name": "only-b", "resources": {"claims": [{"name": "gpus", "request": "b"}]}},
+        {"name": "none"},
+        {"name": "elsewhere", "resources": {"claims": [{"name": "other"}]}},
+        claims=[{"name": "gpus", "resourceClaimName": "train"}, {"name": "other", "resourceClaimName": "unprepared"}],
+    )
+    found = claim_allowances(body, book, node=Enforcement.REPORT)
+    assert found == {
+        ("pod-uid", "both"): Allowance({0: 3072, 1: 5120}, Enforcement.REPORT),
+        ("pod-uid", "only-b"): Allowance({1: 5120}, Enforcement.REPORT),
+    }
+
+
+def test_a_claim_made_from_a_template_is_found_by_the_name_the_pod_status_gives() -> None:
+    mps = decide(
+        ClaimRef("team", "p-gpu-x7k2", "uid-m"),
+        claim(result(G0, "2Gi"), config=[opaque(MPS_CONFIG)], uid="uid-m"),
+        NODE,
+    )
+    assert isinstance(mps, PreparedClaim)
+    body = dra_pod(
+        {"name": "app", "resources": {"claims": [{"name": "gpu"}]}},
+        claims=[{"name": "gpu", "resourceClaimTemplateName": "gpu-2gi"}],
+        statuses=[{"name": "gpu", "resourceClaimName": "p-gpu-x7k2"}],
+    )
+    assert claim_allowances(body, {("team", "p-gpu-x7k2"): mps}, node=Enforcement.KILL) == {
+        ("pod-uid", "app"): Allowance({0: 2048}, Enforcement.KILL, mps=True)
+    }
+    assert claim_allowances(body, {("elsewhere", "p-gpu-x7k2"): mps}, node=Enforcement.KILL) == {}
