@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gpushared.contract import ContractError, dra
+from gpushared.contract import ContractError, GpuInventory, dra
+from gpushared.core.ledger import Holding
 from gpushared.core.quantity import parse_whole_quantity
 
 
@@ -134,3 +135,45 @@ def _percent(where: str, value: object) -> int:
     if amount > 100:
         raise ContractError(key=where, value=value, reason="is more than 100 percent of a GPU")
     return amount
+
+
+def claim_holdings(
+    claims: Sequence[Mapping[str, Any]], *, node: str, inventory: GpuInventory, driver: str = dra.DRIVER
+) -> tuple[list[Holding], list[str]]:
+    """(holdings, problems): what the ResourceClaims allocated on ``node``'s GPUs hold there, one holding per
+    allocated device, named ``resourceclaim/<name>`` beside the pods (the inspect tool's view of a DRA
+    node). A device that is not one of the node's GPUs, or a claim that does not parse, is a problem."""
+    by_name = {dra.device_name(gpu.uuid): gpu for gpu in inventory.gpus}
+    unit_bytes = inventory.unit.to_bytes(1)
+    holdings: list[Holding] = []
+    problems: list[str] = []
+    for claim in claims:
+        meta = claim.get("metadata") or {}
+        key = f"{meta.get('namespace')}/{meta.get('name')}"
+        if not (claim.get("status") or {}).get("allocation"):
+            continue
+        try:
+            devices = allocated_devices(claim, driver=driver)
+        except ContractError as exc:
+            problems.append(f"claim {key}: {exc}")
+            continue
+        for device in devices:
+            if device.pool != node:
+                continue
+            gpu = by_name.get(device.device)
+            if gpu is None:
+                problems.append(f"claim {key}: device {device.device} is not a GPU of node {node}")
+                continue
+            memory = gpu.memory if device.memory is None else -(-device.memory // unit_bytes)
+            holdings.append(
+                Holding(
+                    uid=f"{meta.get('uid')}/{device.request}/{device.device}",
+                    namespace=str(meta.get("namespace", "")),
+                    name=f"resourceclaim/{meta.get('name')}",
+                    gpus={gpu.index: memory},
+                    mps=device.config.mps,
+                    assigned=True,
+                    compute=device.compute,
+                )
+            )
+    return holdings, problems

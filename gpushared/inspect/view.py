@@ -12,9 +12,11 @@ from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.bodies import NodeBody, PodBody, node_of
+from gpushared.core.claims import claim_holdings
 from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
-from gpushared.kube.api import Api
+from gpushared.kube.api import Api, KubeError
+from gpushared.kube.resources import ResourceApi
 
 
 def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> tuple[list[dict[str, Any]], list[str]]:
@@ -27,9 +29,14 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
             by_node.setdefault(node_of(pod), []).append(pod)
     reports: list[dict[str, Any]] = []
     warnings: list[str] = []
+    claims = _claims(api, warnings)
     for body, inventory in gpushared_nodes(sorted(nodes, key=lambda n: n["metadata"]["name"]), resources, warnings):
         name = body["metadata"]["name"]
         ledger = Ledger.build(inventory)
+        held, problems = claim_holdings(claims, node=name, inventory=inventory)
+        warnings += problems
+        for claimed in held:
+            ledger.add(claimed)
         for pod in by_node.get(name, []):
             holding = holding_from_pod(pod, unit=inventory.unit, resources=resources)
             if holding is not None:
@@ -42,6 +49,17 @@ def collect(api: Api, *, resources: ResourceNames, node: str | None = None) -> t
         )
         reports.append(node_report(name=name, address=address, inventory=inventory, holdings=ledger.holdings()))
     return reports, warnings
+
+
+def _claims(api: Api, warnings: list[str]) -> list[dict[str, Any]]:
+    """The cluster's ResourceClaims, where it serves DRA (Kubernetes >= 1.34): on DRA nodes they hold the
+    GPUs (docs/dra.md). None elsewhere; a caller who may not list them is told, and sees the pods alone."""
+    resources = ResourceApi(api.rest)
+    try:
+        return resources.list_claims() if resources.served() else []
+    except KubeError as exc:
+        warnings.append(f"ResourceClaims not listed ({exc}): GPUs held by DRA claims are not shown")
+        return []
 
 
 def gpushared_nodes(

@@ -51,6 +51,11 @@ class ResourceApi:
         with contextlib.suppress(NotFound):
             self.rest.request(f"delete ResourceSlice {name}", "DELETE", f"{PREFIX}/resourceslices/{quoted(name)}")
 
+    def list_claims(self) -> list[dict[str, Any]]:
+        """Every ResourceClaim of the cluster (the inspect tool's view of DRA nodes)."""
+        answer = self.rest.request("list ResourceClaims", "GET", f"{PREFIX}/resourceclaims")
+        return list(answer.get("items") or [])
+
     def get_claim(self, namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
         path = f"{PREFIX}/namespaces/{quoted(namespace)}/resourceclaims/{quoted(name)}"
         answer: dict[str, Any] = self.rest.request(

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from gpushared import contract
+from gpushared.contract import dra
 from gpushared.core.binding import bind_annotations
 from gpushared.core.requests import pod_request
 from tests.builders import inventory, on_gpus, pod
@@ -212,3 +213,40 @@ def test_the_single_file_plugin_answers_as_the_installed_one(
         names = archive.namelist()
     assert not [n for n in names if n.endswith((".so", ".pyd"))] and "gpushared/cli/inspect.py" in names
     assert not [n for n in names if n.startswith(("orjson", "gpushared/extender/", "gpushared/daemon/"))]
+
+
+def test_dra_claims_hold_gpus_beside_the_pods(api: FakeApiServer, tmp_path: Path) -> None:
+    """On a cluster that serves DRA, the ResourceClaims allocated on a node's GPUs are shown with what they
+    consumed, as resourceclaim/<name>; a claim of another driver or node is not."""
+    node = api.get("nodes", "n1")
+    assert node is not None
+    gpu0 = contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY]).gpus[0]
+    results = [
+        {
+            "request": "gpu",
+            "driver": dra.DRIVER,
+            "pool": "n1",
+            "device": dra.device_name(gpu0.uuid),
+            "consumedCapacity": {"memory": "3Gi", "compute": "20"},
+        },
+        {"request": "nic", "driver": "net.example.com", "pool": "n1", "device": "eth0"},
+    ]
+    api.create(
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": {"name": "trainer-gpu", "namespace": "ml"},
+            "spec": {},
+            "status": {"allocation": {"devices": {"results": results}}},
+        }
+    )
+    result = inspect(api, tmp_path, "-d", "n1")
+    assert result.returncode == 0, result.stderr
+    assert (
+        "resourceclaim/trainer-gpu  ml         3                0                0                   20"
+        in result.stdout
+    )
+    assert "Allocated :  15 (62%)" in result.stdout
+    api.dra_served = False  # a cluster before 1.34: pods alone, and no complaint
+    result = inspect(api, tmp_path, "-d", "n1")
+    assert "resourceclaim" not in result.stdout and not result.stderr
