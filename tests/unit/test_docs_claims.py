@@ -12,7 +12,9 @@ import click
 import pytest
 
 from gpushared.cli import extender as extender_cli
+from gpushared.contract import dra
 from gpushared.core import mixbook, policies, reservations
+from gpushared.core.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon import candidates, endpoints, service
 from gpushared.daemon.config import OPTIONS
 from gpushared.extender import app, inbox, priming, state, tasks
@@ -41,6 +43,12 @@ def config_key(field: str) -> str:
 
 LEASE = cli_default("lease_seconds")
 CLAIMS = [
+    # the DRA driver (docs/dra.md)
+    ("dra.md", f"past the {MAX_MPS_CLIENTS} clients an MPS server takes"),
+    ("dra.md", f"driverName: {dra.DRIVER}   # the default"),
+    ("dra.md", f"cdiRoot: {next(o.default() for o in OPTIONS if o.field == 'cdi_root')}          # where"),
+    ("dra.md", f"`{dra.CDI_KIND}=<claim UID>-<request>`"),
+    ("dra.md", f"apiVersion: {dra.CONFIG_API_VERSION}\n  kind: {dra.CONFIG_KIND}"),
     # the extender's loop and its watchdog
     ("design.md", f"for {seconds(tasks.LOOP_ALIVE_SECONDS)} (`LOOP_ALIVE_SECONDS`)"),
     ("design.md", f"for {seconds(app.WEDGED_SECONDS)} (`WEDGED_SECONDS`)"),
