@@ -4,7 +4,7 @@ PYTHON ?= $(shell command -v /usr/bin/python3 || command -v python3)
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: bench chaos chart inspect-plugin node-image venv test lint protos check-protos clean image-test k8s-testbins e2e demo demo-down deb deb-test
+.PHONY: bench chaos chart inspect-plugin node-image venv test lint protos check-protos clean image-test k8s-testbins e2e e2e-cdi demo demo-down deb deb-test
 
 venv: $(VENV)/.installed
 
@@ -78,6 +78,11 @@ k8s-testbins:
 # The extender's image too: the control-plane cases run it as a static pod (tests/e2e/test_control_plane.py).
 e2e: venv k8s-testbins image node-image
 	$(BIN)/python -m pytest -m e2e tests/e2e $(PYTEST_ARGS)
+
+# CDI for real: the same cluster with Debian 13's containerd (1.7, CDI on), a GPU named in a container's CDI
+# annotation (deviceListStrategy cdi-annotations) and applied by containerd from a CDI spec (tests/e2e/test_cdi.py).
+e2e-cdi: venv k8s-testbins
+	GPUSHARED_K8S_CACHE=$$(scripts/k8s-testbins-cdi | tail -1) $(BIN)/python -m pytest -m e2e tests/e2e/test_cdi.py $(PYTEST_ARGS)
 
 # The same cluster, left running with sample pods on it (root). `make demo-down` removes it.
 demo: venv k8s-testbins

@@ -155,7 +155,13 @@ def decide(chosen: Candidate, devices: Sequence[str], node: NodeFacts) -> Contai
         mps_envs, mps_mounts = mps
         envs.update(mps_envs)
         mounts += mps_mounts
-    return ContainerAllocation(envs=envs, mounts=mounts, devices=given.devices, cdi_devices=given.cdi_devices)
+    return ContainerAllocation(
+        envs=envs,
+        mounts=mounts,
+        devices=given.devices,
+        cdi_devices=given.cdi_devices,
+        annotations=dict(given.annotations),
+    )
 
 
 def _mps(

@@ -11,6 +11,9 @@ runtime reads a different part of the answer (docs/install.md, "How containers g
 - ``cdi-cri``: CDI device names (``nvidia.com/gpu=<UUID>``) in the response's ``cdi_devices``; the kubelet
   (>= 1.28) passes them over the CRI and a CDI-enabled runtime (containerd >= 1.7, CRI-O >= 1.23) edits the
   container from the CDI spec that NVIDIA's toolkit wrote. No hook, no variable.
+- ``cdi-annotations``: the same names as a container annotation (``cdi.k8s.io/gpushared_gpus``), which
+  every kubelet passes to the runtime (the annotations of the device-plugin API are older than 1.20) and a
+  CDI-enabled runtime reads as it reads the CRI field: CDI on kubelets before 1.28.
 
 and ``deviceNodes`` (on by default) adds the device files themselves (``/dev/nvidia<minor>`` per GPU,
 ``/dev/nvidiactl``, ``/dev/nvidia-uvm*``) as device specs, which every runtime honours: the container's
@@ -26,7 +29,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
 
@@ -35,6 +38,8 @@ ENV_VISIBLE_DEVICES: Final = "NVIDIA_VISIBLE_DEVICES"
 VOLUME_MOUNTS_ROOT: Final = "/var/run/nvidia-container-devices"
 #: The CDI kind of NVIDIA's toolkit (``nvidia-ctk cdi generate``); a device is named ``<kind>=<UUID>``.
 CDI_KIND: Final = "nvidia.com/gpu"
+#: The container annotation that names CDI devices, as the CDI library keys them (``cdi.k8s.io/<plugin>_<id>``).
+CDI_ANNOTATION: Final = "cdi.k8s.io/gpushared_gpus"
 #: Devices every CUDA process opens besides its GPUs, in the order runtimes create them. Only those present
 #: on the node are passed (nvidia-uvm appears once the module loads; nvidia-modeset only with a display).
 CONTROL_DEVICES: Final = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
@@ -44,6 +49,7 @@ class Strategy(Enum):
     ENVVAR = "envvar"
     VOLUME_MOUNTS = "volume-mounts"
     CDI_CRI = "cdi-cri"
+    CDI_ANNOTATIONS = "cdi-annotations"
 
     @classmethod
     def parse(cls, text: str) -> Strategy:
@@ -75,6 +81,14 @@ class Exposure:
     mounts: tuple[tuple[str, str], ...]
     devices: tuple[DeviceFile, ...]
     cdi_devices: tuple[str, ...]
+    #: container annotations for the runtime (``cdi-annotations``)
+    annotations: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def cdi_names(self) -> tuple[str, ...]:
+        """NVIDIA's CDI names of the GPUs, whichever way they travel (the CRI field or the annotation)."""
+        named = self.annotations.get(CDI_ANNOTATION)
+        return self.cdi_devices or (tuple(named.split(",")) if named else ())
 
 
 @dataclass(frozen=True)
@@ -108,7 +122,9 @@ def exposure(policy: ExposurePolicy, gpus: Sequence[ExposedGpu], *, present: Col
         # the UUIDs: both then name the same GPUs, whichever the hook is configured to believe.
         envs.setdefault(ENV_VISIBLE_DEVICES, VOLUME_MOUNTS_ROOT)
         mounts += [(posixpath.join(VOLUME_MOUNTS_ROOT, uuid), "/dev/null") for uuid in uuids]
-    cdi = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids) if Strategy.CDI_CRI in policy.strategies else ()
+    names = tuple(f"{CDI_KIND}={uuid}" for uuid in uuids)
+    cdi = names if Strategy.CDI_CRI in policy.strategies else ()
+    annotations = {CDI_ANNOTATION: ",".join(names)} if Strategy.CDI_ANNOTATIONS in policy.strategies and names else {}
     devices: list[DeviceFile] = []
     if policy.device_nodes:
         for gpu in gpus:
@@ -122,7 +138,7 @@ def exposure(policy: ExposurePolicy, gpus: Sequence[ExposedGpu], *, present: Col
                 )
             devices.append(file)
         devices += [_device(policy.dev_root, path) for path in CONTROL_DEVICES if path in present]
-    return Exposure(envs=envs, mounts=tuple(mounts), devices=tuple(devices), cdi_devices=cdi)
+    return Exposure(envs=envs, mounts=tuple(mounts), devices=tuple(devices), cdi_devices=cdi, annotations=annotations)
 
 
 def gpu_device_path(minor: int) -> str:

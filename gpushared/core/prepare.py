@@ -191,7 +191,7 @@ def _device(
 
 def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> PreparedClaim | PrepareRefusal:
     """One CDI device per request, named on the request's first device; each GPU's own CDI name from
-    NVIDIA's toolkit (the ``cdi-cri`` strategy) on its device."""
+    NVIDIA's toolkit (the ``cdi-cri`` or ``cdi-annotations`` strategy) on its device."""
     requests: dict[str, list[PreparedDevice]] = {}
     for device in devices:
         requests.setdefault(device.request, []).append(device)
@@ -232,7 +232,7 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
         name = cdi_name(ref, request)
         cdi.append(CdiDevice(name=name, env=env, device_nodes=given.devices, mounts=tuple(mounts)))
         first[request] = members[0].device
-        for device, cdi_id in zip(members, given.cdi_devices, strict=False):
+        for device, cdi_id in zip(members, given.cdi_names, strict=False):
             nvidia[device.device] = (cdi_id,)
     answered = tuple(
         _replace_ids(
@@ -256,8 +256,13 @@ def cdi_name(ref: ClaimRef, request: str) -> str:
 
 def cdi_spec(claim: PreparedClaim) -> dict[str, Any]:
     """The claim's CDI spec (the runtime reads it from the CDI directory by its kind and device names)."""
+    return cdi_document(claim.cdi, kind=dra.CDI_KIND)
+
+
+def cdi_document(cdi: Sequence[CdiDevice], *, kind: str) -> dict[str, Any]:
+    """A CDI spec of ``kind`` with these devices: env, device nodes by host path, bind mounts."""
     devices = []
-    for device in claim.cdi:
+    for device in cdi:
         edits: dict[str, Any] = {"env": [f"{k}={v}" for k, v in sorted(device.env.items())]}
         if device.device_nodes:
             edits["deviceNodes"] = [
@@ -274,4 +279,4 @@ def cdi_spec(claim: PreparedClaim) -> dict[str, Any]:
                 for m in device.mounts
             ]
         devices.append({"name": device.name, "containerEdits": edits})
-    return {"cdiVersion": CDI_VERSION, "kind": dra.CDI_KIND, "devices": devices}
+    return {"cdiVersion": CDI_VERSION, "kind": kind, "devices": devices}

@@ -96,6 +96,7 @@ state = "{base}/state"
   conf_dir = "{net}/net.d"
 """
         )
+        c.cdi_root.mkdir(exist_ok=True)  # before containerd, which watches it for specs (1.7+)
         c.processes.spawn("containerd", [c.bin / "containerd", "--config", base / "config.toml"])
         wait_for(lambda: self.ctr("version", check=False).returncode == 0, timeout=30, what="containerd")
         images = c.state / "images"
@@ -217,8 +218,9 @@ state = "{base}/state"
 
     # --- the gpushared daemon --------------------------------------------------------------------------------
 
-    def start_daemon(self, *, memory_unit: str = "GiB", dra: bool = False) -> None:
-        """The daemon as the .deb runs it; ``dra``: in DRA mode (docs/dra.md), the device plugin off."""
+    def start_daemon(self, *, memory_unit: str = "GiB", dra: bool = False, **options: Any) -> None:
+        """The daemon as the .deb runs it; ``dra``: in DRA mode (docs/dra.md), the device plugin off;
+        ``options``: config keys in place of the harness's (``deviceListStrategy=["cdi-annotations"]``)."""
         c = self.cluster
         gpus = c.gpus
         gpus.make_device_nodes(gpus.gpu_count())
@@ -246,6 +248,7 @@ state = "{base}/state"
         if dra:
             config["mode"] = "dra"
             config["dra"] = {"cdiRoot": str(c.cdi_root)}
+        config.update(options)
         (c.state / "gpushared.yaml").write_text(yaml.safe_dump(config))
         c.processes.spawn(
             "gpushared",
@@ -253,9 +256,9 @@ state = "{base}/state"
             env={"LD_LIBRARY_PATH": str(gpus.file.parent), "FAKE_NVML_CONFIG": str(gpus.file)},
         )
 
-    def restart_daemon(self, *, memory_unit: str = "GiB", dra: bool = False) -> None:
+    def restart_daemon(self, *, memory_unit: str = "GiB", dra: bool = False, **options: Any) -> None:
         self.cluster.processes.stop("gpushared")
-        self.start_daemon(memory_unit=memory_unit, dra=dra)
+        self.start_daemon(memory_unit=memory_unit, dra=dra, **options)
 
     @property
     def status_socket(self) -> Path:

@@ -84,6 +84,19 @@ CASES = [
         id="cdi-cri with envvar, for nodes mid-migration",
     ),
     pytest.param(
+        ExposurePolicy(strategies=frozenset({Strategy.CDI_ANNOTATIONS}), device_nodes=False),
+        [GPU0, GPU3],
+        (),
+        Exposure(
+            envs={},
+            mounts=(),
+            devices=(),
+            cdi_devices=(),
+            annotations={"cdi.k8s.io/gpushared_gpus": "nvidia.com/gpu=GPU-aaaa,nvidia.com/gpu=GPU-dddd"},
+        ),
+        id="cdi-annotations: the same names in the annotation kubelets before 1.28 pass on",
+    ),
+    pytest.param(
         ExposurePolicy(),
         [GPU3],
         ("/dev/nvidia3", *ALL_CONTROL),
@@ -150,7 +163,7 @@ def test_parse_strategies(value: str | list[str], expected: set[Strategy]) -> No
     assert parse_strategies(value) == frozenset(expected)
 
 
-@pytest.mark.parametrize(("value", "message"), [("", "at least one"), ("cdi-annotations", "unknown device list")])
+@pytest.mark.parametrize(("value", "message"), [("", "at least one"), ("cdi-magic", "unknown device list")])
 def test_parse_strategies_refuses(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_strategies(value)
