@@ -170,10 +170,14 @@ def _mps_each(config_path: Path | None, gpu: str | None, *, stop: bool) -> None:
 
 def render_status(body: dict[str, Any]) -> str:
     unit = body["unit"]
+    dra = body.get("mode") == "dra"
+    watching = ", slice published" if dra else ", devices read"
     lines = [
-        f"node {body['node']}  resource {body['resource']}  kubelet: "
+        f"node {body['node']}  "
+        + (f"DRA driver ({body.get('driver', 'gpu.gpushared.io')})" if dra else f"resource {body['resource']}")
+        + "  kubelet: "
         + ("NOT registered" if not body["registered"] else "registered")
-        + (", devices read" if body["kubeletWatching"] else ", devices not read yet" if body["registered"] else "")
+        + (watching if body["kubeletWatching"] else ", not serving yet" if body["registered"] else "")
         + ("" if body["nvml"] else "  NVML: unavailable"),
         f"state: {body['state']}",
         "",
@@ -200,6 +204,18 @@ def render_status(body: dict[str, Any]) -> str:
             )
             if pod.get("problem"):
                 lines.append(f"    problem: {pod['problem']}")
+    claims = body.get("claims")
+    if isinstance(claims, int):
+        lines += ["", f"{claims} DRA claims prepared; {body.get('names', 'names hidden')}"]
+    elif claims:
+        lines += ["", f"{'CLAIM':<40}{'REQUEST':<12}{'GPU':<5}{'MEMORY(' + unit + ')':<14}{'COMPUTE %':<11}MPS"]
+        for claim in claims:
+            for device in claim["devices"]:
+                name = f"{claim['namespace']}/{claim['name']}"
+                lines.append(
+                    f"{name:<40}{device['request']:<12}{device['gpu']:<5}{device['memory']:<14}"
+                    f"{device['compute']:<11}{'yes' if device['mps'] else 'no'}"
+                )
     if body.get("mps"):
         lines += ["", f"{'MPS':<4}{'PID':<9}{'STATE':<10}{'CLIENTS':<9}{'RESTARTS':<10}{'DEFAULT LIMITS':<24}PIPE"]
         for daemon in body["mps"]:

@@ -51,7 +51,18 @@ NAMED_FAMILIES = frozenset(
     }
 )
 #: What /status tells a caller who may not see names: the daemon's state and each GPU by index.
-_ANONYMOUS_KEYS = ("version", "state", "registered", "kubeletWatching", "nvml", "node", "resource", "unit", "links")
+_ANONYMOUS_KEYS = (
+    "version",
+    "state",
+    "registered",
+    "kubeletWatching",
+    "nvml",
+    "node",
+    "resource",
+    "unit",
+    "links",
+    "mode",
+)
 _ANONYMOUS_GPU_KEYS = ("index", "model", "memory", "used", "healthy", "problem", "numa")
 
 
@@ -61,6 +72,8 @@ def anonymous(status: dict[str, Any]) -> dict[str, Any]:
     shown = {key: status[key] for key in _ANONYMOUS_KEYS if key in status}
     shown["gpus"] = [{key: gpu.get(key) for key in _ANONYMOUS_GPU_KEYS} for gpu in status.get("gpus") or []]
     shown["pods"] = len(status.get("pods") or [])
+    if status.get("claims") is not None:
+        shown["claims"] = len(status["claims"])
     shown["names"] = "hidden: `gpushared status` on the node, or metrics.podNames: true"
     return shown
 

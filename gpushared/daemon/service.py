@@ -304,13 +304,19 @@ class Service:
                 "pods": [],
             }
         )
+        claims = running.dra.status() if running is not None and running.dra is not None else None
+        if running is not None and running.dra is not None:  # DRA mode: a GPU's use is its claims'
+            held = running.dra.claimed()
+            for gpu in served["gpus"]:
+                gpu["used"] += held.get(gpu["index"], (0, 0))[0]
         return {
             "version": __version__,
             "state": self.notifier.text,
             "registered": self.registered,
             "kubeletWatching": running is not None and running.kubelet.watched,
             "mode": self.config.mode,
-            "claims": running.dra.status() if running is not None and running.dra is not None else None,
+            **({"driver": self.config.dra_driver} if self.config.dra else {}),
+            "claims": claims,
             "mps": running.mps.status() if running is not None and running.mps is not None else None,
             "memory": running.memory.status() if running is not None else None,
             "kubelet": str(self.config.plugin_dir),

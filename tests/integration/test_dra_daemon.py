@@ -16,6 +16,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpushared.cli.daemon import render_status
 from gpushared.contract import dra
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.dra import Invalid, allocate
@@ -181,8 +182,15 @@ def test_prepare_writes_the_cdi_spec_answers_again_from_the_checkpoint_and_unpre
     assert kubelet.unprepare(dra.DRIVER, first) == {first.uid: ""}, "unprepare is idempotent"
     claims = daemon.status()["claims"]
     assert [(c["name"], [d["memory"] for d in c["devices"]]) for c in claims] == [("b", [6])]
-    # the GPU's memory gauge counts DRA claims as it counts device-plugin pods
+    # `gpushared status` and the GPU's memory gauge count DRA claims as they count device-plugin pods
     (left,) = claims[0]["devices"]
+    status = daemon.status()
+    assert next(g["used"] for g in status["gpus"] if g["index"] == left["gpu"]) == 6
+    text = render_status(status)
+    assert f"DRA driver ({dra.DRIVER})  kubelet: registered, slice published" in text
+    assert f"{NAMESPACE}/b" in text and "gpu" in text
+    _, public = daemon.public("/status")
+    assert json.loads(public)["claims"] == 1 and f"{NAMESPACE}/b".encode() not in public
     wait_until(
         lambda: allocated_bytes(daemon).get(str(left["gpu"])) == 6 * 2**30,
         message="the claim's memory in gpushared_gpu_memory_allocated_bytes",
