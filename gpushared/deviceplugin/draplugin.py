@@ -14,7 +14,6 @@ keeps the two sockets, which only root can open.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -31,6 +30,7 @@ from gpushared.deviceplugin.dra.v1beta1 import api_pb2 as v1beta1
 from gpushared.deviceplugin.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
 from gpushared.deviceplugin.pluginregistration.v1 import api_pb2 as registration
 from gpushared.deviceplugin.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from gpushared.deviceplugin.sockets import serve_root_only
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,7 @@ class DraPluginServer:
         registrar = _serve(self.registration_socket, workers=2, name="dra-registration")
         registration_grpc.add_RegistrationServicer_to_server(_Registration(self), registrar)
         for server, path in ((service, self.socket), (registrar, self.registration_socket)):
-            _listen(server, path)
+            serve_root_only(server, path)
         self._servers = [service, registrar]
 
     def keep(self) -> None:
@@ -202,14 +202,3 @@ def _serve(path: Path, *, workers: int, name: str) -> grpc.Server:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     return grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name))
-
-
-def _listen(server: grpc.Server, path: Path) -> None:
-    # Only root may talk to the plugin: preparing a claim hands out GPUs.
-    previous = os.umask(0o177)
-    try:
-        server.add_insecure_port(f"unix://{path}")
-        server.start()
-    finally:
-        os.umask(previous)
-    os.chmod(path, 0o600)

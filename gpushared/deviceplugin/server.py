@@ -8,7 +8,6 @@ a unix socket only root can open, and registers that socket with the kubelet.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent import futures
@@ -19,6 +18,7 @@ import grpc
 
 from gpushared.core.allocate import ContainerAllocation
 from gpushared.core.devices import Device
+from gpushared.deviceplugin.sockets import serve_root_only
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -203,14 +203,7 @@ class PluginServer:
         )
         self._servicer = _Servicer(self.manager, self._stopping)
         api_pb2_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
-        # Only root may talk to the plugin: Allocate hands out GPUs.
-        previous = os.umask(0o177)
-        try:
-            server.add_insecure_port(f"unix://{self.socket}")
-            server.start()
-        finally:
-            os.umask(previous)
-        os.chmod(self.socket, 0o600)
+        serve_root_only(server, self.socket)  # Allocate hands out GPUs
         self._server = server
 
     def register(self, *, timeout: float = 5.0) -> None:

@@ -78,6 +78,15 @@ __all__ = [
 ]
 
 
+def cached_version(binary: str) -> Version | None:
+    """The version of one of the harness's cached binaries, without starting anything; None where there is
+    none yet. What gated cases decide on at collection (tests/e2e/test_dra.py, test_cdi.py)."""
+    try:
+        return LocalCluster().version(binary)
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+
+
 class LocalCluster:
     """The cluster as a whole: where it lives, bringing it up and down, the control plane (etcd,
     kube-apiserver, kube-controller-manager), and kubectl. Its parts: ``processes`` (what it started),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -22,19 +21,11 @@ from gpushared import contract
 from gpushared.core.allocate import Mount
 from gpushared.core.exposure import CDI_KIND, DeviceFile
 from gpushared.core.prepare import CdiDevice, cdi_document
-from tests.e2e.cluster import LocalCluster
+from tests.e2e.cluster import LocalCluster, cached_version
 from tests.e2e.kube import PRINT_ENV, Kube, gpu_pod
 from tests.e2e.versions import Version
 
-
-def _containerd() -> Version | None:
-    try:
-        return LocalCluster().version("containerd")
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-
-
-CONTAINERD = _containerd()
+CONTAINERD = cached_version("containerd")
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(300),

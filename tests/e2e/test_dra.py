@@ -11,7 +11,6 @@ newer binaries and run unchanged on them.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -22,20 +21,11 @@ import yaml
 
 from gpushared.contract import dra
 from gpushared.core.quantity import parse_whole_quantity
-from tests.e2e.cluster import NODE, ROOT, LocalCluster, wait_for
+from tests.e2e.cluster import NODE, ROOT, LocalCluster, cached_version, wait_for
 from tests.e2e.kube import PRINT_ENV, Kube
 from tests.e2e.versions import Version, serves_dra
 
-
-def _binaries() -> Version | None:
-    """The version of the harness's cached binaries; None where there are none yet (nothing to run on)."""
-    try:
-        return LocalCluster().version("kube-apiserver")
-    except (OSError, ValueError, subprocess.SubprocessError):
-        return None
-
-
-VERSION = _binaries()
+VERSION = cached_version("kube-apiserver")
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.timeout(300),
