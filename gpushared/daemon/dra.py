@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 CLAIM_READ_SECONDS = 10.0
 #: After a failed publication, the next try waits this long (the loop ticks every second).
 RETRY_SECONDS = 5.0
+#: How often the published slice is looked at (and written again if it is gone or not ours any more).
+VERIFY_SECONDS = 30.0
 
 
 class SlicePublisher:
@@ -50,16 +52,25 @@ class SlicePublisher:
         self.driver = driver
         self._published: list[dict[str, Any]] | None = None
         self._retry_at = 0.0
+        self._verify_at = 0.0
         self.generation = 0
 
     @property
     def published(self) -> bool:
         return self._published is not None
 
+    def verify_soon(self) -> None:
+        """Look at the slice at the next publish: the kubelet deletes the slices of a driver it has no plugin
+        for (on its restart, or a while after a plugin's socket went away), and registers the plugin again."""
+        self._verify_at = 0.0
+
     def publish(self, inventory: GpuInventory) -> None:
-        """Write the slice when the devices differ from what was last written; errors are retried later."""
+        """Write the slice when the devices differ from what was last written, and look at it every
+        ``VERIFY_SECONDS`` (one list call) to write it again where someone deleted or changed it; errors
+        are retried later."""
         devices = slice_devices(inventory)
-        if devices == self._published or time.monotonic() < self._retry_at:
+        now = time.monotonic()
+        if (devices == self._published and now < self._verify_at) or now < self._retry_at:
             return
         try:
             self._write(devices)
@@ -68,6 +79,7 @@ class SlicePublisher:
             log.warning("ResourceSlice of node %s not published (%s); trying again", self.node, exc)
             return
         self._published = devices
+        self._verify_at = now + VERIFY_SECONDS
 
     def _write(self, devices: list[dict[str, Any]]) -> None:
         existing = self.api.list_slices(node=self.node, driver=self.driver)
@@ -227,9 +239,14 @@ class DraLink:
         self.plugin = plugin
         self.slices = slices
         self.inventory = inventory
+        self._registrations = 0
 
     def keep(self) -> None:
         self.plugin.keep()
+        registrations = self.plugin.registrations
+        if registrations != self._registrations:  # the kubelet (re)started or found the plugin again
+            self._registrations = registrations
+            self.slices.verify_soon()
         self.slices.publish(self.inventory())
 
     @property

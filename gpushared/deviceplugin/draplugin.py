@@ -142,6 +142,8 @@ class DraPluginServer:
         self._lock = threading.Lock()
         self._registered = False
         self._error = ""
+        #: how often the kubelet said it took the plugin (it does again after its own restart)
+        self.registrations = 0
 
     @property
     def socket(self) -> Path:
@@ -164,6 +166,7 @@ class DraPluginServer:
     def notified(self, registered: bool, error: str) -> None:
         with self._lock:
             self._registered, self._error = registered, error
+            self.registrations += registered
         if registered:
             log.info("the kubelet registered DRA driver %s", self.driver)
         else:

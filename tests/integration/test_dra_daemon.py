@@ -309,3 +309,19 @@ def test_a_node_back_in_device_plugin_mode_withdraws_its_slice(world: tuple[Daem
     daemon.start()
     daemon.kubelet.wait_for(GPU_MEM, capacity=16 + 12 + 24 + 8)
     wait_until(lambda: not daemon.api.objects("resourceslices"), message="the DRA slice deleted")
+
+
+def test_a_slice_the_kubelet_wiped_is_published_again_when_it_registers_the_plugin(
+    world: tuple[Daemon, FakeDraKubelet],
+) -> None:
+    """A restarting kubelet deletes the slices of drivers it has no plugin for yet, then finds the plugin
+    again: the daemon looks at its slice on every registration and writes it again."""
+    daemon, kubelet = started(world)
+    name = the_slice(daemon)["metadata"]["name"]
+    kubelet.stop()
+    daemon.api.store.delete(RESOURCES["resourceslices"], "", name, {})
+    assert not daemon.api.objects("resourceslices")
+    kubelet.start()
+    kubelet.wait_for(dra.DRIVER)
+    wait_until(lambda: daemon.api.objects("resourceslices"), message="the slice published again")
+    assert len(the_slice(daemon)["spec"]["devices"]) == 4
