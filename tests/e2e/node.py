@@ -260,6 +260,14 @@ state = "{base}/state"
         self.cluster.processes.stop("gpushared")
         self.start_daemon(memory_unit=memory_unit, dra=dra, **options)
 
+    def wait_serving(self, *, timeout: float = 60) -> None:
+        """Until a (re)started daemon serves the kubelet: the kubelet reads its devices (device-plugin mode),
+        or has its plugin and the slice is out (DRA mode). The node's allocatable lags behind: after a
+        restart it still shows the old plugin's devices while the kubelet admits against none."""
+        wait_for(
+            lambda: self.daemon_status().get("kubeletWatching"), timeout=timeout, what="gpushared serving the kubelet"
+        )
+
     @property
     def status_socket(self) -> Path:
         return self.cluster.state / "gpushared-status.sock"

@@ -63,11 +63,13 @@ def cdi_node(cluster: LocalCluster, kube: Kube) -> Iterator[LocalCluster]:
     spec = cdi_document(devices, kind=CDI_KIND)
     (cluster.cdi_root / "nvidia.json").write_text(json.dumps(spec))
     cluster.node.restart_daemon(deviceListStrategy=["cdi-annotations"], deviceNodes=False)
+    cluster.node.wait_serving()
     cluster.node.wait_ready()
     yield cluster
     (cluster.cdi_root / "nvidia.json").unlink()
     shutil.rmtree(shared)
     cluster.node.restart_daemon()
+    cluster.node.wait_serving()
     cluster.node.wait_ready()
 
 

@@ -52,9 +52,11 @@ def dra_node(cluster: LocalCluster) -> Iterator[LocalCluster]:
             f"--serviceaccount=kube-system:{own}",
         )  # fmt: skip
     cluster.node.restart_daemon(dra=True)
+    cluster.node.wait_serving()
     wait_for(lambda: slices(cluster), timeout=60, what="the node's ResourceSlice")
     yield cluster
     cluster.node.restart_daemon()
+    cluster.node.wait_serving()
     cluster.node.wait_ready()
     cluster.kubectl("delete", "resourceslices", "--all", check=False)
     for role in ("gpushared-node", "gpushared-dra-driver"):
@@ -209,6 +211,7 @@ def test_a_restarted_daemon_unprepares_what_it_prepared_before(
     kube.wait_running(namespace, "kept")
     generation = slices(cluster)[0]["spec"]["pool"]["generation"]
     cluster.node.restart_daemon(dra=True)
+    cluster.node.wait_serving()
     wait_for(lambda: cluster.node.daemon_status().get("claims"), timeout=60, what="the claims read back")
     assert slices(cluster)[0]["spec"]["pool"]["generation"] == generation
     cluster.kubectl("-n", namespace, "delete", "pod", "kept", "--grace-period=2")
