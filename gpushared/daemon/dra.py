@@ -26,6 +26,7 @@ from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decid
 from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
 from gpushared.daemon.devfiles import CharLinks
 from gpushared.daemon.drabook import ClaimBook
+from gpushared.daemon.metrics import PodShare
 from gpushared.deviceplugin.draplugin import DraPluginServer
 from gpushared.kube.errors import Conflict, KubeError, NotFound
 from gpushared.kube.resources import ResourceApi
@@ -207,6 +208,14 @@ class DraDriver:
                 memory, compute = held.get(device.index, (0, 0))
                 held[device.index] = (memory + device.memory, compute + device.compute)
         return held
+
+    def shares(self, inventory: GpuInventory) -> list[PodShare]:
+        """Each prepared claim's memory on each of its GPUs, for ``gpushared_claim_gpu_memory_bytes``."""
+        return [
+            PodShare(c.ref.namespace, c.ref.name, d.index, d.uuid, inventory.unit.to_bytes(d.memory))
+            for c in sorted(self.book.claims(), key=lambda c: c.ref)
+            for d in c.devices
+        ]
 
     def status(self) -> list[dict[str, Any]]:
         """The prepared claims, for `gpushared status` and the inspect tool."""

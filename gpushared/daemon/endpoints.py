@@ -46,6 +46,7 @@ REQUEST_SECONDS = 10.0
 NAMED_FAMILIES = frozenset(
     {
         "gpushared_pod_gpu_memory_bytes",
+        "gpushared_claim_gpu_memory_bytes",
         "gpushared_container_gpu_memory_used_bytes",
         "gpushared_container_gpu_memory_allocated_bytes",
     }

@@ -64,17 +64,23 @@ Describe = Callable[[str], tuple[str, str, str]]
 
 class PodSeries(Collector):
     """``gpushared_pod_gpu_memory_bytes`` per pod and GPU, read from the node's ledger at each scrape: a pod
-    that is gone has no series, with no cleanup to forget."""
+    that is gone has no series, with no cleanup to forget. In DRA mode, the same for each prepared claim:
+    ``gpushared_claim_gpu_memory_bytes{namespace,claim,...}`` (``PodShare.pod`` is then the claim's name)."""
 
-    def __init__(self, shares: Callable[[], Iterable[PodShare]], describe: Describe) -> None:
+    def __init__(
+        self,
+        shares: Callable[[], Iterable[PodShare]],
+        describe: Describe,
+        *,
+        name: str = "gpushared_pod_gpu_memory_bytes",
+        holder: str = "pod",
+        documentation: str = "GPU memory a pod holds on a GPU of this node (its peak over init and app containers)",
+    ) -> None:
         self.shares, self.dcgm = shares, describe  # not `describe`: the registry calls that
+        self.name, self.holder, self.documentation = name, holder, documentation
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
-            "gpushared_pod_gpu_memory_bytes",
-            "GPU memory a pod holds on a GPU of this node (its peak over init and app containers)",
-            labels=("namespace", "pod", *GPU_LABELS),
-        )
+        family = GaugeMetricFamily(self.name, self.documentation, labels=("namespace", self.holder, *GPU_LABELS))
         for share in self.shares():
             family.add_metric(
                 (share.namespace, share.pod, str(share.gpu), share.uuid, *self.dcgm(share.uuid)), share.bytes
@@ -259,6 +265,14 @@ class Metrics:
 
         self._pods = PodSeries(lambda: (), self._describe)
         self.registry.register(self._pods)
+        self._claims = PodSeries(
+            lambda: (),
+            self._describe,
+            name="gpushared_claim_gpu_memory_bytes",
+            holder="claim",
+            documentation="GPU memory a DRA claim prepared on this node holds on a GPU (DRA mode)",
+        )
+        self.registry.register(self._claims)
         self._containers = ContainerSeries(lambda: (), self._describe)
         self.registry.register(self._containers)
         self._compute = ComputeSeries(lambda: (), self._describe)
@@ -279,6 +293,10 @@ class Metrics:
     def watch_pods(self, shares: Callable[[], Iterable[PodShare]]) -> None:
         """Where the per-pod series come from (the manager, once the daemon has one)."""
         self._pods.shares = shares
+
+    def watch_claims(self, shares: Callable[[], Iterable[PodShare]]) -> None:
+        """Where the per-claim series come from (the DRA driver's book, in DRA mode)."""
+        self._claims.shares = shares
 
     def watch_containers(self, usages: Callable[[], Iterable[ContainerMemory]]) -> None:
         """Where the per-container memory series come from (the memory watcher)."""

@@ -111,6 +111,8 @@ class Running:
         kubelet: KubeletLink | DraLink
         if config.dra:
             dra, kubelet = _dra_driver(config, api, manager, watching_node)
+            driver = dra
+            metrics.watch_claims(lambda: driver.shares(manager.inventory))
         memory = _memory_watcher(parts, manager, pods, dra)
         if dra is None:
             plugin = PluginServer(manager, plugin_dir=config.plugin_dir, endpoint=ENDPOINT)

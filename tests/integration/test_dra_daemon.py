@@ -195,6 +195,15 @@ def test_prepare_writes_the_cdi_spec_answers_again_from_the_checkpoint_and_unpre
         lambda: allocated_bytes(daemon).get(str(left["gpu"])) == 6 * 2**30,
         message="the claim's memory in gpushared_gpu_memory_allocated_bytes",
     )
+    (sample,) = [
+        s
+        for family in text_string_to_metric_families(daemon.metrics_text())
+        if family.name == "gpushared_claim_gpu_memory_bytes"
+        for s in family.samples
+    ]
+    assert (sample.labels["namespace"], sample.labels["claim"], sample.value) == (NAMESPACE, "b", 6 * 2**30)
+    _, public_metrics = daemon.public("/metrics")
+    assert b"gpushared_claim_gpu_memory_bytes" not in public_metrics
 
 
 def test_a_killed_daemon_comes_back_with_its_claims(world: tuple[Daemon, FakeDraKubelet]) -> None:

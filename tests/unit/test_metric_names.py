@@ -37,6 +37,7 @@ def node_registry() -> CollectorRegistry:
     metrics.gpu_events.labels(kind="xid", xid="79").inc()
     metrics.allocate_seconds.observe(0.01)
     metrics.watch_pods(lambda: [PodShare("default", "p", 0, "GPU-0", 2**30)])
+    metrics.watch_claims(lambda: [PodShare("default", "claim-a", 0, "GPU-0", 2**30)])
     metrics.watch_containers(lambda: [ContainerMemory("default", "p", "c", 0, "GPU-0", 2**31, 2**30)])
     metrics.overrun_kills.labels(reason="kill").inc()
     metrics.usage_polls.observe(0.01)
