@@ -235,18 +235,14 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
         for device, cdi_id in zip(members, given.cdi_names, strict=False):
             nvidia[device.device] = (cdi_id,)
     answered = tuple(
-        _replace_ids(
+        dataclasses.replace(
             d,
-            ((dra.cdi_device_id(cdi_name(ref, d.request)),) if first[d.request] == d.device else ())
+            cdi_device_ids=((dra.cdi_device_id(cdi_name(ref, d.request)),) if first[d.request] == d.device else ())
             + nvidia.get(d.device, ()),
         )
         for d in devices
     )
     return PreparedClaim(ref=ref, devices=answered, cdi=tuple(cdi))
-
-
-def _replace_ids(device: PreparedDevice, ids: tuple[str, ...]) -> PreparedDevice:
-    return dataclasses.replace(device, cdi_device_ids=ids)
 
 
 def cdi_name(ref: ClaimRef, request: str) -> str:

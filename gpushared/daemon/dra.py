@@ -54,6 +54,8 @@ class SlicePublisher:
         self._published: list[dict[str, Any]] | None = None
         self._retry_at = 0.0
         self._verify_at = 0.0
+        self._inventory: GpuInventory | None = None
+        self._devices: list[dict[str, Any]] = []
         self.generation = 0
 
     @property
@@ -69,7 +71,9 @@ class SlicePublisher:
         """Write the slice when the devices differ from what was last written, and look at it every
         ``VERIFY_SECONDS`` (one list call) to write it again where someone deleted or changed it; errors
         are retried later."""
-        devices = slice_devices(inventory)
+        if inventory != self._inventory:  # the devices are worked out again only when the GPUs changed
+            self._inventory, self._devices = inventory, slice_devices(inventory)
+        devices = self._devices
         now = time.monotonic()
         if (devices == self._published and now < self._verify_at) or now < self._retry_at:
             return
@@ -106,11 +110,6 @@ class SlicePublisher:
             if other["metadata"]["name"] != name:
                 self.api.delete_slice(other["metadata"]["name"])
         self.generation = generation
-
-    def withdraw(self) -> None:
-        """Delete the node's slice (the daemon leaves DRA mode or the node is drained of it)."""
-        self.api.delete_slice(slice_name(self.node, self.driver))
-        self._published = None
 
 
 def withdraw_stale(api: ResourceApi, *, node: str, driver: str) -> None:

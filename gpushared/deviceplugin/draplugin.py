@@ -141,7 +141,6 @@ class DraPluginServer:
         self._servers: list[grpc.Server] = []
         self._lock = threading.Lock()
         self._registered = False
-        self._error = ""
         #: how often the kubelet said it took the plugin (it does again after its own restart)
         self.registrations = 0
 
@@ -159,13 +158,9 @@ class DraPluginServer:
         """Whether the kubelet said it took the plugin, and its socket is still there to be found."""
         return self._registered and self.registration_socket.exists()
 
-    @property
-    def registration_error(self) -> str:
-        return self._error
-
     def notified(self, registered: bool, error: str) -> None:
         with self._lock:
-            self._registered, self._error = registered, error
+            self._registered = registered
             self.registrations += registered
         if registered:
             log.info("the kubelet registered DRA driver %s", self.driver)
