@@ -14,6 +14,7 @@ keeps the two sockets, which only root can open.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -39,6 +40,8 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 #: The most claims one call may name: the kubelet sends a pod's claims, a pod has at most a few dozen.
 MAX_CLAIMS = 256
+#: What a claim UID may be (the API server's are UUIDs).
+_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ClaimPreparer(Protocol):
@@ -62,6 +65,8 @@ def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"claim {claim.namespace!r}/{claim.name!r} (UID {claim.uid!r}): namespace, name and UID are required",
             )
+        if not _UID.fullmatch(claim.uid):  # it names the claim's CDI spec file: never a path
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"claim UID {claim.uid[:80]!r} is not a Kubernetes UID")
         refs.append(ClaimRef(namespace=claim.namespace, name=claim.name, uid=claim.uid))
     return refs
 

@@ -282,6 +282,10 @@ def test_hostile_and_stale_calls_get_precise_errors(world: tuple[Daemon, FakeDra
         kubelet.prepare(dra.DRIVER, Claim(NAMESPACE, "x", ""))
     assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "UID" in (raised.value.details() or "")
+    for call in (kubelet.prepare, kubelet.unprepare):  # a UID names a file: never a path
+        with pytest.raises(grpc.RpcError) as raised:
+            call(dra.DRIVER, Claim(NAMESPACE, "x", "../../etc/passwd"))
+        assert raised.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     missing = kubelet.prepare(dra.DRIVER, Claim(NAMESPACE, "nobody", "uid-x"))["uid-x"].error
     assert missing == f"claim {NAMESPACE}/nobody does not exist"
     real = claim(daemon, "recreated", "2Gi")
