@@ -94,6 +94,15 @@ def parse_gpu_config(parameters: object, *, where: str = "opaque parameters") ->
     return GpuConfig(mps=mps, compute_limit=limit)
 
 
+#: What a claim UID may be (the API server's are UUIDs). It names the claim's CDI spec and checkpoint record,
+#: so it is checked wherever it comes from (the kubelet, a checkpoint) and can never be a path.
+CLAIM_UID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def is_claim_uid(uid: object) -> bool:
+    return isinstance(uid, str) and CLAIM_UID.fullmatch(uid) is not None
+
+
 def device_name(uuid: str) -> str:
     """The device of the GPU with this NVML UUID: ``gpu-<uuid>``, lower case, a DNS label.
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from gpushared.contract import ContractError
+from gpushared.contract import ContractError, dra
 from gpushared.core.allocate import Mount
 from gpushared.core.claims import ClaimRef
 from gpushared.core.exposure import DeviceFile
@@ -32,16 +32,25 @@ def format_checkpoint(claims: Sequence[PreparedClaim]) -> str:
 
 
 def parse_checkpoint(text: str) -> list[PreparedClaim]:
+    """The claims of a checkpoint (or of one claim's record); any damage is a ContractError, never another
+    exception: JSON nested past the parser's depth, a field of the wrong type, a UID that is not one."""
     try:
         body = json.loads(text)
-    except ValueError as exc:
-        raise ContractError(key=KEY, value=text[:80], reason=f"not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise ContractError(key=KEY, value=text[:80], reason=f"not JSON: {str(exc)[:200]}") from None
     if not isinstance(body, dict) or body.get("version") != VERSION:
-        raise ContractError(key=KEY, value=str(body)[:80], reason=f"expected version {VERSION}")
+        raise ContractError(key=KEY, value=_head(body), reason=f"expected version {VERSION}")
     try:
         return [_parse_claim(entry) for entry in body["claims"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ContractError(key=KEY, value=str(body)[:80], reason=f"malformed: {exc!r}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, RecursionError) as exc:
+        raise ContractError(key=KEY, value=_head(body), reason=f"malformed: {str(exc)[:200]!r}") from None
+
+
+def _head(body: object) -> str:
+    try:
+        return str(body)[:80]
+    except RecursionError:  # a nested list's repr can go past the depth the parser reached
+        return f"a {type(body).__name__}"
 
 
 def _claim(claim: PreparedClaim) -> dict[str, Any]:
@@ -78,6 +87,8 @@ def _claim(claim: PreparedClaim) -> dict[str, Any]:
 
 def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
     ref = ClaimRef(namespace=_str(entry["namespace"]), name=_str(entry["name"]), uid=_str(entry["uid"]))
+    if not dra.is_claim_uid(ref.uid):  # it names files: never a path
+        raise ValueError(f"claim UID {ref.uid[:80]!r} is not a Kubernetes UID")
     devices = tuple(
         PreparedDevice(
             request=_str(d["request"]),
@@ -96,7 +107,7 @@ def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
     cdi = tuple(
         CdiDevice(
             name=_str(c["name"]),
-            env={_str(k): _str(v) for k, v in c["env"].items()},
+            env={_str(k): _str(v) for k, v in _dict(c["env"]).items()},
             device_nodes=tuple(DeviceFile(_str(a), _str(b), _str(p)) for a, b, p in c["deviceNodes"]),
             mounts=tuple(Mount(_str(a), _str(b), bool(ro)) for a, b, ro in c["mounts"]),
         )
@@ -108,6 +119,12 @@ def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
 def _str(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {value!r}")
+    return value
+
+
+def _dict(value: object) -> dict[Any, Any]:
+    if not isinstance(value, dict):
+        raise TypeError(f"expected an object, got {str(value)[:80]}")
     return value
 
 

@@ -139,7 +139,14 @@ def _device(
     if not gpu.healthy:
         return PrepareRefusal(f"claim {key} was allocated GPU {gpu.index} ({gpu.uuid}), which is unhealthy")
     unit_bytes = inventory.unit.to_bytes(1)
-    memory = gpu.memory if device.memory is None else math.ceil(device.memory / unit_bytes)
+    if device.memory is not None and (device.memory < unit_bytes or device.memory % unit_bytes):
+        # The slice's request policy: at least one unit, in whole units; a scheduler rounds every request
+        # up to it, so less is an allocation no scheduler made (20 claims of 0 would fill nothing).
+        return PrepareRefusal(
+            f"claim {key} consumed {device.memory} bytes of GPU {gpu.index}'s memory: the slice asks for whole "
+            f"units of {unit_bytes} bytes ({inventory.unit.value}), at least one"
+        )
+    memory = gpu.memory if device.memory is None else device.memory // unit_bytes
     memory_mib = gpu.memory_mib if device.memory is None else math.ceil(device.memory / 2**20)
     on_gpu = [d for claim in prepared for d in claim.devices if d.uuid == gpu.uuid]
     unit = inventory.unit.value

@@ -85,9 +85,24 @@ class Config:
         return self.mode == MODE_DRA
 
     @property
+    def dra_dir(self) -> Path:
+        """The driver's own directory in the kubelet's: its socket, lock and checkpoint."""
+        return self.kubelet_dir / "plugins" / self.dra_driver
+
+    @property
     def dra_checkpoint(self) -> Path:
-        """The prepared claims, beside the driver's socket in the kubelet's plugin directory."""
-        return self.kubelet_dir / "plugins" / self.dra_driver / "checkpoint.json"
+        """The prepared claims, one record each, beside the driver's socket."""
+        return self.dra_dir / "claims"
+
+    @property
+    def dra_legacy_checkpoint(self) -> Path:
+        """The single-file checkpoint an earlier daemon wrote, split into records on the first start."""
+        return self.dra_dir / "checkpoint.json"
+
+    @property
+    def dra_lock(self) -> Path:
+        """Held by the one daemon that serves DRA on the node."""
+        return self.dra_dir / "driver.lock"
 
     @property
     def plugin_dir(self) -> Path:

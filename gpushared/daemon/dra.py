@@ -14,9 +14,11 @@ Two parts, both fed by the manager's GPU inventory:
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 from gpushared.contract import GpuInventory, dra
@@ -25,7 +27,7 @@ from gpushared.core.claims import ClaimRef
 from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
 from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
 from gpushared.daemon.devfiles import CharLinks
-from gpushared.daemon.drabook import ClaimBook
+from gpushared.daemon.drabook import BookFull, ClaimBook, ClaimMismatch
 from gpushared.daemon.metrics import PodShare
 from gpushared.deviceplugin.draplugin import DraPluginServer
 from gpushared.kube.errors import Conflict, KubeError, NotFound
@@ -33,8 +35,15 @@ from gpushared.kube.resources import ResourceApi
 
 log = logging.getLogger(__name__)
 
-#: How long one claim's read may take: the kubelet's own deadline for a prepare call is 45 s.
+#: How long one NodePrepareResources call may spend reading its claims, retries included: the kubelet gives
+#: the whole call 45 s, and what is left after the reads decides, writes and answers.
+PREPARE_BUDGET_SECONDS = 30.0
+#: How long one try of one claim's read may take.
 CLAIM_READ_SECONDS = 10.0
+#: The pause before a read is tried again after a broken connection, a 429 or a 5xx.
+RETRY_PAUSE_SECONDS = 0.5
+#: Claims of one call read at once: a pod names a few; one slow read does not hold back the others.
+READERS = 8
 #: After a failed publication, the next try waits this long (the loop ticks every second).
 RETRY_SECONDS = 5.0
 #: How often the published slice is looked at (and written again if it is gone or not ours any more).
@@ -112,6 +121,10 @@ class SlicePublisher:
         self.generation = generation
 
 
+def _other_claim(ref: ClaimRef, done: PreparedClaim) -> str:
+    return f"claim UID {ref.uid} is prepared here as {done.ref.key}, not as {ref.key}"
+
+
 def withdraw_stale(api: ResourceApi, *, node: str, driver: str) -> None:
     """A node in device-plugin mode deletes the slice it published in DRA mode, if any: a slice left behind
     would have the scheduler allocate claims that nothing on the node prepares. Best effort, once at start:
@@ -126,7 +139,13 @@ def withdraw_stale(api: ResourceApi, *, node: str, driver: str) -> None:
 
 
 class DraDriver:
-    """The kubelet plugin's decisions, for ``deviceplugin.draplugin``."""
+    """The kubelet plugin's decisions, for ``deviceplugin.draplugin``.
+
+    No lock is held across API I/O: a call reads its claims first, in parallel and within one deadline,
+    then decides each under a short lock (the claims prepared and those being written count, so two calls
+    cannot both take the same room), and writes its files outside the lock. A claim the checkpoint
+    answers, and every unprepare, never waits on the API server or on another call's reads.
+    """
 
     def __init__(
         self,
@@ -135,51 +154,108 @@ class DraDriver:
         api: ResourceApi,
         book: ClaimBook,
         facts: Callable[[], NodeFacts],
+        sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.node = node
+        self.sleep = sleep
+        #: reads claims once per try (no retries of its own: ``_read`` retries within the call's deadline)
         self.api = api
         self.book = book
         self.facts = facts
         self.char_links = CharLinks()
-        # One call at a time: two claims decided at once could each see room the other takes.
         self._lock = threading.Lock()
+        #: claims decided and being written, by UID: counted by every other decision until in the book
+        self._deciding: dict[str, PreparedClaim] = {}
 
-    def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PreparedClaim | str]:
+    def prepare(
+        self, claims: Sequence[ClaimRef], *, deadline: float | None = None
+    ) -> Mapping[str, PreparedClaim | str]:
+        """Each claim prepared, or why not. ``deadline`` (monotonic): the kubelet's for the call; the API
+        reads end ``PREPARE_BUDGET_SECONDS`` after the call came at the latest, and a claim not read by then
+        gets its own error while the others are answered."""
+        start = time.monotonic()
+        deadline = min(deadline if deadline is not None else math.inf, start + PREPARE_BUDGET_SECONDS)
         answers: dict[str, PreparedClaim | str] = {}
-        with self._lock:
-            for ref in claims:
-                answers[ref.uid] = self._prepare(ref)
+        wanted: list[ClaimRef] = []
+        for ref in claims:
+            done = self.book.get(ref.uid)
+            if done is None:
+                wanted.append(ref)
+            else:
+                answers[ref.uid] = done if done.ref == ref else _other_claim(ref, done)
+        bodies = self._read_all(wanted, deadline)
+        facts = self.facts() if wanted else None
+        for ref in wanted:
+            body = bodies[ref.uid]
+            if isinstance(body, str) or facts is None:
+                answers[ref.uid] = str(body)
+            else:
+                answers[ref.uid] = self._prepare(ref, body, facts)
         return answers
 
-    def _prepare(self, ref: ClaimRef) -> PreparedClaim | str:
-        done = self.book.get(ref.uid)
-        if done is not None:
-            return done
+    def _read_all(self, refs: Sequence[ClaimRef], deadline: float) -> dict[str, Mapping[str, Any] | str]:
+        """Each claim as the API server has it, or why it could not be read by ``deadline``."""
+        if not refs:
+            return {}
+        pool = futures.ThreadPoolExecutor(max_workers=min(len(refs), READERS), thread_name_prefix="dra-read")
         try:
-            claim = self.api.get_claim(ref.namespace, ref.name, timeout=CLAIM_READ_SECONDS)
-        except NotFound:
-            return f"claim {ref.key} does not exist"
-        except KubeError as exc:
-            return f"claim {ref.key}: {exc}"
-        facts = self.facts()
-        node = DraNode(
-            name=self.node,
-            inventory=facts.inventory,
-            prepared=self.book.claims(),
-            exposure=facts.exposure,
-            minors=facts.minors,
-            present_devices=facts.present_devices,
-            mps=facts.mps,
-        )
-        outcome = decide(ref, claim, node)
-        if isinstance(outcome, PrepareRefusal):
-            # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
-            log.warning("NodePrepareResources refused: %s", outcome.message)
-            return outcome.message
+            reads = {pool.submit(self._read, ref, deadline): ref for ref in refs}
+            done, _ = futures.wait(reads, timeout=max(0.0, deadline - time.monotonic()))
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        answers: dict[str, Mapping[str, Any] | str] = {}
+        for read, ref in reads.items():
+            answers[ref.uid] = (
+                read.result()
+                if read in done
+                else f"claim {ref.key}: not read from the API server in time (it is slow or unreachable); "
+                "the kubelet asks again"
+            )
+        return answers
+
+    def _read(self, ref: ClaimRef, deadline: float) -> Mapping[str, Any] | str:
+        """One claim, tried again after a broken connection, a 429 or a 5xx while the deadline allows."""
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self.api.get_claim(ref.namespace, ref.name, timeout=max(0.1, min(CLAIM_READ_SECONDS, left)))
+            except NotFound:
+                return f"claim {ref.key} does not exist"
+            except KubeError as exc:
+                transient = exc.status is None or exc.status == 429 or exc.status >= 500
+                if not transient or deadline - time.monotonic() < RETRY_PAUSE_SECONDS + 0.1:
+                    return f"claim {ref.key}: {exc}"
+            self.sleep(RETRY_PAUSE_SECONDS)
+
+    def _prepare(self, ref: ClaimRef, claim: Mapping[str, Any], facts: NodeFacts) -> PreparedClaim | str:
+        with self._lock:  # decided against the claims in the book and those being written, no I/O
+            if ref.uid in self._deciding:
+                return f"claim {ref.key} is being prepared by another call; the kubelet asks again"
+            done = self.book.get(ref.uid)
+            if done is not None:  # another call prepared it while this one read it
+                return done if done.ref == ref else _other_claim(ref, done)
+            node = DraNode(
+                name=self.node,
+                inventory=facts.inventory,
+                prepared=[*self.book.claims(), *self._deciding.values()],
+                exposure=facts.exposure,
+                minors=facts.minors,
+                present_devices=facts.present_devices,
+                mps=facts.mps,
+            )
+            outcome = decide(ref, claim, node)
+            if isinstance(outcome, PrepareRefusal):
+                # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
+                log.warning("NodePrepareResources refused: %s", outcome.message)
+                return outcome.message
+            self._deciding[ref.uid] = outcome
         try:
             self.book.record(outcome)
-        except OSError as exc:
-            return f"claim {ref.key}: cannot write its CDI spec or the checkpoint: {exc}"
+        except (OSError, BookFull) as exc:
+            return f"claim {ref.key}: cannot write its CDI spec or checkpoint record: {exc}"
+        finally:
+            with self._lock:
+                self._deciding.pop(ref.uid, None)
         self.char_links.ensure([f for cdi in outcome.cdi for f in cdi.device_nodes])
         placed = ", ".join(
             f"{d.request}: GPU {d.index} ({d.memory} {facts.inventory.unit.value})" for d in outcome.devices
@@ -188,15 +264,24 @@ class DraDriver:
         return outcome
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
+        """Each claim's record, then its spec, removed; never waits on the API server or a prepare's reads.
+        The kubelet's namespace, name and UID must all be the claim's as prepared."""
         errors: dict[str, str] = {}
-        with self._lock:
-            for ref in claims:
-                try:
-                    if self.book.forget(ref.uid):
-                        log.info("unprepared claim %s", ref.key)
-                    errors[ref.uid] = ""
-                except OSError as exc:
-                    errors[ref.uid] = f"claim {ref.key}: cannot update the checkpoint: {exc}"
+        for ref in claims:
+            with self._lock:
+                busy = ref.uid in self._deciding
+            if busy:
+                errors[ref.uid] = f"claim {ref.key} is being prepared; the kubelet asks again"
+                continue
+            try:
+                if self.book.forget(ref):
+                    log.info("unprepared claim %s", ref.key)
+                errors[ref.uid] = ""
+            except ClaimMismatch as exc:
+                log.warning("NodeUnprepareResources refused: %s", exc)
+                errors[ref.uid] = str(exc)
+            except OSError as exc:
+                errors[ref.uid] = f"claim {ref.key}: cannot update the checkpoint: {exc}"
         return errors
 
     def claimed(self) -> dict[int, tuple[int, int]]:

@@ -9,6 +9,7 @@ there: the loop that ticks it needs no None checks.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 
@@ -16,9 +17,9 @@ from gpushared.contract import ResourceNames
 from gpushared.core.bodies import NodeBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
-from gpushared.daemon.credential import TokenRenewer
+from gpushared.daemon.credential import COMPONENT, TokenRenewer
 from gpushared.daemon.dra import DraDriver, DraLink, SlicePublisher, withdraw_stale
-from gpushared.daemon.drabook import ClaimBook
+from gpushared.daemon.drabook import ClaimBook, DriverLock
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
@@ -36,8 +37,12 @@ from gpushared.kube.podwatch import PodWatch
 from gpushared.kube.resources import ResourceApi
 from gpushared.nvml.backend import GpuBackend
 
+log = logging.getLogger(__name__)
+
 #: The device plugin's socket, in the kubelet's plugin directory.
 ENDPOINT = "gpushared.sock"
+#: The node's Event when the DRA checkpoint had damaged files, set aside at start.
+EVENT_CHECKPOINT_DAMAGED = "DRACheckpointDamaged"
 
 
 @dataclass(frozen=True)
@@ -175,9 +180,22 @@ def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeB
             "mode: dra needs the API server to serve resource.k8s.io/v1 (Kubernetes 1.34 or later); "
             "this one does not: use mode: device-plugin on this cluster"
         )
-    book = ClaimBook(checkpoint=config.dra_checkpoint, cdi_root=config.cdi_root)
-    book.load()
-    driver = DraDriver(node=config.node_name, api=resources, book=book, facts=manager.facts)
+    lock = DriverLock(config.dra_lock)
+    holder = lock.acquire()  # held for the process's life: the kernel drops it however the daemon ends
+    if holder is not None:
+        raise FatalError(
+            f"another gpushared already serves DRA on this node ({holder} holds {config.dra_lock}): "
+            "run one per node (the .deb's unit or the chart's DaemonSet, not both)"
+        )
+    book = ClaimBook(directory=config.dra_checkpoint, cdi_root=config.cdi_root, legacy=config.dra_legacy_checkpoint)
+    damaged = book.load()
+    if damaged:
+        threading.Thread(
+            target=_report_damage, args=(api, config.node_name, damaged), name="dra-damage", daemon=True
+        ).start()
+    # Claims are read once per try: the driver tries again itself, within the kubelet's deadline.
+    reader = ResourceApi(api.rest.without_retries())
+    driver = DraDriver(node=config.node_name, api=reader, book=book, facts=manager.facts)
     plugin = DraPluginServer(driver, driver=config.dra_driver, kubelet_dir=config.kubelet_dir)
     plugin.start()
 
@@ -187,6 +205,15 @@ def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeB
 
     slices = SlicePublisher(resources, node=config.node_name, node_uid=node_uid, driver=config.dra_driver)
     return driver, DraLink(plugin, slices, lambda: manager.inventory)
+
+
+def _report_damage(api: Api, node: str, damaged: list[str]) -> None:
+    """What the DRA checkpoint set aside, as a warning Event on the node (the log has it already)."""
+    message = f"{len(damaged)} damaged DRA checkpoint file(s) set aside: " + "; ".join(damaged)
+    try:
+        api.node_event(node, reason=EVENT_CHECKPOINT_DAMAGED, message=message[:1000], warning=True, component=COMPONENT)
+    except KubeError as exc:
+        log.warning("could not report the damaged checkpoint as an Event: %s", exc)
 
 
 def _memory_watcher(parts: Parts, manager: Manager, pods: PodWatch, dra: DraDriver | None) -> MemoryWatcher:

@@ -14,8 +14,8 @@ keeps the two sockets, which only root can open.
 from __future__ import annotations
 
 import logging
-import re
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from gpushared.contract import dra
 from gpushared.core.claims import ClaimRef
 from gpushared.core.prepare import PreparedClaim
 from gpushared.deviceplugin.dra.v1 import api_pb2 as v1
@@ -40,13 +41,14 @@ PLUGIN_TYPE = "DRAPlugin"
 SUPPORTED_SERVICES = ("v1.DRAPlugin", "v1beta1.DRAPlugin")
 #: The most claims one call may name: the kubelet sends a pod's claims, a pod has at most a few dozen.
 MAX_CLAIMS = 256
-#: What a claim UID may be (the API server's are UUIDs).
-_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class ClaimPreparer(Protocol):
-    def prepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, PreparedClaim | str]:
-        """Claim UID -> the claim as prepared, or why it cannot be (a message for the pod's events)."""
+    def prepare(
+        self, claims: Sequence[ClaimRef], *, deadline: float | None = None
+    ) -> Mapping[str, PreparedClaim | str]:
+        """Claim UID -> the claim as prepared, or why it cannot be (a message for the pod's events);
+        ``deadline``: the caller's, on the monotonic clock (None: it set none)."""
         ...
 
     def unprepare(self, claims: Sequence[ClaimRef]) -> Mapping[str, str]:
@@ -65,7 +67,7 @@ def _refs(claims: Sequence[Any], context: grpc.ServicerContext) -> list[ClaimRef
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"claim {claim.namespace!r}/{claim.name!r} (UID {claim.uid!r}): namespace, name and UID are required",
             )
-        if not _UID.fullmatch(claim.uid):  # it names the claim's CDI spec file: never a path
+        if not dra.is_claim_uid(claim.uid):  # it names the claim's CDI spec file: never a path
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"claim UID {claim.uid[:80]!r} is not a Kubernetes UID")
         refs.append(ClaimRef(namespace=claim.namespace, name=claim.name, uid=claim.uid))
     return refs
@@ -80,7 +82,9 @@ class _Service:
 
     def NodePrepareResources(self, request: Any, context: grpc.ServicerContext) -> Any:
         refs = _refs(request.claims, context)
-        answers = self.preparer.prepare(refs)
+        remaining = context.time_remaining()
+        deadline = None if remaining is None else time.monotonic() + remaining
+        answers = self.preparer.prepare(refs, deadline=deadline)
         claims = {}
         for ref in refs:
             answer = answers.get(ref.uid, f"claim {ref.key} was not prepared")

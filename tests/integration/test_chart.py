@@ -382,6 +382,18 @@ def test_dra_needs_kubernetes_1_34(helm: Path) -> None:
     assert "node.daemonset.config" in refused(helm, *on, "--set", "node.daemonset.config.mode=dra")
 
 
+@pytest.mark.parametrize("version", ["1.20.2", "1.36.0"])
+def test_the_node_daemonset_never_runs_two_pods_on_a_node(render: Render, version: str) -> None:
+    """An update stops the old pod before the new one starts: two daemons on a node would each count the
+    GPUs without the other's pods and claims."""
+    docs = render("--set", "node.daemonset.enabled=true", version=version)
+    strategy = one(docs, "DaemonSet", "gpushared-node")["spec"]["updateStrategy"]
+    assert strategy["type"] == "RollingUpdate" and strategy["rollingUpdate"]["maxUnavailable"] == 1
+    # 1.20 has no maxSurge (it never surges); from 1.21 it is said: 0
+    assert strategy["rollingUpdate"].get("maxSurge", 0) == 0
+    assert ("maxSurge" in strategy["rollingUpdate"]) == (version != "1.20.2")
+
+
 def test_the_node_daemonset_refusals(helm: Path) -> None:
     on = ("--set", "node.daemonset.enabled=true")
     assert "node.daemonset.enabled needs node.rbac" in refused(helm, *on, "--set", "node.rbac=false")

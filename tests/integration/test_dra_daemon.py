@@ -338,3 +338,42 @@ def test_a_slice_the_kubelet_wiped_is_published_again_when_it_registers_the_plug
     kubelet.wait_for(dra.DRIVER)
     wait_until(lambda: daemon.api.objects("resourceslices"), message="the slice published again")
     assert len(the_slice(daemon)["spec"]["devices"]) == 4
+
+
+def test_a_second_daemon_on_the_node_is_refused_and_the_first_keeps_its_claims(
+    world: tuple[Daemon, FakeDraKubelet], tmp_path: Path
+) -> None:
+    daemon, kubelet = started(world)
+    first = claim(daemon, "first", "10Gi")
+    assert not kubelet.prepare(dra.DRIVER, first)[first.uid].error
+    (tmp_path / "second").mkdir()
+    second = Daemon(
+        api=daemon.api, kubelet=daemon.kubelet, nvml=daemon.nvml, notify=daemon.notify, workdir=tmp_path / "second"
+    )
+    second.config = daemon.config
+    second.start()
+    assert second.wait_exit() == 2
+    assert "another gpushared already serves DRA on this node (process " in second.log()
+    assert cdi_spec(daemon, first.uid)["devices"][0]["name"] == f"{first.uid}-gpu"
+    late = claim(daemon, "late", "6Gi")
+    assert not kubelet.prepare(dra.DRIVER, late)[late.uid].error, "the first still serves"
+
+
+def test_a_damaged_checkpoint_record_is_set_aside_with_an_event_and_the_daemon_starts(
+    world: tuple[Daemon, FakeDraKubelet],
+) -> None:
+    daemon, kubelet = started(world)
+    kept, broken = claim(daemon, "kept", "4Gi"), claim(daemon, "broken", "4Gi")
+    assert not any(a.error for a in kubelet.prepare(dra.DRIVER, kept, broken).values())
+    daemon.stop()
+    record = kubelet.root / "plugins" / dra.DRIVER / "claims" / f"{broken.uid}.json"
+    record.write_bytes(b"\xff" + record.read_bytes())
+    daemon.start()
+    daemon.notify.wait_for("READY=1")
+    wait_until(
+        lambda: any(e.get("reason") == "DRACheckpointDamaged" for e in daemon.api.objects("events")),
+        message="the node's Event",
+    )
+    assert record.with_name(record.name + ".unreadable").exists()
+    assert [c["name"] for c in daemon.status()["claims"]] == ["kept"]
+    assert cdi_spec(daemon, broken.uid), "its pod's containers may still need the spec"

@@ -133,6 +133,8 @@ def with_prepared(*claims: PreparedClaim, node: DraNode = NODE) -> DraNode:
             id="unknown field",
         ),
         pytest.param(claim(result(G0, "-1")), NODE, "must not be negative", id="negative memory"),
+        pytest.param(claim(result(G0, "0")), NODE, "at least one", id="memory 0: below the request policy"),
+        pytest.param(claim(result(G0, "1536Mi")), NODE, "whole units of 1073741824 bytes", id="not whole units"),
         pytest.param(claim(result(G0, "1.5")), NODE, "whole numbers", id="a fraction of a byte"),
         pytest.param(
             claim(result(G1)),
@@ -269,7 +271,32 @@ def test_the_checkpoint_holds_everything_a_spec_is_made_of() -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "[]", '{"version": 2, "claims": []}', '{"version": 1, "claims": [{"namespace": 1}]}', '{"version": 1}'],
+    [
+        "",
+        "[]",
+        '{"version": 2, "claims": []}',
+        '{"version": 1, "claims": [{"namespace": 1}]}',
+        '{"version": 1}',
+        "[" * 50_000 + "]" * 50_000,
+        '{"version": 1, "claims": ' + "[" * 50_000 + "]" * 50_000 + "}",
+        '{"version": 1, "claims": [{"namespace": "n", "name": "c", "uid": "../../../../tmp/x", '
+        '"devices": [], "cdi": []}]}',
+        '{"version": 1, "claims": [{"namespace": "n", "name": "c", "uid": "u", "devices": [], '
+        '"cdi": [{"name": "x", "env": ["A=1"], "deviceNodes": [], "mounts": []}]}]}',
+        '{"version": 1, "claims": {"a": 1}}',
+    ],
+    ids=[
+        "empty",
+        "list",
+        "version 2",
+        "namespace 1",
+        "no claims",
+        "nested",
+        "nested claims",
+        "UID a path",
+        "env a list",
+        "claims an object",
+    ],
 )
 def test_a_checkpoint_that_does_not_parse_is_an_error_not_a_crash(text: str) -> None:
     with pytest.raises(ContractError):
