@@ -48,6 +48,7 @@ class Daemon:
     config: dict[str, Any] = field(default_factory=dict)
     process: subprocess.Popen[str] | None = None
     metrics_port: int = 0
+    health_port: int = 0
     extra_env: dict[str, str] = field(default_factory=dict)
     #: argv before the daemon's own: e.g. ``unshare --mount`` for the mount namespace systemd's sandbox gives it
     launcher: list[str] = field(default_factory=list)
@@ -64,13 +65,19 @@ class Daemon:
         kubeconfig = self.workdir / "kubeconfig"
         kubeconfig.write_text(yaml.safe_dump(self.api.kubeconfig()))
         self.metrics_port = self.metrics_port or free_port()
+        self.health_port = self.health_port or free_port()
         body = {
             "nodeName": NODE,
             "kubeconfig": str(kubeconfig),
             "kubeletDir": str(self.kubelet.root),
             "logLevel": "debug",
             # the TCP port answers anyone, without names; the tests read the full status from the local socket
-            "metrics": {"address": "127.0.0.1", "port": self.metrics_port, "socket": str(self.status_socket)},
+            "metrics": {
+                "address": "127.0.0.1",
+                "port": self.metrics_port,
+                "healthPort": self.health_port,
+                "socket": str(self.status_socket),
+            },
             "health": {"recoverAfterSeconds": 2},
             # GPUs changed by a test are seen within half a second, not the default five
             "gpuPollSeconds": 0.5,

@@ -29,6 +29,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_STATUS_SOCKET = Path("/run/gpushared/status.sock")
 #: Beside dcgm-exporter's 9400, which GPU nodes often run too, not on it (metrics.port where 9402 is taken).
 DEFAULT_METRICS_PORT = 9402
+#: ``/healthz`` alone, on a listener strangers cannot starve (daemon.healthport): the chart's probes.
+DEFAULT_HEALTH_PORT = 9403
 #: How the node's GPUs are handed out: to pods asking for gpu-mem through the device plugin (the extender
 #: places them), or to ResourceClaims that kube-scheduler allocates itself (Kubernetes >= 1.34). Never both.
 MODE_DEVICE_PLUGIN = "device-plugin"
@@ -57,6 +59,7 @@ class Config:
     driver_root: Path
     metrics_address: str
     metrics_port: int
+    metrics_health_port: int
     metrics_pod_names: bool
     metrics_socket: Path | None
     health_enabled: bool
@@ -281,6 +284,7 @@ OPTIONS = (
     Option("driver_root", "driverRoot", _absolute, lambda: Path("/")),
     Option("metrics_address", "metrics.address", _address, lambda: "0.0.0.0"),
     Option("metrics_port", "metrics.port", _port, lambda: DEFAULT_METRICS_PORT),
+    Option("metrics_health_port", "metrics.healthPort", _port, lambda: DEFAULT_HEALTH_PORT),
     Option("metrics_pod_names", "metrics.podNames", _boolean, lambda: False),
     Option("metrics_socket", "metrics.socket", _optional_path, lambda: DEFAULT_STATUS_SOCKET),
     Option("health_enabled", "health.enabled", _boolean, lambda: True),

@@ -30,6 +30,7 @@ from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
+from gpushared.daemon.healthport import HealthListener
 from gpushared.daemon.manager import inventory_of
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import missing_mps_privilege
@@ -100,6 +101,7 @@ class Service:
         #: everything that runs once the API server is reached (None until then)
         self.running: Running | None = None
         self._http: endpoints.Endpoints | None = None  # None where the config asks for no listener
+        self._health: HealthListener | None = None  # /healthz on its own port (metrics.healthPort)
         self._kubeconfig_seen: int | None = None  # mtime of the kubeconfig last tried, while waiting for one
         self._gpus_due = 0.0  # monotonic time of the next NVML reading of the GPUs
         self._forget_due = 0.0  # and of the next dropping of what was served to pods now gone
@@ -159,6 +161,14 @@ class Service:
                 pod_names=self.config.metrics_pod_names,
                 local=self.config.metrics_socket,
             )
+        if self.config.metrics_health_port:
+            try:
+                self._health = HealthListener(self.config.metrics_address, self.config.metrics_health_port)
+            except OSError as exc:
+                raise FatalError(
+                    f"metrics.healthPort {self.config.metrics_health_port} on {self.config.metrics_address}: "
+                    f"{exc.strerror}"
+                ) from None
         self._connect()
 
     def _connect(self) -> None:
@@ -202,6 +212,8 @@ class Service:
             self.running.stop()
         if self._http is not None:
             self._http.close()
+        if self._health is not None:
+            self._health.close()
         self.backend.stop()
 
     # --- the loop ------------------------------------------------------------------------------------------------

@@ -331,7 +331,9 @@ def test_the_node_daemonset_runs_the_daemon_on_the_nodes_paths(render: Render, t
     assert pod["nodeSelector"] == {"gpushared.io/node-daemon": "daemonset"}  # never beside the .deb unasked
     (daemon,) = pod["containers"]
     assert daemon["securityContext"] == {"privileged": True}
-    assert daemon["livenessProbe"]["httpGet"]["port"] == 9555
+    # the probes on the health port, which strangers holding the metrics port's connections cannot starve
+    assert daemon["livenessProbe"]["httpGet"]["port"] == daemon["readinessProbe"]["httpGet"]["port"] == 9403
+    assert config.metrics_health_port == 9403 and config.metrics_port == 9555
     assert not [e for e in daemon["env"] if "KUBECONFIG" in e["name"]]
     volumes = {v["name"]: v.get("hostPath", {}).get("path") for v in pod["volumes"]}
     mounts = {m["name"]: m["mountPath"] for m in daemon["volumeMounts"]}

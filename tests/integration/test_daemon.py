@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -494,6 +495,7 @@ def test_the_network_port_names_no_one_and_the_local_socket_is_root_only(daemon:
     # A cluster that wants names on the port says so.
     daemon.stop()
     daemon.write_config(metrics={"address": "127.0.0.1", "port": daemon.metrics_port, "podNames": True,
+                                 "healthPort": daemon.health_port,
                                  "socket": str(daemon.status_socket)})  # fmt: skip
     started(daemon)
     assert b"secret-pod" in daemon.public("/status")[1]
@@ -543,6 +545,90 @@ def test_thousands_of_idle_connections_neither_exhaust_descriptors_nor_stop_allo
         assert "Too many open files" not in daemon.log()
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class Holders:
+    """``count`` connections to each port, opened again as soon as the daemon closes one: the client that
+    starved the metrics port's 16 slots (issue #52, item 9). Bounded: it stops with :meth:`stop`."""
+
+    def __init__(self, ports: list[int], count: int) -> None:
+        import threading
+
+        self.ports, self.count = ports, count
+        self.reconnects = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _open(self, port: int) -> Any:
+        import socket
+
+        connection = socket.socket()
+        connection.settimeout(1)
+        try:
+            connection.connect(("127.0.0.1", port))
+        except OSError:
+            connection.close()
+            return None
+        connection.setblocking(False)
+        return connection
+
+    def _run(self) -> None:
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            for port in self.ports:
+                for _ in range(self.count):
+                    if (c := self._open(port)) is not None:
+                        selector.register(c, selectors.EVENT_READ, port)
+            while not self._stop.is_set():
+                for key, _ in selector.select(0.05):
+                    try:
+                        data = key.fileobj.recv(4096)  # type: ignore[union-attr]
+                    except OSError:
+                        data = b""
+                    if not data:
+                        selector.unregister(key.fileobj)
+                        key.fileobj.close()  # type: ignore[union-attr]
+                        if (c := self._open(key.data)) is not None:
+                            selector.register(c, selectors.EVENT_READ, key.data)
+                            self.reconnects += 1
+            for key in list(selector.get_map().values()):
+                key.fileobj.close()  # type: ignore[union-attr]
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+def _probe(port: int) -> bool:
+    """One probe as the kubelet makes it: a GET with a 1 s timeout, 200 is a pass."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def test_strangers_holding_connections_cannot_starve_the_health_port(daemon: Daemon) -> None:
+    """Defect (issue #52, item 9): 32 connections held to the metrics port and opened again whenever one was
+    closed made /healthz fail 30 times out of 30. The probes' own port serves them through the same siege."""
+    started(daemon)
+    holders = Holders([daemon.metrics_port, daemon.health_port], 32)
+    try:
+        wait_until(lambda: holders.reconnects > 0, timeout=15, message="the holders cycling")
+        outcomes = []
+        for _ in range(30):
+            outcomes.append(_probe(daemon.health_port))
+            time.sleep(0.1)
+        metrics_port = sum(_probe(daemon.metrics_port) for _ in range(5))
+    finally:
+        holders.stop()
+    assert sum(outcomes) == 30, f"/healthz answered {sum(outcomes)} of 30 on the health port"
+    print(f"health port: {sum(outcomes)}/30; metrics port under the same siege: {metrics_port}/5")
+    assert daemon.process is not None and daemon.process.poll() is None
 
 
 def test_a_missing_node_stops_the_daemon_with_the_reason(daemon: Daemon) -> None:
