@@ -78,7 +78,8 @@ def holding_from_pod(
     spec asks on each GPU: the spec cannot change once the pod exists, while its owner can edit its
     annotations (an allocation or ``_POD`` patched to 0 once freed a running pod's memory in every book).
     A pod on fewer GPUs than its spec asks holds the rest as pending, and one whose annotations cannot be
-    read is held as pending with the reason, so that memory is never silently given away twice.
+    read is held as pending with the reason, so that memory is never silently given away twice. A placed
+    pod's compute is its bind record's, never its compute annotations' (its owner may edit those).
     """
     if not holds_gpu_memory(pod):
         return None
@@ -103,7 +104,10 @@ def holding_from_pod(
         gpus = None  # an empty choice (Alibaba's framework allocation may be "{}") is no choice: pending
     if gpus is None and request.total == 0 and not problems:
         return None
-    compute = max(request.compute_request, recorded.request if recorded is not None else 0)
+    # A placed pod holds the compute its bind recorded (none, where its record has no share: Aliyun's
+    # stack and releases before compute shares promised none), whatever its owner's annotations say since:
+    # an edit never moves a neighbour's room. A pod still waiting holds what it asks.
+    compute = request.compute_request if gpus is None else (recorded.request if recorded is not None else 0)
     pending = request.total if gpus is None else 0
     if gpus and request.total:
         gpus = {index: max(amount, request.per_gpu) for index, amount in gpus.items()}

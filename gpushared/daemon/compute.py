@@ -13,6 +13,7 @@ from collections.abc import Iterable, Mapping
 from gpushared import contract
 from gpushared.core.bodies import PodBody, annotations_of
 from gpushared.core.compute import ComputeDecision, UseKey, decide_compute
+from gpushared.core.ledger import recorded_compute
 from gpushared.core.memory import ContainerRef, GpuProcess
 from gpushared.daemon.metrics import ContainerCompute, Metrics
 from gpushared.daemon.outbox import Outbox
@@ -90,6 +91,9 @@ def _limit(pod: PodBody | None) -> int | None:
     (the extender refused to place it, and the memory watcher reports bad annotations)."""
     if pod is None:
         return None
+    bound = recorded_compute(annotations_of(pod))  # a placed pod's limit is its bind record's, not an edit's
+    if bound is not None:
+        return bound.limit
     try:
         share = contract.parse_compute(annotations_of(pod))
     except contract.ContractError:

@@ -154,6 +154,29 @@ def test_a_bound_pods_allocation_is_frozen() -> None:
     assert admit("gpushared-frozen-allocation", operation="UPDATE", obj=edited, old=pod({})) is None
 
 
+def test_a_bound_pods_compute_share_is_frozen() -> None:
+    """Defect (issue #52, item 1): a tenant raised its bound pod's compute request from 50 to 100 and a
+    neighbour on the same GPU was refused."""
+    asked = {contract.POD_COMPUTE_REQUEST: "50", contract.POD_COMPUTE_LIMIT: "60"}
+    bound = pod(asked, node="n1")
+    for key, value in ((contract.POD_COMPUTE_REQUEST, "100"), (contract.POD_COMPUTE_LIMIT, "100")):
+        edited = pod({**asked, key: value}, node="n1")
+        message = admit("gpushared-frozen-allocation", operation="UPDATE", obj=edited, old=bound)
+        assert message is not None and "compute" in message, key
+        removed = pod({k: v for k, v in asked.items() if k != key}, node="n1")
+        assert admit("gpushared-frozen-allocation", operation="UPDATE", obj=removed, old=bound) is not None
+    # before bind, the owner may still change what it asks
+    assert (
+        admit(
+            "gpushared-frozen-allocation",
+            operation="UPDATE",
+            obj=pod({**asked, contract.POD_COMPUTE_REQUEST: "100"}),
+            old=pod(asked),
+        )
+        is None
+    )
+
+
 def test_a_node_identity_changes_only_its_own_pods_and_node() -> None:
     mine, other = pod({}, node="n1"), pod({}, node="n2")
     user = NODE_SA + "n1"

@@ -75,6 +75,16 @@ def bound_with_limit(name: str, amount: int, *, gpu: int, limit: str) -> dict[st
     return body
 
 
+def asking_compute(name: str, amount: int, request: int, *, assigned: bool = False) -> dict[str, Any]:
+    """A pod that asked ``request`` percent of its GPU's compute, bound on GPU 0 with that share recorded."""
+    body = pod(name, amount, node="n1", annotations={contract.POD_COMPUTE_REQUEST: str(request)})
+    body["metadata"]["annotations"].update(bind_annotations(pod_request(body), [INV.gpus[0]], unit=INV.unit, now_ns=1))
+    if assigned:
+        body["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED] = "true"
+        body["status"]["phase"] = "Running"
+    return body
+
+
 def edited(body: dict[str, Any], **annotations: str) -> dict[str, Any]:
     body["metadata"]["annotations"].update(annotations)
     return body
@@ -231,14 +241,27 @@ CASES = [
         envs={"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "40"},
     ),
     Case(
-        "compute requests past 100 % on the GPU (placed by another scheduler): refused with the sum",
+        "compute shares past 100 % on the GPU (bound so by a scheduler that did not count them): refused with the sum",
+        [asking_compute("a", 2, 80, assigned=True), asking_compute("b", 2, 30)],
+        ids(0, 2),
+        refused=r"pod default/b would bring the compute requests on GPU 0 to 110 percent",
+        event_on="b",
+    ),
+    Case(
+        "a neighbour raised its compute request after its bind (50 -> 100): its bind record counts, granted",
+        [
+            edited(asking_compute("a", 2, 50, assigned=True), **{contract.POD_COMPUTE_REQUEST: "100"}),
+            asking_compute("b", 2, 50),
+        ],
+        ids(0, 2),
+    ),
+    Case(
+        "compute annotations added to pods whose bind recorded no share: they hold none, granted",
         [
             edited(placed("a", 2, gpus=(0,), assigned=True), **{contract.POD_COMPUTE_REQUEST: "80"}),
             edited(placed("b", 2, gpus=(0,)), **{contract.POD_COMPUTE_REQUEST: "30"}),
         ],
         ids(0, 2),
-        refused=r"pod default/b would bring the compute requests on GPU 0 to 110 percent",
-        event_on="b",
     ),
     # --- refused: the handshake cannot name one container (docs/design.md §7's table) ----------------------
     Case(

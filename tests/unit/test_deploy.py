@@ -133,6 +133,8 @@ def test_the_admission_policies_freeze_the_allocation_keys_and_scope_node_identi
         contract.ALIYUN_GPU_MEM_IDX,
         contract.ALIYUN_GPU_MEM_POD,
         contract.ALIYUN_GPU_MEM_DEV,
+        contract.POD_COMPUTE_REQUEST,
+        contract.POD_COMPUTE_LIMIT,
     }
     # the daemon's own writes after bind stay allowed
     assert contract.ALIYUN_GPU_MEM_ASSIGNED not in named and contract.ALIYUN_GPU_MEM_ASSUME_TIME not in named

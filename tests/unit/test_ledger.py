@@ -200,3 +200,36 @@ def test_aliyun_node_falls_back_to_capacity_over_count(total: str, count: str, u
 def test_node_without_gpu_mem_is_not_a_gpushared_node() -> None:
     assert inventory_from_node({"metadata": {"name": "n"}, "status": {"capacity": {"cpu": "4"}}}) is None
     assert inventory_from_node({"status": {"capacity": {GPU_MEM: "0"}}}) is None
+
+
+@pytest.mark.parametrize(
+    ("asked", "recorded", "edited", "node", "holds"),
+    [
+        pytest.param("50", True, "100", "n1", 50, id="raised after bind: the bind record"),
+        pytest.param("50", True, "0", "n1", 50, id="lowered after bind: the bind record"),
+        pytest.param("50", True, None, "n1", 50, id="removed after bind: the bind record"),
+        pytest.param(None, True, "100", "n1", 0, id="added after a bind that recorded none: none"),
+        pytest.param(None, False, "100", "n1", 0, id="Aliyun's bind (no share recorded): none"),
+        pytest.param("30", False, "60", None, 60, id="waiting: what it asks now"),
+    ],
+)
+def test_a_placed_pods_compute_is_its_bind_records(
+    asked: str | None, recorded: bool, edited: str | None, node: str | None, holds: int
+) -> None:
+    """Defect (issue #52, item 1): the books counted the larger of the bind record and the annotation, so an
+    owner who raised a bound pod's compute request from 50 to 100 had a neighbour refused."""
+    from gpushared.core.binding import bind_annotations
+    from gpushared.core.requests import pod_request
+
+    body = pod("a", 2, node=node, annotations={} if asked is None else {contract.POD_COMPUTE_REQUEST: asked})
+    annotations = body["metadata"]["annotations"]
+    if node is not None:
+        gpus = inventory(16).gpus
+        annotations.update(
+            bind_annotations(pod_request(body), [gpus[0]], unit=MemoryUnit.GIB, now_ns=1) if recorded else aliyun(0, 2)
+        )
+    annotations.pop(contract.POD_COMPUTE_REQUEST, None)
+    if edited is not None:
+        annotations[contract.POD_COMPUTE_REQUEST] = edited
+    holding = holding_from_pod(body, unit=MemoryUnit.GIB)
+    assert holding is not None and holding.compute == holds
