@@ -38,6 +38,19 @@ def test_bench_allocate_runs_and_reports() -> None:
     assert report["idle"]["rss_mib"] > 0 and report["idle"]["cpu_percent_of_one_core"] >= 0
 
 
+def test_bench_dra_prepare_runs_and_reports() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_dra_prepare.py"), "--claims", "20"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(out.stdout)
+    assert report["claims"] == 20 and report["bands"][0]["count"] == 10
+    assert report["all"]["p99_ms"] > 0
+
+
 def small_trace(data: Path, *, models: tuple[str, ...] = ("G2", "T4")) -> Path:
     """Twelve nodes of 2 and 4 GPUs (the models alternating), and five kinds of task, one on two GPUs; a
     ``multigpu20`` list with more of that one (the default trace's expected mix is made from it)."""
