@@ -20,6 +20,7 @@ from gpushared.core.bodies import meta_of
 from gpushared.core.report import node_report
 from gpushared.extender.http import wire
 from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answer
+from gpushared.extender.http.config import MAX_REVIEW_BYTES
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.metrics import Metrics
 from gpushared.extender.scheduler import BindError, Scheduler
@@ -28,9 +29,6 @@ log = logging.getLogger(__name__)
 
 #: Admission reviews decoded at once, on a worker thread (``Routes.mutate``).
 WEBHOOK_THREADS = 1
-#: The largest admission review the webhook reads: kube-apiserver takes request bodies of at most 3 MiB,
-#: so a pod it asks about is no larger; anyone else's larger review is refused unread (413).
-MAX_REVIEW_BYTES = 3 * 2**20 + 64 * 2**10
 
 
 class Routes:
@@ -161,6 +159,9 @@ class Routes:
     async def inspect_all(self, call: Call) -> Answer:
         nodes = [r for r in (self._report(n, call) for n in self.scheduler.cache.state.node_names()) if r is not None]
         self.metrics.nodes.set(len(nodes))
+        if not self._may_see_pods(call):
+            for number, report in enumerate(nodes):  # the cluster's layout is not a stranger's to list
+                report["name"] = f"{HIDDEN} {number}"
         return json_answer({"nodes": nodes})
 
     async def inspect_node(self, call: Call) -> Answer:
@@ -187,9 +188,13 @@ class Routes:
 
 
 def _hide_pods(report: dict[str, Any]) -> None:
-    """Amounts stay (they are the node's state); who holds them goes."""
+    """Amounts stay (they are the node's state); who holds them goes, and so do the node's address and its
+    GPUs' UUIDs (a stranger maps the cluster with them)."""
     for holder in [*(p for dev in report["devs"] for p in dev["pods"]), *report["pending"]]:
         holder["name"] = holder["namespace"] = HIDDEN
+    report["address"] = HIDDEN
+    for dev in report["devs"]:
+        dev["uuid"] = HIDDEN
 
 
 #: What an unauthenticated caller sees in place of a pod's name and namespace.

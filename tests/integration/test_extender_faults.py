@@ -267,6 +267,15 @@ def test_with_a_client_ca_only_the_scheduler_may_use_the_verbs(
     shown = call("GET", "/gpushare-scheduler/inspect/n1", scheduler)[1]
     assert hidden["nodes"][0]["devs"][1]["pods"] == [{"name": "(hidden)", "namespace": "(hidden)", "usedGPU": 4}]
     assert shown["nodes"][0]["devs"][1]["pods"] == [{"name": "victim", "namespace": "default", "usedGPU": 4}]
+    # nor the node's address, its GPUs' UUIDs, or the cluster's node names (issue #52, item 11)
+    assert hidden["nodes"][0]["address"] == "(hidden)" and {d["uuid"] for d in hidden["nodes"][0]["devs"]} == {
+        "(hidden)"
+    }
+    assert shown["nodes"][0]["address"] != "(hidden)" and shown["nodes"][0]["devs"][0]["uuid"].startswith("GPU-")
+    listed = call("GET", "/gpushare-scheduler/inspect", None)[1]
+    names = [n["name"] for n in call("GET", "/gpushare-scheduler/inspect", scheduler)[1]["nodes"]]
+    assert "n1" in names and [n["name"] for n in listed["nodes"]] == [f"(hidden) {i}" for i in range(len(names))]
+    assert not any(f'"{name}"' in json.dumps(listed) for name in names)
     metrics = urllib.request.urlopen(
         f"https://127.0.0.1:{ext.port}/metrics", context=ssl.create_default_context(cafile=str(authority.cert))
     ).read()
@@ -385,3 +394,37 @@ def test_a_tls_setup_that_cannot_work_is_refused_at_start(
     result = CliRunner().invoke(main, args)
     assert result.exit_code != 0 and message in result.output, result.output
     assert "Traceback" not in result.output
+
+
+def test_a_stranger_cannot_flood_the_log_or_make_the_webhook_read_past_its_limit(extender: Extender) -> None:
+    """Issue #52, item 11: a URL over 8 KiB logged an ERROR with a traceback per request; the webhook read up
+    to 8 MiB of a review before its 3 MiB limit answered 413."""
+    import socket
+
+    for _ in range(5):
+        connection = http.client.HTTPConnection("127.0.0.1", extender.port, timeout=5)
+        connection.request("GET", "/" + "a" * 9000)
+        assert 400 <= connection.getresponse().status < 500
+        connection.close()
+    assert extender.get("/healthz")[0] == 200
+    log = extender.log()
+    assert "Traceback" not in log and "Error handling request" not in log, log[-2000:]
+
+    # A review announced past the webhook's limit is refused by its length, before any of it is sent.
+    with socket.create_connection(("127.0.0.1", extender.port), timeout=5) as raw:
+        raw.sendall(
+            b"POST /gpushare-scheduler/mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {8 * 2**20}\r\n\r\n".encode()
+        )
+        assert raw.recv(4096).startswith(b"HTTP/1.1 413")
+    # Sent in chunks, it is refused at its first bytes past the limit (not read on to 8 MiB).
+    with socket.create_connection(("127.0.0.1", extender.port), timeout=5) as raw:
+        raw.sendall(
+            b"POST /gpushare-scheduler/mutate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n"
+        )
+        chunk = b"x" * 2**20
+        for _ in range(4):  # 4 MiB, then the client stalls: the answer must already be there
+            raw.sendall(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+        raw.settimeout(3)
+        assert raw.recv(4096).startswith(b"HTTP/1.1 413")

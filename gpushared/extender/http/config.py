@@ -7,6 +7,10 @@ from pathlib import Path
 
 from gpushared.extender.http import wire
 
+#: The largest admission review the webhook reads: kube-apiserver takes request bodies of at most 3 MiB,
+#: so a pod it asks about is no larger; anyone else's larger review is refused unread (413).
+MAX_REVIEW_BYTES = 3 * 2**20 + 64 * 2**10
+
 
 @dataclass(frozen=True)
 class ServerConfig:
@@ -32,3 +36,10 @@ class ServerConfig:
     #: without client_ca, bind anyway: anyone who reaches the port can then bind any pod whose UID it knows
     #: (benchmarks and tests on loopback; never a cluster)
     insecure_bind: bool = False
+
+    def body_limit(self, path: str) -> int:
+        """The most of a body read on ``path``: the webhook's reviews are held to what the API server can send,
+        before they are read (a stranger's 8 MiB review is refused at its first bytes past 3 MiB)."""
+        if path == f"{self.prefix.rstrip('/')}/mutate":
+            return min(self.max_body_bytes, MAX_REVIEW_BYTES)
+        return self.max_body_bytes

@@ -114,7 +114,8 @@ class Guard:
             async with asyncio.timeout(self.config.read_timeout):  # no task per request, unlike wait_for
                 raw = await call.read()
         except BodyTooLarge:
-            return json_answer({"Error": f"{name}: body larger than {self.config.max_body_bytes} bytes"}, status=413)
+            limit = self.config.body_limit(call.path)
+            return json_answer({"Error": f"{name}: body larger than {limit} bytes"}, status=413)
         except TimeoutError:
             return json_answer({"Error": f"{name}: request body too slow"}, status=408)
         leader = None if stateless else self.leader()

@@ -54,7 +54,7 @@ MAX_HEADER_LIST_BYTES = 16 << 10
 class _Stream:
     """One request's body as it arrives; ``body`` resolves when it is whole (or will never be)."""
 
-    __slots__ = ("body", "chunks", "ended", "size", "too_large")
+    __slots__ = ("body", "chunks", "ended", "limit", "size", "too_large")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.body: asyncio.Future[bytes] = loop.create_future()
@@ -63,6 +63,8 @@ class _Stream:
         #: the client sent END_STREAM: nothing more will arrive
         self.ended = False
         self.too_large = False
+        #: the most of a body read on its path (``ServerConfig.body_limit``)
+        self.limit = 0
 
     def wake(self, body: bytes = b"") -> None:
         if not self.body.done():
@@ -221,14 +223,16 @@ class Http2Protocol(asyncio.Protocol):
         target = headers.get(b":path", b"").decode("utf-8", "replace")
         stream = _Stream(self.loop)
         length = headers.get(b"content-length", b"")
+        path = urllib.parse.unquote(target.partition("?")[0])  # decoded, as aiohttp's request.path is
+        stream.limit = self.config.body_limit(path)
         # More digits than any body could need is too large too (and past 4,300 int() would raise).
-        if length.isdigit() and (len(length) > 18 or int(length) > self.config.max_body_bytes):
+        if length.isdigit() and (len(length) > 18 or int(length) > stream.limit):
             stream.too_large = True
             stream.wake()
         self.streams[sid] = stream
         call = Call(
             method=headers.get(b":method", b"").decode("ascii", "replace"),
-            path=urllib.parse.unquote(target.partition("?")[0]),  # decoded, as aiohttp's request.path is
+            path=path,
             read=stream.read,
             ssl_object=self.ssl_object,
             remote=self.remote,
@@ -243,7 +247,7 @@ class Http2Protocol(asyncio.Protocol):
             return  # answered or refused already: the window is given back, the bytes dropped
         data = event.data or b""
         stream.size += len(data)
-        if stream.size > self.config.max_body_bytes:
+        if stream.size > stream.limit:
             stream.too_large = True
             stream.chunks = []
             stream.wake()

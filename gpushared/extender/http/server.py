@@ -18,6 +18,7 @@ import logging
 from collections.abc import Callable
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import Counter
 
 from gpushared.extender.http.calls import Answering, BodyTooLarge, Call
@@ -29,15 +30,40 @@ from gpushared.extender.http.tls import ServingTls
 log = logging.getLogger(__name__)
 
 
+class _CallerFaults(logging.Filter):
+    """aiohttp logs a request its parser refuses (a URL or header past 8 KiB, bytes that are not HTTP) as an
+    ERROR with a traceback, once per request: anyone who reaches the port could flood the log. The caller
+    gets its 400 all the same; the log gets a line at DEBUG."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        fault = record.exc_info[1] if record.exc_info else None
+        if isinstance(fault, HttpProcessingError):
+            log.debug("request refused by the HTTP parser: %s", str(fault).splitlines()[0][:200])
+            return False
+        return True
+
+
 def application(answering: Answering, config: ServerConfig) -> web.Application:
     """The aiohttp application: every path and method goes to ``answering``, as over HTTP/2."""
 
     async def http1(request: web.Request) -> web.Response:
+        limit = config.body_limit(request.path)
+
         async def read() -> bytes:
-            try:
-                return await request.read()
-            except web.HTTPRequestEntityTooLarge:
-                raise BodyTooLarge from None
+            if limit >= config.max_body_bytes:
+                try:
+                    return await request.read()
+                except web.HTTPRequestEntityTooLarge:
+                    raise BodyTooLarge from None
+            # A route with a smaller limit than the app's: refused by its length, else at the first byte past it.
+            if request.content_length is not None and request.content_length > limit:
+                raise BodyTooLarge
+            body = bytearray()
+            while chunk := await request.content.readany():
+                body += chunk
+                if len(body) > limit:
+                    raise BodyTooLarge
+            return bytes(body)
 
         transport = request.transport
         call = Call(
@@ -51,6 +77,9 @@ def application(answering: Answering, config: ServerConfig) -> web.Application:
         answer = await answering.answer(call)
         return web.Response(body=answer.body, status=answer.status, headers={"Content-Type": answer.content_type})
 
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _CallerFaults) for f in server_log.filters):
+        server_log.addFilter(_CallerFaults())
     app = web.Application(client_max_size=config.max_body_bytes)
     app.router.add_route("*", "/{path:.*}", http1)
     return app
