@@ -133,6 +133,11 @@ def node_of(pod: PodBody) -> str:
     return (pod.get("spec") or {}).get("nodeName") or ""
 
 
+def scheduler_of(pod: PodBody) -> str:
+    """The scheduler the pod waits for (the API server writes ``default-scheduler`` when none is named)."""
+    return (pod.get("spec") or {}).get("schedulerName") or "default-scheduler"
+
+
 def awaits_node(pod: PodBody) -> bool:
     """Whether the pod waits for a scheduler: not bound, not being deleted, not finished (a pod that failed
     before it was bound, e.g. evicted from the queue, never will be)."""
@@ -246,6 +251,8 @@ def slim_pod(pod: PodBody) -> PodBody:
     slim_spec: dict[str, Any] = {}
     if spec.get("nodeName"):
         slim_spec["nodeName"] = sys.intern(spec["nodeName"])
+    if spec.get("schedulerName") not in (None, "", "default-scheduler"):  # whose binds it waits for
+        slim_spec["schedulerName"] = sys.intern(str(spec["schedulerName"]))
     for part in ("initContainers", "containers"):
         if spec.get(part):
             slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
@@ -269,6 +276,7 @@ def slim_pod(pod: PodBody) -> PodBody:
         id(slim_spec.get("initContainers")),
         id(slim_spec.get("containers")),
         overhead,
+        slim_spec.get("schedulerName"),
     )
     if selector or required:  # pods that choose nodes keep a spec of their own
         slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}

@@ -41,6 +41,16 @@ CONFIRM_SECONDS = 5.0
 CHECK_SECONDS = 5.0
 #: How long after it was sent a Binding whose answer was lost may still land.
 LANDING_SECONDS = 120.0
+#: The deadline every Binding of gpushared's carries (``?timeout=``): from Kubernetes 1.21 the API server
+#: plumbs it to its storage write, so a Binding it has not applied by then it never applies.
+#: A Binding is one small write: milliseconds, or a second or two on an API server under load; one that
+#: takes longer answers 504 and kube-scheduler tries the pod again.
+BINDING_TIMEOUT_SECONDS = 3.0
+#: After a start or a takeover, binds wait this long while pods an earlier extender could have been binding
+#: stay unbound: what the API server can still apply of a Binding sent before (its deadline), and half a
+#: second for the request's way there. Not ``LANDING_SECONDS``: that window made every restart a two-minute
+#: stop (issue #52).
+FENCE_SECONDS = BINDING_TIMEOUT_SECONDS + 0.5
 
 
 @dataclass
@@ -109,10 +119,25 @@ def settle(assumed: Assumed, read: PodBody | None, *, now: float, landing: float
     return Settlement(Action.RELEASE, f"{what}: the pod is still unbound {landing:.0f} s after the Binding")
 
 
+#: The first Kubernetes whose API server holds a request's storage write to the request's ``?timeout=``.
+DEADLINE_TO_STORAGE = (1, 21)
+
+
+def fence_window(version: tuple[int, int] | None, *, landing: float) -> float:
+    """How long after a start or a takeover an earlier extender's Binding may still be applied: its deadline
+    and half a second from 1.21; before, or where the version is not known, ``landing`` (a 1.20 API server answers
+    504 at the deadline but a write already under way still completes)."""
+    if version is not None and version >= DEADLINE_TO_STORAGE:
+        return FENCE_SECONDS
+    return landing
+
+
 def fenced(*, now: float, until: float, in_doubt: int) -> str | None:
-    """Why a bind must wait, or None: before ``until`` (the start or the takeover plus the landing window)
-    while ``in_doubt`` pods that were pending then are still unbound, an earlier extender's Binding may
-    yet land on the memory this bind would take."""
+    """Why a bind must wait, or None: before ``until`` (the start or the takeover plus ``FENCE_SECONDS``)
+    while ``in_doubt`` other pods that were pending then are still unbound, an earlier extender's Binding
+    may yet land on the memory this bind would take. The pod being bound is never its own doubt: its old
+    Binding and the new one cannot both land (a bound pod refuses every other Binding), so the caller
+    leaves it out of ``in_doubt``."""
     if in_doubt <= 0 or now >= until:
         return None
     return (

@@ -26,6 +26,7 @@ from gpushared.contract import ResourceNames
 from gpushared.core.admission import GPUSHARED_SCHEDULER
 from gpushared.core.mixbook import ExpectedMix
 from gpushared.core.policies import Policy
+from gpushared.core.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
@@ -99,6 +100,14 @@ class Extender:
             model_label=settings.model_label,
             rooms=settings.policy.reads_rooms,
             expected=settings.expected,
+            schedulers=frozenset({"default-scheduler", settings.webhook_scheduler}),
+        )
+        version = api.server_version()
+        cache.reservations.fence_seconds = fence_window(version, landing=settings.binding_landing_seconds)
+        log.info(
+            "API server %s: binds fenced for up to %.0f s after a start or a takeover",
+            "unknown" if version is None else f"v{version[0]}.{version[1]}",
+            cache.reservations.fence_seconds,
         )
         self.heartbeat = Heartbeat()
         self.elector = self._elector(api, settings.lease)

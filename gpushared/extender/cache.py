@@ -34,6 +34,7 @@ from gpushared.core.bodies import (
     awaits_node,
     key_of,
     meta_of,
+    scheduler_of,
     slim_pod,
     uid_of,
 )
@@ -74,9 +75,13 @@ class ClusterCache:
         model_label: str = "",
         rooms: bool = True,
         expected: ExpectedMix | None = None,
+        schedulers: frozenset[str] | None = None,
     ) -> None:
         """``rooms``: whether the request mix is told each node's room (only a policy that reads the mix
-        uses it; counting 5,000 nodes' rooms for one that does not is a cost on a scheduling call)."""
+        uses it; counting 5,000 nodes' rooms for one that does not is a cost on a scheduling call).
+        ``schedulers``: the schedulers that call this extender (None: any); a pod for another one is never
+        bound here, so no earlier extender can have its Binding in flight (``arm_fence``)."""
+        self.schedulers = schedulers
         self.owner = Owner()
         self.state = ClusterState(
             resources=resources, clock=clock, model_label=model_label, rooms=rooms, expected=expected
@@ -84,6 +89,8 @@ class ClusterCache:
         self.index = FilterIndex(self.state)
         self.state.changed = self.index.changed
         self.reservations = Reservations(clock=clock, landing_seconds=landing_seconds)
+        #: when this process began: an earlier one's Bindings were all sent before it
+        self.started = clock()
         self.inbox = Inbox(self._apply, self.owner)
         # Short watches: a watch that neither delivers nor ends within watch_seconds + its grace is dead,
         # and is replaced by a relist (Informer.stale).
@@ -125,7 +132,7 @@ class ClusterCache:
         flight (``arm_fence``)."""
         self.inbox.drain()
         self.index.warm()
-        self.arm_fence()
+        self.arm_fence(since=self.started)  # an earlier process sent its last Binding before this one began
 
     # --- the informers' changes, applied by the owner ------------------------------------------------------
 
@@ -244,9 +251,10 @@ class ClusterCache:
             self.state.remove(assumed.uid)
         return outcome
 
-    def arm_fence(self) -> int:
+    def arm_fence(self, *, since: float | None = None) -> int:
         """Fence binds after a start or a takeover (``reservations.fenced``) for the pods waiting for a node
-        whose Binding an earlier extender may have in flight: those it could have placed. A pod that fits
+        whose Binding an earlier extender may have in flight: those it could have placed (pods of the
+        schedulers that call it, asking for GPU memory some node has). A pod that fits
         on no node now could not have been: its Binding, if any, would land on memory this cache shows
         free (nothing since has been bound by this extender), and one whose request cannot be read no
         extender binds."""
@@ -257,6 +265,8 @@ class ClusterCache:
         for pod in self.pending.values():
             if uid_of(pod) in self.state.node_of:
                 continue  # assumed by this extender
+            if self.schedulers is not None and scheduler_of(pod) not in self.schedulers:
+                continue  # another scheduler's: no extender of these binds it
             try:
                 request = pod_request(pod, resources=self.state.resources)
             except ContractError:
@@ -268,4 +278,4 @@ class ClusterCache:
                 fits[shape] = bool(self.index.filter(names, request)[0])
             if fits[shape]:
                 doubtful.add(uid_of(pod))
-        return self.reservations.arm_fence(doubtful)
+        return self.reservations.arm_fence(doubtful, since=since)

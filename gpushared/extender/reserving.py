@@ -18,6 +18,7 @@ from gpushared.core.bodies import PodBody, awaits_node, node_of, uid_of
 from gpushared.core.reservations import (
     CHECK_SECONDS,
     CONFIRM_SECONDS,
+    FENCE_SECONDS,
     LANDING_SECONDS,
     Action,
     Assumed,
@@ -30,10 +31,18 @@ log = logging.getLogger(__name__)
 
 
 class Reservations:
-    def __init__(self, *, clock: Callable[[], float], landing_seconds: float = LANDING_SECONDS) -> None:
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float],
+        landing_seconds: float = LANDING_SECONDS,
+        fence_seconds: float = FENCE_SECONDS,
+    ) -> None:
         self.clock = clock
         #: how long after it was sent a Binding whose answer was lost may still land
         self.landing_seconds = landing_seconds
+        #: how long after a start or a takeover a predecessor's Binding may still be applied
+        self.fence_seconds = fence_seconds
         #: binds the watch has not shown yet, by the key they are counted under (``Assumed.key``)
         self._assumed: dict[str, Assumed] = {}
         #: pod uid -> the keys of its unanswered Bindings (rare: only after an API server fault)
@@ -47,26 +56,30 @@ class Reservations:
 
     # --- the fence ------------------------------------------------------------------------------------
 
-    def arm_fence(self, doubtful: set[str]) -> int:
-        """After a start or a takeover: fence binds for the landing window while any pod of ``doubtful``
-        (UIDs of unbound pods that an earlier extender could have placed) stays unbound; how many."""
+    def arm_fence(self, doubtful: set[str], *, since: float | None = None) -> int:
+        """After a start or a takeover: fence binds until ``fence_seconds`` after ``since`` (when an
+        earlier extender may have sent its last Binding: this process's start, or now at a takeover)
+        while any pod of ``doubtful`` (UIDs of unbound pods that it could have placed) stays unbound; how
+        many."""
         self._in_doubt = set(doubtful)
-        self._fence_until = self.clock() + self.landing_seconds
+        self._fence_until = (self.clock() if since is None else since) + self.fence_seconds
         if self._in_doubt:
             log.warning(
                 "binds fenced for up to %.0f s: %d pods were waiting for a node, and an earlier extender may "
                 "have their Bindings in flight",
-                self.landing_seconds,
+                self.fence_seconds,
                 len(self._in_doubt),
             )
         return len(self._in_doubt)
 
-    def fenced(self) -> str | None:
-        """Why binds must wait now (``reservations.fenced``), or None."""
+    def fenced(self, uid: str | None = None) -> str | None:
+        """Why a bind of pod ``uid`` must wait now (``reservations.fenced``), or None; the pod's own doubt
+        does not hold its own bind."""
         now = self.clock()
         if self._in_doubt and now >= self._fence_until:
             self._in_doubt.clear()
-        return fenced(now=now, until=self._fence_until, in_doubt=len(self._in_doubt))
+        others = len(self._in_doubt) - (uid in self._in_doubt)
+        return fenced(now=now, until=self._fence_until, in_doubt=others)
 
     def in_doubt(self) -> int:
         """Pods whose Bindings an earlier extender may have in flight, while binds are fenced for them."""

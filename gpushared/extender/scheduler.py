@@ -147,7 +147,7 @@ class Scheduler:
             request = pod_request(pod, resources=self.resources)
         except ContractError as exc:
             raise BindError(f"{where}: {exc}") from None
-        fence = self.cache.reservations.fenced()
+        fence = self.cache.reservations.fenced(args.pod_uid)
         if fence is not None:
             raise BindError(f"{where}: {fence}")
         if not self.may_bind():

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from gpushared.core.bodies import PodBody
+from gpushared.core.reservations import BINDING_TIMEOUT_SECONDS
 from gpushared.kube import jsonio
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message
@@ -47,9 +48,21 @@ class AsyncApi:
     async def get_pod(self, namespace: str, name: str) -> PodBody:
         return cast(PodBody, await self._call(f"get pod {namespace}/{name}", "GET", pod_path(namespace, name)))
 
-    async def bind_pod(self, namespace: str, name: str, *, uid: str, node: str, annotations: dict[str, str]) -> None:
+    async def bind_pod(
+        self,
+        namespace: str,
+        name: str,
+        *,
+        uid: str,
+        node: str,
+        annotations: dict[str, str],
+        deadline: float = BINDING_TIMEOUT_SECONDS,
+    ) -> None:
         """Create the pod's Binding; the UID makes it fail if the pod was deleted and re-created meanwhile.
-        kube-apiserver copies the Binding's annotations onto the pod in the write that sets its node."""
+        kube-apiserver copies the Binding's annotations onto the pod in the write that sets its node.
+        ``deadline`` (seconds) goes with it as ``?timeout=``: from 1.21 the API server applies it by then
+        or never (its request deadline reaches the storage write), which bounds how long after this
+        process dies its Bindings can still land."""
         binding = {
             "apiVersion": "v1",
             "kind": "Binding",
@@ -59,11 +72,14 @@ class AsyncApi:
         await self._call(
             f"bind pod {namespace}/{name} to {node}",
             "POST",
-            pod_path(namespace, name) + "/binding",
+            pod_path(namespace, name) + f"/binding?timeout={deadline:g}s",
             binding,
+            timeout=deadline + 1.0,
         )
 
-    async def _call(self, what: str, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    async def _call(
+        self, what: str, method: str, path: str, body: dict[str, Any] | None = None, *, timeout: float | None = None
+    ) -> Any:
         credential = self.credentials.credential
         try:
             identity = credential.identity()
@@ -78,7 +94,11 @@ class AsyncApi:
                 self.host + path,
                 data=None if body is None else jsonio.dumps(body),
                 headers=headers,
-                **self._options,
+                **(
+                    self._options
+                    if timeout is None
+                    else {**self._options, "timeout": aiohttp.ClientTimeout(total=timeout)}
+                ),
             ) as response:
                 data = await response.read()
                 status, reason = response.status, response.reason

@@ -100,6 +100,14 @@ class Api:
             raise KubeError(f"token for {namespace}/{service_account}: the answer holds no token")
         return token
 
+    def server_version(self) -> tuple[int, int] | None:
+        """The API server's (major, minor) from ``/version`` (a minor of "21+" is 21); None if not read."""
+        try:
+            answer = self.rest.request("get the API server's version", "GET", "/version")
+            return int(str(answer["major"]).rstrip("+")), int(str(answer["minor"]).rstrip("+"))
+        except (KubeError, KeyError, TypeError, ValueError):
+            return None
+
     def node_event(self, node: str, *, reason: str, message: str, warning: bool, component: str) -> None:
         """An Event on a Node (in namespace default, where the kubelet writes its own)."""
         involved = {"apiVersion": "v1", "kind": "Node", "name": node, "uid": node}

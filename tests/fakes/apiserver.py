@@ -115,6 +115,9 @@ class FakeApiServer:
         self.expired_refusals = 0
         #: whether resource.k8s.io/v1 (DRA) is served, as by kube-apiserver >= 1.34; False: a 1.20 one
         self.dra_served = True
+        #: what ``/version`` says; from 1.21 a request's ``?timeout=`` is its deadline all the way to storage,
+        #: so a request held past it (a ``Fault`` delay) answers 504 and is not carried out
+        self.version = (1, 36)
         self._server = _QuietServer(("127.0.0.1", 0), _handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -480,6 +483,12 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             if fault is not None:
                 if fault.delay:
                     time.sleep(fault.delay)
+                    deadline = _seconds(query.get("timeout"))
+                    past = deadline is not None and fault.delay >= deadline and server.version >= (1, 21)
+                    if past and not fault.applied and fault.status is None and not fault.cut:
+                        message = "Timeout: request did not complete within requested timeout"
+                        self._send(504, status_body(504, "Timeout", message))
+                        return
                 if fault.cut:
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -529,6 +538,9 @@ def _handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                     "spec": spec,
                     "status": status,
                 }
+            if path == "/version" and method == "GET":
+                major, minor = server.version
+                return 200, {"major": str(major), "minor": str(minor), "gitVersion": f"v{major}.{minor}.0"}
             discovery = _DISCOVERY.match(path)
             if discovery is not None and method == "GET":
                 return 200, _resource_list(server, discovery.group(1), discovery.group(2))
@@ -620,3 +632,11 @@ def _json(body: bytes) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ApiError(400, "BadRequest", "expected a JSON object")
     return value
+
+
+def _seconds(text: str | None) -> float | None:
+    """A request's ``timeout`` as Go writes a duration ("4s", "500ms", "1m"); None when absent or not read."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)(ms|s|m)", text or "")
+    if match is None:
+        return None
+    return float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match.group(2)]

@@ -60,6 +60,8 @@ CLAIMS = [
     ("design.md", f"not confirmed after {seconds(reservations.CONFIRM_SECONDS)} is read back"),
     ("design.md", f"`--binding-landing-seconds` ({cli_default('binding_landing_seconds'):g}) after the write"),
     ("design.md", f"`--binding-landing-seconds` ({reservations.LANDING_SECONDS:g}) it binds nothing"),
+    ("design.md", f"(`?timeout={reservations.BINDING_TIMEOUT_SECONDS:g}s`,"),
+    ("design.md", f"({reservations.FENCE_SECONDS:g} s,\n  `FENCE_SECONDS`)"),
     # the placement constants tuned by scripts/tune_placement.py (issue #41)
     ("design.md", f"`BINPACK_PRESSURE` ({policies.BINPACK_PRESSURE:g} GPUs"),
     ("design.md", f"`FGD_PRESSURE` ({policies.FGD_PRESSURE:g} levels"),

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from gpushared import contract
+from gpushared.core import reservations
 from gpushared.core.policies import BINPACK
 from gpushared.core.requests import pod_request
 from gpushared.core.reservations import (
@@ -189,5 +190,55 @@ def test_the_fence_holds_pods_that_fit_until_each_is_seen_bound_or_gone() -> Non
     cache.pods._set({**pod("late", 1, uid="l")})
     cache.inbox.drain()
     assert cache.arm_fence() == 1
-    now[0] = 30.0
+    now[0] = cache.reservations.fence_seconds
     assert cache.reservations.fenced() is None  # the window has passed
+
+
+def test_a_pods_own_doubt_never_holds_its_own_bind() -> None:
+    """Issue #52, item 10: its old Binding and the new one cannot both land, so a waiting pod's bind waits
+    only for the other pods in doubt."""
+    cache = ClusterCache(
+        list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES, clock=lambda: 0.0
+    )
+    cache.on_node(None, gpu_node("n1", inv=inventory(16), cpu="8"))
+    for body in (pod("a", 4, uid="a"), pod("b", 4, uid="b")):
+        cache.pods._set(body)
+    cache.inbox.drain()
+    assert cache.arm_fence() == 2
+    assert "1 pods" in (cache.reservations.fenced("a") or "")
+    cache.pods._apply({"type": "DELETED", "object": pod("b", 4, uid="b")}, "2")
+    cache.inbox.drain()
+    assert cache.reservations.fenced("a") is None, "only its own doubt is left"
+    assert cache.reservations.fenced() is not None, "it still holds every other pod's bind"
+
+
+def test_pods_of_other_schedulers_are_never_in_doubt() -> None:
+    cache = ClusterCache(
+        list_nodes=lambda **_: None,
+        list_pods=lambda **_: None,
+        resources=contract.DEFAULT_RESOURCES,
+        clock=lambda: 0.0,
+        schedulers=frozenset({"default-scheduler", "gpushared-scheduler"}),
+    )
+    cache.on_node(None, gpu_node("n1", inv=inventory(16), cpu="8"))
+    mine, second, other = pod("mine", 4, uid="m"), pod("second", 4, uid="s"), pod("other", 4, uid="o")
+    second["spec"]["schedulerName"] = "gpushared-scheduler"
+    other["spec"]["schedulerName"] = "volcano"
+    for body in (mine, second, other):
+        cache.pods._set(body)
+    cache.inbox.drain()
+    assert cache.arm_fence() == 2
+
+
+@pytest.mark.parametrize(
+    ("version", "window"),
+    [
+        ((1, 36), reservations.FENCE_SECONDS),
+        ((1, 21), reservations.FENCE_SECONDS),
+        ((1, 20), 120.0),  # the deadline does not reach storage there: the landing window
+        (None, 120.0),  # not known: the safe one
+    ],
+)
+def test_the_fence_lasts_what_the_api_server_can_still_apply(version: tuple[int, int] | None, window: float) -> None:
+    assert reservations.fence_window(version, landing=120.0) == window
+    assert reservations.FENCE_SECONDS < 5.0

@@ -56,7 +56,7 @@ class _Stream:
 
     __slots__ = ("body", "chunks", "ended", "limit", "size", "too_large")
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int) -> None:
         self.body: asyncio.Future[bytes] = loop.create_future()
         self.chunks: list[bytes] = []
         self.size = 0
@@ -64,7 +64,7 @@ class _Stream:
         self.ended = False
         self.too_large = False
         #: the most of a body read on its path (``ServerConfig.body_limit``)
-        self.limit = 0
+        self.limit = limit
 
     def wake(self, body: bytes = b"") -> None:
         if not self.body.done():
@@ -221,10 +221,8 @@ class Http2Protocol(asyncio.Protocol):
             return
         headers = dict(event.headers or ())
         target = headers.get(b":path", b"").decode("utf-8", "replace")
-        stream = _Stream(self.loop)
-        length = headers.get(b"content-length", b"")
         path = urllib.parse.unquote(target.partition("?")[0])  # decoded, as aiohttp's request.path is
-        stream.limit = self.config.body_limit(path)
+        stream, length = _Stream(self.loop, self.config.body_limit(path)), headers.get(b"content-length", b"")
         # More digits than any body could need is too large too (and past 4,300 int() would raise).
         if length.isdigit() and (len(length) > 18 or int(length) > stream.limit):
             stream.too_large = True
