@@ -197,8 +197,12 @@ class Extender:
     def _fence_after_takeover(self) -> None:
         """A new leader binds nothing its predecessor may still have in flight (``reservations.fenced``).
         Before the cache is prepared there is nothing to read: the fence is armed then."""
-        if self.prepared:
-            self.cache.arm_fence()
+        if self.prepared and self.elector is not None:
+            # The predecessor stopped binding when it could not renew within its renew deadline; this replica
+            # took the Lease a whole lease duration after it last saw it renewed: the gap between the two has
+            # passed already (``kube.lease``: the times are this replica's own).
+            stepped_down = self.elector.lease_seconds - self.elector.renew_deadline
+            self.cache.arm_fence(since=self.cache.reservations.clock() - stepped_down)
 
     def run(self) -> None:
         """Serve until SIGTERM or SIGINT."""
