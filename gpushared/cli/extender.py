@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import stat
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -121,7 +122,7 @@ ENV = "GPUSHARED_EXTENDER"
 )
 @click.option(
     "--expected-mix",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),  # and a regular file (_expected)
     help="JSON file of the pod kinds expected and their counts (`kubectl inspect gpushare --expected-mix` "
     "writes one): fgd and binpack count it beside the pods seen, so a fresh extender keeps room for kinds "
     "it has not yet seen (docs/extender.md).",
@@ -223,7 +224,12 @@ def _expected(path: Path | None) -> ExpectedMix | None:
     from gpushared.core.mixbook import read_expected_mix
 
     try:
-        with path.open("rb") as stream:
+        # Opened without waiting (a FIFO's writer may never come), then held to a regular file: a FIFO, a
+        # device or a directory is refused at once, not read forever or past the limit.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as stream:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise click.BadParameter(f"{path}: not a regular file", param_hint="--expected-mix")
             text = stream.read(MAX_EXPECTED_BYTES + 1)
         if len(text) > MAX_EXPECTED_BYTES:
             raise click.BadParameter(f"{path}: over {MAX_EXPECTED_BYTES // 2**20} MiB", param_hint="--expected-mix")

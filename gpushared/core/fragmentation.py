@@ -30,6 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from gpushared.contract import GpuInventory
+from gpushared.core.prefixsums import PrefixSums
 
 #: A kind of pod: (milli-CPU requested, GPU memory units on each of its GPUs, GPUs); (CPU, 0, 0) for a pod
 #: that uses no GPU.
@@ -39,6 +40,12 @@ Kind = tuple[int, int, int]
 ModelKind = tuple[int, int, int, frozenset[str] | None]
 #: Pods of each kind, with or without models (weighed counts may be fractions).
 Counts = Mapping[Kind, float] | Mapping[ModelKind, float] | Mapping[Kind | ModelKind, float]
+#: Past this many CPU rows times sizes, one-GPU kinds are kept as sums (``core.prefixsums``), not as a
+#: table: a few hundred kinds (the Alibaba trace's 400) stay within it, and so compute exactly as before.
+TABLE_CELLS = 1 << 16
+#: Past this many (size, GPUs) groups of kinds on several GPUs, they are kept as sums too: each node's
+#: fragment would otherwise walk every group (the trace has a handful).
+GANG_GROUPS = 64
 
 
 class NodeClass(NamedTuple):
@@ -297,16 +304,32 @@ class RequestMix:
         #: share of pods using no GPU: all free GPU memory is fragment to them
         self._gpuless = sum(n for (_, size, _), n in counts.items() if size <= 0) / total if total else 0.0
         #: (size per GPU, GPUs) -> (CPU requests in order, share of the kinds asking at most each)
-        self._gangs: dict[tuple[int, int], tuple[tuple[int, ...], tuple[float, ...]]] = {}
-        for cpu, size, gpus in sorted(gangs):
-            cpus, shares = self._gangs.get((size, gpus), ((), ()))
-            share = (shares[-1] if shares else 0.0) + gangs[(cpu, size, gpus)] / total
-            self._gangs[(size, gpus)] = ((*cpus, cpu), (*shares, share))
+        self._gangs: dict[tuple[int, int], tuple[list[int], list[float]]] = {}
+        #: past GANG_GROUPS groups, per number of GPUs: each gang kind's share by CPU and size (a sum per
+        #: node then costs the node's distinct frees, not the groups), and the share of all gang kinds
+        self._gang_sums: dict[int, PrefixSums] = {}
+        self._gang_share = sum(gangs.values()) / total if total else 0.0
+        if len({(size, gpus) for _, size, gpus in gangs}) > GANG_GROUPS:
+            for count in {gpus for _, _, gpus in gangs}:
+                picked = ((cpu, size, n / total) for (cpu, size, gpus), n in gangs.items() if gpus == count)
+                self._gang_sums[count] = PrefixSums(picked)
+        else:
+            for cpu, size, gpus in sorted(gangs):
+                cpus, shares = self._gangs.setdefault((size, gpus), ([], []))
+                shares.append((shares[-1] if shares else 0.0) + gangs[(cpu, size, gpus)] / total)
+                cpus.append(cpu)
         self._cpus = tuple(sorted({cpu for cpu, _ in gpu}))
+        self._gpu_total = gpu_total
         #: per CPU row: (sizes of the kinds asking at most that CPU, share of them larger than sizes[i - 1]),
         #: and the share of GPU pods that ask more CPU than the row's (they cannot use the node at all)
         self._rows: list[tuple[tuple[int, ...], tuple[float, ...]]] = []
         self._unhosted: list[float] = []
+        #: past TABLE_CELLS rows times sizes, the one-GPU kinds by CPU and size instead of that table
+        self._sums: PrefixSums | None = None
+        self._all_gpu = gpu_total / total if total else 0.0
+        if len(self._cpus) * len({size for _, size in gpu}) > TABLE_CELLS:
+            self._sums = PrefixSums((cpu, size, n) for (cpu, size), n in gpu.items())
+            return
         sizes: dict[int, float] = {}
         by_cpu: dict[int, list[tuple[int, float]]] = {}
         for (cpu, size), n in gpu.items():
@@ -325,7 +348,6 @@ class RequestMix:
             above.append(0.0)
             self._rows.append((ordered, tuple(above)))
             self._unhosted.append((gpu_total - hosted) / total)
-        self._all_gpu = gpu_total / total if total else 0.0
 
     def __len__(self) -> int:
         return round(self._total)
@@ -340,6 +362,10 @@ class RequestMix:
         row = len(self._cpus) if cpu_free is None else bisect.bisect_right(self._cpus, cpu_free)
         if not row:  # not even the smallest CPU request fits: no one-GPU pod can use any of it
             fragment = float(total) * (self._gpuless + self._all_gpu)
+        elif self._sums is not None:
+            sums, pods = self._sums, self._total
+            lost = self._gpuless + (self._gpu_total - sums.total(cpu_free)) / pods
+            fragment = sum(free * (lost + sums.total(cpu_free, above=free) / pods) for free in frees)
         else:
             sizes, above = self._rows[row - 1]
             lost = self._gpuless + self._unhosted[row - 1]
@@ -350,4 +376,26 @@ class RequestMix:
                 asking = len(cpus) if cpu_free is None else bisect.bisect_right(cpus, cpu_free)
                 hosted = shares[asking - 1] if asking else 0.0
             fragment += (shares[-1] - hosted) * total + hosted * sum(free for free in frees if free < size)
+        if self._gang_sums:
+            fragment += self._gang_fragment(frees, total, cpu_free)
+        return fragment
+
+    def _gang_fragment(self, frees: list[int], total: int, cpu_free: int | None) -> float:
+        """The gang kinds' part of :meth:`fragment` from their sums: every gang kind's share of all ``total``,
+        less, for those the node can host (their size at most its ``gpus``-th largest free, CPU at most
+        ``cpu_free``), their share of what they would use: all but the GPUs with less free than their size."""
+        ordered = sorted(frees, reverse=True)
+        cuts = sorted(set(frees))
+        fragment = self._gang_share * total
+        for gpus, sums in self._gang_sums.items():
+            if len(ordered) < gpus:
+                continue
+            reach, low, below = ordered[gpus - 1], 0, 0  # sizes in (low, cut] leave the frees up to low
+            for cut in cuts:
+                hosted = sums.total(cpu_free, above=low, upto=min(cut, reach))
+                fragment += hosted * (below - total)
+                if cut >= reach:
+                    break
+                below += cut * frees.count(cut)
+                low = cut
         return fragment

@@ -29,8 +29,12 @@ from gpushared.core.ledger import Holding
 #: How many pods an expected mix counts as, unless its file says: beside it, the pods seen take over once
 #: there are some thousands of them. Chosen by scripts/tune_placement.py on its tuning set (docs/benchmarks.md).
 EXPECTED_WEIGHT: Final = 1000.0
-#: Kinds an expected mix may list: a cluster's pods have some dozens (the Alibaba trace's 8,152 tasks, 400).
-MAX_EXPECTED_KINDS: Final = 10_000
+#: Kinds an expected mix may list: a cluster's pods have some dozens to hundreds (the Alibaba trace's 8,152
+#: tasks are 400 kinds), and `kubectl inspect gpushare --expected-mix` writes one per kind it saw; 2,000 is
+#: five times the trace's. Each kind costs the extender on every mix it takes, on its event loop (issue #52:
+#: 10,000 kinds, accepted then, held it 61 s); a larger file is refused at start (docs/benchmarks.md, "What
+#: an expected mix costs").
+MAX_EXPECTED_KINDS: Final = 2_000
 
 
 def kind_of(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> ModelKind:

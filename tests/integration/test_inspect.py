@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -15,6 +16,7 @@ import yaml
 from gpushared import contract
 from gpushared.contract import dra
 from gpushared.core.binding import bind_annotations
+from gpushared.core.mixbook import MAX_EXPECTED_KINDS
 from gpushared.core.requests import pod_request
 from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node, gpushared_cluster
@@ -182,6 +184,18 @@ def test_expected_mix_counts_the_pods_as_the_extender_does_and_the_extender_read
     (tmp_path / "mix.json").write_text("{")
     refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "mix.json" in refused.stderr, refused.stderr
+    # Issue #52, item 2: more kinds than the extender takes, and a FIFO (which once hung the start for ever)
+    many = [{"cpuMilli": i, "gpuMem": 1, "gpus": 1, "count": 1} for i in range(MAX_EXPECTED_KINDS + 1)]
+    (tmp_path / "mix.json").write_text(json.dumps({"kinds": many}))
+    refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and f"at most {MAX_EXPECTED_KINDS:,}" in refused.stderr, refused.stderr
+    (tmp_path / "mix.json").unlink()
+    os.mkfifo(tmp_path / "mix.json")
+    refused = subprocess.run(command, check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not a regular file" in refused.stderr, refused.stderr
+    device = [sys.executable, "-m", "gpushared.cli.extender", "--expected-mix", "/dev/zero"]
+    refused = subprocess.run(device, check=False, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "not a regular file" in refused.stderr, refused.stderr
 
 
 @pytest.fixture(scope="module")
