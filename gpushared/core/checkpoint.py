@@ -70,6 +70,7 @@ def _claim(claim: PreparedClaim) -> dict[str, Any]:
                 "compute": d.compute,
                 "mpsThreads": d.mps_threads,
                 "cdiDeviceIDs": list(d.cdi_device_ids),
+                "sharers": d.sharers,
             }
             for d in claim.devices
         ],
@@ -101,6 +102,7 @@ def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
             compute=_int(d["compute"]),
             mps_threads=None if d.get("mpsThreads") is None else _int(d["mpsThreads"]),
             cdi_device_ids=tuple(_str(i) for i in d["cdiDeviceIDs"]),
+            sharers=_positive(d.get("sharers", 1)),  # records written before issue #52: one container
         )
         for d in entry["devices"]
     )
@@ -120,6 +122,13 @@ def _str(value: object) -> str:
     if not isinstance(value, str):
         raise TypeError(f"expected a string, got {value!r}")
     return value
+
+
+def _positive(value: object) -> int:
+    number = _int(value)
+    if number < 1:
+        raise ValueError(f"expected at least 1, got {number}")
+    return number
 
 
 def _dict(value: object) -> dict[Any, Any]:

@@ -46,6 +46,28 @@ class AllocatedDevice:
     config: dra.GpuConfig
 
 
+@dataclass(frozen=True)
+class PodRef:
+    name: str
+    uid: str
+
+
+def reserved_pods(claim: Mapping[str, Any]) -> list[PodRef]:
+    """The pods the claim is reserved for (``status.reservedFor``, pods only): whose containers share it."""
+    found = []
+    for entry in (claim.get("status") or {}).get("reservedFor") or []:
+        if (
+            not isinstance(entry, dict)
+            or entry.get("resource") != "pods"
+            or entry.get("apiGroup", "") not in ("", None)
+        ):
+            continue
+        name, uid = entry.get("name"), entry.get("uid")
+        if isinstance(name, str) and name and isinstance(uid, str):
+            found.append(PodRef(name, uid))
+    return found[:256]  # the API server keeps at most 256 (ResourceClaimReservedForMaxSize)
+
+
 def allocated_devices(claim: Mapping[str, Any], *, driver: str = dra.DRIVER) -> list[AllocatedDevice]:
     """The devices of ``driver`` in the claim's allocation, in the order the scheduler listed them."""
     allocation = _object("status.allocation", (claim.get("status") or {}).get("allocation"))

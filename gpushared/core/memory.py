@@ -25,15 +25,15 @@ caller passes the time and the episodes it kept from the last decision.
 from __future__ import annotations
 
 import enum
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, annotations_of, key_of, uid_of
 from gpushared.core.cgroups import CgroupOwner, container_id_of
+from gpushared.core.claimusers import ClaimUse, claim_users, container_claims, sharers, uses_request
 from gpushared.core.devices import gpu_of
 from gpushared.core.handshake import slots_of
 from gpushared.core.prepare import PreparedClaim
@@ -348,42 +348,34 @@ def owner_ref(owner: CgroupOwner | None, pods: Mapping[str, PodBody]) -> Contain
 
 
 def claim_allowances(
-    pod: PodBody, claims: Mapping[tuple[str, str], PreparedClaim], *, node: Enforcement
+    pod: PodBody,
+    claims: Mapping[tuple[str, str], PreparedClaim],
+    *,
+    node: Enforcement,
+    users: Counter[ClaimUse] | None = None,
 ) -> dict[tuple[str, str], Allowance]:
     """What each container of a DRA pod may use, from the claims prepared on the node (``claims``: by
     namespace and name). A container names the pod's claims it uses (``resources.claims``, optionally one
-    request of each); the pod maps each to a ResourceClaim (``spec.resourceClaims``, or for a template the
-    claim generated for it, ``status.resourceClaimStatuses``). The container may use what those claims hold
-    on each GPU. Containers that share a claim share its memory: each is judged against the whole of it."""
+    request of each); the pod maps each to a ResourceClaim (``core.claimusers``). The containers that share
+    a claim share its memory: each may use its part, the claim's memory on each GPU over the containers
+    that use it, counted when it was prepared or now among ``users`` (the containers of the node's pods),
+    whichever is more (a pod that joins a claim later is never prepared again)."""
     uid = uid_of(pod)
-    namespace = key_of(pod)[0]
     enforcement = pod_enforcement(node, annotations_of(pod).get(contract.POD_MEMORY_ENFORCEMENT))
-    spec: Any = pod.get("spec") or {}
-    status: Any = pod.get("status") or {}
-    names: dict[str, str] = {}
-    for entry in spec.get("resourceClaims") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("resourceClaimName"), str):
-            names[str(entry.get("name"))] = entry["resourceClaimName"]
-    for entry in status.get("resourceClaimStatuses") or []:
-        if isinstance(entry, dict) and isinstance(entry.get("resourceClaimName"), str):
-            names[str(entry.get("name"))] = entry["resourceClaimName"]
+    counted = users if users is not None else claim_users([pod])
     allowances: dict[tuple[str, str], Allowance] = {}
-    for container in [*(spec.get("initContainers") or []), *(spec.get("containers") or [])]:
-        if not isinstance(container, dict):
-            continue
+    for container, _, uses in container_claims(pod):
         allocated: dict[int, int] = defaultdict(int)
         mps = False
-        for ref in (container.get("resources") or {}).get("claims") or []:
-            if not isinstance(ref, dict):
-                continue
-            claim = claims.get((namespace, names.get(str(ref.get("name")), "")))
+        for use in uses:
+            claim = claims.get(use[:2])
             if claim is None:
                 continue
-            request = ref.get("request")
             for device in claim.devices:
-                if request and request not in (device.request, device.request.split("/", 1)[0]):
+                if not uses_request(use, device.request):
                     continue
-                allocated[device.index] += device.memory_mib
+                parts = max(device.sharers, sharers(counted, use[0], use[1], device.request))
+                allocated[device.index] += device.memory_mib // parts
                 mps = mps or device.mps
         if allocated:
             allowances[(uid, str(container.get("name", "")))] = Allowance(dict(allocated), enforcement, mps)

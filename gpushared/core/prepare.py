@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,6 +23,7 @@ from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, dra
 from gpushared.core.allocate import Mount, MpsDaemon, mps_client, thread_percentage
 from gpushared.core.claims import AllocatedDevice, ClaimRef, allocated_devices
+from gpushared.core.claimusers import ClaimUse, sharers
 from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
 from gpushared.core.verdicts import MAX_MPS_CLIENTS
 
@@ -46,6 +48,8 @@ class PreparedDevice:
     #: the MPS thread percentage of its containers; None: not an MPS client
     mps_threads: int | None = None
     cdi_device_ids: tuple[str, ...] = ()
+    #: the containers that share its memory (``core.claimusers``): each is given and held to its part
+    sharers: int = 1
 
     @property
     def mps(self) -> bool:
@@ -89,8 +93,12 @@ class PrepareRefusal:
     message: str
 
 
-def decide(ref: ClaimRef, claim: Mapping[str, Any], node: DraNode) -> PreparedClaim | PrepareRefusal:
-    """The claim as prepared on ``node``; or why not, in words for the pod's events."""
+def decide(
+    ref: ClaimRef, claim: Mapping[str, Any], node: DraNode, *, users: Counter[ClaimUse] | None = None
+) -> PreparedClaim | PrepareRefusal:
+    """The claim as prepared on ``node``; or why not, in words for the pod's events. ``users``: the
+    containers of the pods it is reserved for (``core.claimusers.claim_users``), among which each request's
+    memory is split (None: one container)."""
     uid = (claim.get("metadata") or {}).get("uid")
     if uid != ref.uid:
         return PrepareRefusal(
@@ -109,6 +117,14 @@ def decide(ref: ClaimRef, claim: Mapping[str, Any], node: DraNode) -> PreparedCl
         if isinstance(prepared, PrepareRefusal):
             return prepared
         devices.append(prepared)
+    if users:
+        devices = [dataclasses.replace(d, sharers=sharers(users, ref.namespace, ref.name, d.request)) for d in devices]
+        thin = next((d for d in devices if d.memory_mib // d.sharers == 0), None)
+        if thin is not None:
+            return PrepareRefusal(
+                f"claim {ref.key}: {thin.memory_mib} MiB of GPU {thin.index} shared by {thin.sharers} containers "
+                "leaves each none: ask for more memory, or give fewer containers the claim"
+            )
     if sum(d.mps for d in devices) > 1:
         gpus = sorted(d.index for d in devices if d.mps)
         return PrepareRefusal(
@@ -218,7 +234,8 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
         env = {
             **given.envs,
             contract.ENV_GPU_MEM_IDX: ",".join(str(d.index) for d in members),
-            contract.ENV_GPU_MEM_CONTAINER: str(sum(d.memory for d in members)),
+            # each container's part: the request's memory split among the containers that share it
+            contract.ENV_GPU_MEM_CONTAINER: str(sum(d.memory // d.sharers for d in members)),
             contract.ENV_GPU_MEM_DEV: str(gpus[0].memory if gpus[0] is not None else 0),
         }
         mounts = [Mount(container_path=inside, host_path=outside, read_only=True) for inside, outside in given.mounts]
@@ -230,7 +247,7 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
             assert device.mps_threads is not None, "checked in _device"
             mps_env, mps_mounts = mps_client(
                 node.mps[device.uuid],
-                amount_mib=device.memory_mib,
+                amount_mib=device.memory_mib // device.sharers,  # one client's part of the claim
                 gpu_memory_mib=gpu.memory_mib,
                 percentage=device.mps_threads,
             )

@@ -13,17 +13,21 @@ Two parts, both fed by the manager's GPU inventory:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.allocate import NodeFacts
-from gpushared.core.claims import ClaimRef
+from gpushared.core.bodies import PodBody, uid_of
+from gpushared.core.claims import ClaimRef, reserved_pods
+from gpushared.core.claimusers import ClaimUse, claim_users
 from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
 from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
 from gpushared.daemon.devfiles import CharLinks
@@ -121,6 +125,10 @@ class SlicePublisher:
         self.generation = generation
 
 
+#: A claim as read, and the containers of the pods it is reserved for (None: not read, one container).
+Read = tuple[Mapping[str, Any], "Counter[ClaimUse] | None"]
+
+
 def _other_claim(ref: ClaimRef, done: PreparedClaim) -> str:
     return f"claim UID {ref.uid} is prepared here as {done.ref.key}, not as {ref.key}"
 
@@ -154,9 +162,13 @@ class DraDriver:
         api: ResourceApi,
         book: ClaimBook,
         facts: Callable[[], NodeFacts],
+        read_pod: Callable[[str, str, float], PodBody] | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         self.node = node
+        #: reads a pod the claim is reserved for, once per try (namespace, name, timeout): its containers
+        #: share the claim's memory (``core.claimusers``); None: every claim is one container's
+        self.read_pod = read_pod
         self.sleep = sleep
         #: reads claims once per try (no retries of its own: ``_read`` retries within the call's deadline)
         self.api = api
@@ -186,14 +198,14 @@ class DraDriver:
         bodies = self._read_all(wanted, deadline)
         facts = self.facts() if wanted else None
         for ref in wanted:
-            body = bodies[ref.uid]
-            if isinstance(body, str) or facts is None:
-                answers[ref.uid] = str(body)
+            read = bodies[ref.uid]
+            if isinstance(read, str) or facts is None:
+                answers[ref.uid] = str(read)
             else:
-                answers[ref.uid] = self._prepare(ref, body, facts)
+                answers[ref.uid] = self._prepare(ref, read, facts)
         return answers
 
-    def _read_all(self, refs: Sequence[ClaimRef], deadline: float) -> dict[str, Mapping[str, Any] | str]:
+    def _read_all(self, refs: Sequence[ClaimRef], deadline: float) -> dict[str, Read | str]:
         """Each claim as the API server has it, or why it could not be read by ``deadline``."""
         if not refs:
             return {}
@@ -203,7 +215,7 @@ class DraDriver:
             done, _ = futures.wait(reads, timeout=max(0.0, deadline - time.monotonic()))
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        answers: dict[str, Mapping[str, Any] | str] = {}
+        answers: dict[str, Read | str] = {}
         for read, ref in reads.items():
             answers[ref.uid] = (
                 read.result()
@@ -213,21 +225,46 @@ class DraDriver:
             )
         return answers
 
-    def _read(self, ref: ClaimRef, deadline: float) -> Mapping[str, Any] | str:
-        """One claim, tried again after a broken connection, a 429 or a 5xx while the deadline allows."""
+    def _read(self, ref: ClaimRef, deadline: float) -> Read | str:
+        """One claim, and the containers of the pods it is reserved for; why not, in words."""
+        claim = self._tried(
+            f"claim {ref.key}", lambda t: self.api.get_claim(ref.namespace, ref.name, timeout=t), deadline
+        )
+        if isinstance(claim, str) or claim is None:
+            return claim or f"claim {ref.key} does not exist"
+        if self.read_pod is None:
+            return claim, None
+        pods: list[PodBody] = []
+        read_pod = self.read_pod
+        for pod_ref in reserved_pods(claim):
+            pod = self._tried(
+                f"claim {ref.key}: pod {pod_ref.name}",
+                functools.partial(read_pod, ref.namespace, pod_ref.name),
+                deadline,
+            )
+            if isinstance(pod, str):
+                return pod
+            if pod is not None and uid_of(pod) == pod_ref.uid:  # gone or re-created: not using it any more
+                pods.append(pod)
+        return claim, claim_users(pods)
+
+    def _tried(self, what: str, read: Callable[[float], Any], deadline: float) -> Any:
+        """``read`` once per try, again after a broken connection, a 429 or a 5xx while the deadline allows;
+        None for a 404, why not for the rest."""
         while True:
             left = deadline - time.monotonic()
             try:
-                return self.api.get_claim(ref.namespace, ref.name, timeout=max(0.1, min(CLAIM_READ_SECONDS, left)))
+                return read(max(0.1, min(CLAIM_READ_SECONDS, left)))
             except NotFound:
-                return f"claim {ref.key} does not exist"
+                return None
             except KubeError as exc:
                 transient = exc.status is None or exc.status == 429 or exc.status >= 500
                 if not transient or deadline - time.monotonic() < RETRY_PAUSE_SECONDS + 0.1:
-                    return f"claim {ref.key}: {exc}"
+                    return f"{what}: {exc}"
             self.sleep(RETRY_PAUSE_SECONDS)
 
-    def _prepare(self, ref: ClaimRef, claim: Mapping[str, Any], facts: NodeFacts) -> PreparedClaim | str:
+    def _prepare(self, ref: ClaimRef, read: Read, facts: NodeFacts) -> PreparedClaim | str:
+        claim, users = read
         with self._lock:  # decided against the claims in the book and those being written, no I/O
             if ref.uid in self._deciding:
                 return f"claim {ref.key} is being prepared by another call; the kubelet asks again"
@@ -243,7 +280,7 @@ class DraDriver:
                 present_devices=facts.present_devices,
                 mps=facts.mps,
             )
-            outcome = decide(ref, claim, node)
+            outcome = decide(ref, claim, node, users=users)
             if isinstance(outcome, PrepareRefusal):
                 # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
                 log.warning("NodePrepareResources refused: %s", outcome.message)

@@ -22,6 +22,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from typing import Any
 from gpushared.contract import MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
 from gpushared.core.cgroups import CgroupOwner, owner_of
+from gpushared.core.claimusers import claim_users
 from gpushared.core.memory import (
     Allowance,
     ContainerUsage,
@@ -200,7 +202,7 @@ class MemoryWatcher:
         self._episodes: dict[EpisodeKey, Episode] = {}
         self._unreadable: set[str] = set()  # GPUs whose processes NVML would not list, logged once
         #: pod UID -> (resourceVersion, (GPU indices, claims' version), its containers' allowances)
-        self._known: dict[str, tuple[str, tuple[tuple[int, ...], int], dict[tuple[str, str], Allowance]]] = {}
+        self._known: dict[str, tuple[str, tuple[tuple[int, ...], int, int], dict[tuple[str, str], Allowance]]] = {}
         metrics.watch_containers(self.series)
 
     def run(self, stop: threading.Event) -> None:
@@ -265,10 +267,14 @@ class MemoryWatcher:
         node's GPUs) changed: parsing 400 pods' records took half of a poll."""
         indices = tuple(gpu.index for gpu in gpus)
         prepared = self.claims.claims() if self.claims is not None else {}
-        # a claim prepared or gone changes its pod's allowances without a new resourceVersion
-        basis = (indices, self.claims.version() if self.claims is not None else 0)
+        # the containers sharing each claim, over every pod here: a pod that joins a claim shrinks the
+        # others' parts (core.claimusers)
+        users = claim_users(pods.values()) if prepared else Counter()
+        # a claim prepared or gone, or its users changed, changes its pods' allowances without a new
+        # resourceVersion
+        basis = (indices, self.claims.version() if self.claims is not None else 0, hash(frozenset(users.items())))
         allowances: dict[tuple[str, str], Allowance] = {}
-        kept: dict[str, tuple[str, tuple[tuple[int, ...], int], dict[tuple[str, str], Allowance]]] = {}
+        kept: dict[str, tuple[str, tuple[tuple[int, ...], int, int], dict[tuple[str, str], Allowance]]] = {}
         for uid, pod in pods.items():
             version = meta_of(pod).get("resourceVersion") or ""
             known = self._known.get(uid)
@@ -279,7 +285,7 @@ class MemoryWatcher:
                     pod, unit=self.unit, resources=self.resources, node=self.enforcement, gpus=list(indices)
                 )
                 if prepared:
-                    found.update(claim_allowances(pod, prepared, node=self.enforcement))
+                    found.update(claim_allowances(pod, prepared, node=self.enforcement, users=users))
                 problem = enforcement_problem(pod, self.enforcement)
                 if problem is not None and (known is None or known[0] != version):
                     log.warning("pod %s: %s", qualified_name(pod), problem)

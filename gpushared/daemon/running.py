@@ -195,7 +195,14 @@ def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeB
         ).start()
     # Claims are read once per try: the driver tries again itself, within the kubelet's deadline.
     reader = ResourceApi(api.rest.without_retries())
-    driver = DraDriver(node=config.node_name, api=reader, book=book, facts=manager.facts)
+    pods = api.without_retries()
+    driver = DraDriver(
+        node=config.node_name,
+        api=reader,
+        book=book,
+        facts=manager.facts,
+        read_pod=lambda namespace, name, timeout: pods.get_pod(namespace, name, timeout=timeout),
+    )
     plugin = DraPluginServer(driver, driver=config.dra_driver, kubelet_dir=config.kubelet_dir)
     plugin.start()
 

@@ -377,3 +377,35 @@ def test_a_damaged_checkpoint_record_is_set_aside_with_an_event_and_the_daemon_s
     assert record.with_name(record.name + ".unreadable").exists()
     assert [c["name"] for c in daemon.status()["claims"]] == ["kept"]
     assert cdi_spec(daemon, broken.uid), "its pod's containers may still need the spec"
+
+
+def test_the_containers_of_a_claim_share_its_memory(world: tuple[Daemon, FakeDraKubelet]) -> None:
+    """Issue #52, item 8: each container of a pod whose two containers use one claim got all of its memory.
+    The driver reads the pods the claim is reserved for and gives each container its part."""
+    daemon, kubelet = started(world)
+    shared = claim(daemon, "shared", "6Gi")
+    body = daemon.api.create(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "two", "namespace": NAMESPACE},
+            "spec": {
+                "nodeName": NODE,
+                "resourceClaims": [{"name": "gpu", "resourceClaimName": "shared"}],
+                "containers": [
+                    {"name": c, "image": "busybox", "resources": {"claims": [{"name": "gpu"}]}} for c in ("a", "b")
+                ],
+            },
+        }
+    )
+    stored = daemon.api.get("resourceclaims", "shared", NAMESPACE)
+    assert stored is not None
+    stored["status"]["reservedFor"] = [{"resource": "pods", "name": "two", "uid": body["metadata"]["uid"]}]
+    daemon.api.store.update(
+        RESOURCES["resourceclaims"], NAMESPACE, "shared", stored, subresource="status", precondition_rv=None
+    )
+    assert not kubelet.prepare(dra.DRIVER, shared)[shared.uid].error
+    env = cdi_spec(daemon, shared.uid)["devices"][0]["containerEdits"]["env"]
+    assert "ALIYUN_COM_GPU_MEM_CONTAINER=3" in env, env
+    (prepared,) = daemon.status()["claims"]
+    assert prepared["devices"][0]["memory"] == 6, "the claim holds all 6 GiB of the GPU"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit,
 from gpushared.core.allocate import MpsDaemon
 from gpushared.core.checkpoint import format_checkpoint, parse_checkpoint
 from gpushared.core.claims import ClaimRef, allocated_devices
+from gpushared.core.claimusers import claim_users
 from gpushared.core.exposure import ExposurePolicy, Strategy
 from gpushared.core.memory import Allowance, Enforcement, claim_allowances
 from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide
@@ -331,10 +333,49 @@ def test_containers_may_use_what_the_claims_they_name_hold() -> None:
         claims=[{"name": "gpus", "resourceClaimName": "train"}, {"name": "other", "resourceClaimName": "unprepared"}],
     )
     found = claim_allowances(body, book, node=Enforcement.REPORT)
+    # request b's 5 GiB is shared by the two containers that use it (issue #52, item 8: each was held to all
+    # of it, 10 GiB between them); request a's 3 GiB is "both"'s alone
     assert found == {
-        ("pod-uid", "both"): Allowance({0: 3072, 1: 5120}, Enforcement.REPORT),
-        ("pod-uid", "only-b"): Allowance({1: 5120}, Enforcement.REPORT),
+        ("pod-uid", "both"): Allowance({0: 3072, 1: 2560}, Enforcement.REPORT),
+        ("pod-uid", "only-b"): Allowance({1: 2560}, Enforcement.REPORT),
     }
+
+
+def test_the_containers_of_one_claim_share_its_memory_in_their_limits() -> None:
+    """Issue #52, item 8: two containers of one 2 GiB MPS claim each got ALIYUN_COM_GPU_MEM_CONTAINER=2 and
+    an MPS cap of 2 GiB, so together they could use twice what was allocated."""
+    body = dra_pod(
+        {"name": "app", "resources": {"claims": [{"name": "gpu"}]}},
+        {"name": "helper", "resources": {"claims": [{"name": "gpu"}]}},
+        claims=[{"name": "gpu", "resourceClaimName": "train"}],
+    )
+    body["spec"]["initContainers"] = [
+        {"name": "setup", "resources": {"claims": [{"name": "gpu"}]}},  # runs before them, alone: not counted
+        {"name": "proxy", "restartPolicy": "Always", "resources": {"claims": [{"name": "gpu"}]}},  # a sidecar
+    ]
+    users = claim_users([body])
+    assert users == {("team", "train", None): 3}
+    prepared_claim = decide(REF, claim(result(G0, "6Gi"), config=[opaque(MPS_CONFIG)]), NODE, users=users)
+    assert isinstance(prepared_claim, PreparedClaim)
+    (device,) = prepared_claim.devices
+    (cdi,) = prepared_claim.cdi
+    assert device.sharers == 3 and device.memory == 6
+    assert cdi.env["ALIYUN_COM_GPU_MEM_CONTAINER"] == "2"
+    assert cdi.env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=2048M"
+    assert parse_checkpoint(format_checkpoint([prepared_claim])) == [prepared_claim]
+    parts = claim_allowances(body, {("team", "train"): prepared_claim}, node=Enforcement.KILL)
+    assert {k[1]: a.allocated_mib for k, a in parts.items()} == {
+        n: {0: 2048} for n in ("setup", "proxy", "app", "helper")
+    }
+    # a second pod joins the claim later (the kubelet prepares it once): the parts shrink in the watcher
+    other = {**body, "metadata": {"name": "q", "namespace": "team", "uid": "q-uid"}}
+    later = claim_allowances(
+        body, {("team", "train"): prepared_claim}, node=Enforcement.KILL, users=claim_users([body, other])
+    )
+    assert later[("pod-uid", "app")].allocated_mib == {0: 1024}
+    # a request's part must leave each container something
+    thin = decide(REF, claim(result(G0, "1Gi")), NODE, users=Counter({("team", "train", None): 2000}))
+    assert isinstance(thin, PrepareRefusal) and "shared by 2000 containers" in thin.message
 
 
 def test_a_claim_made_from_a_template_is_found_by_the_name_the_pod_status_gives() -> None:
