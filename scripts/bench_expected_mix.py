@@ -10,6 +10,7 @@ it: the run spans at least two of those. Reported: filter p50/p99/max and the ex
 ``gpushared_extender_event_loop_lag_max_seconds`` (the longest the loop was late to a 20 ms timer).
 
     .venv/bin/python scripts/bench_expected_mix.py --nodes 1000 --kinds 0 400 1000 2000 --seconds 25
+    .venv/bin/python scripts/bench_expected_mix.py --nodes 1000 --kinds 400 1000 2000 --sizes 100000
 """
 
 from __future__ import annotations
@@ -36,12 +37,13 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
-def expected_mix(kinds: int, rng: random.Random) -> dict[str, Any]:
-    """``kinds`` distinct kinds: CPU, GiB per GPU and GPUs drawn as a busy cluster's pods might ask them."""
+def expected_mix(kinds: int, rng: random.Random, *, sizes: int) -> dict[str, Any]:
+    """``kinds`` distinct kinds: CPU, memory per GPU (1 to ``sizes`` units: 24 as GiB of a cluster's GPUs;
+    the reader accepts up to 10^9, as a file counted in MiB, or a hostile one, has) and GPUs."""
     seen: set[tuple[int, int, int]] = set()
     while len(seen) < kinds:
         gpus = rng.choice([1, 1, 1, 1, 2, 4, 8])
-        seen.add((rng.randrange(0, 64_000, 250), rng.randint(1, 24 if gpus == 1 else 16), gpus))
+        seen.add((rng.randrange(0, 64_000, 250), rng.randint(1, sizes if gpus == 1 else max(1, sizes * 2 // 3)), gpus))
     return {
         "weight": 1000,
         "kinds": [{"cpuMilli": c, "gpuMem": m, "gpus": g, "count": rng.randint(1, 50)} for c, m, g in sorted(seen)],
@@ -69,7 +71,7 @@ def run(kinds: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
         extra = ["--policy", "fgd"]
         if kinds:
             path = work / f"mix-{kinds}.json"
-            path.write_text(json.dumps(expected_mix(kinds, rng)))
+            path.write_text(json.dumps(expected_mix(kinds, rng, sizes=args.sizes)))
             extra += ["--expected-mix", str(path)]
         extender = Extender(api=api, workdir=work, name=f"extender-{kinds}", args=extra).start()
         try:
@@ -109,10 +111,11 @@ def main() -> None:
     parser.add_argument("--kinds", type=int, nargs="+", default=[0, 400, 1000, MAX_EXPECTED_KINDS])
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--sizes", type=int, default=24, help="memory per GPU in the file, 1 to this many units")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-mix-") as tmp:
         results = [run(kinds, args, Path(tmp)) for kinds in args.kinds]
-    print(json.dumps({"nodes": args.nodes, "seconds": args.seconds, "runs": results}, indent=1))
+    print(json.dumps({"nodes": args.nodes, "seconds": args.seconds, "sizes": args.sizes, "runs": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -171,15 +171,31 @@ class MixBook:
     def take(self, *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None = None) -> RequestMix:
         """A new mix of the pods counted now, on the cluster's ``nodes`` by class (and what they have left,
         ``rooms``, for a policy that weighs scarcity); it costs the number of distinct kinds, not of pods."""
-        counts: Mapping[ModelKind, float] = self.kinds
-        if self._expected_counts:
-            merged = dict(self._expected_counts)
-            for kind, n in self.kinds.items():
-                merged[kind] = merged.get(kind, 0.0) + n
-            counts = merged
-        mix = RequestMix.of_counts(counts, nodes=nodes, rooms=rooms)
+        return self.install(RequestMix.of_counts(self.counts(), nodes=nodes, rooms=rooms))
+
+    def counts(self) -> dict[ModelKind, float]:
+        """The pods counted now and the expected ones, by kind: what a mix is taken of (a copy)."""
+        merged = dict(self._expected_counts)
+        for kind, n in self.kinds.items():
+            merged[kind] = merged.get(kind, 0.0) + n
+        return merged
+
+    def install(self, mix: RequestMix) -> RequestMix:
+        """``mix`` (of :meth:`counts`, taken now or a moment ago) as the book's latest."""
         self.mix_generation += 1
         if mix.pressures() != self.mix.pressures():
             self.pressure_generation += 1
         self.mix = mix
         return mix
+
+
+def built_mix(
+    counts: Mapping[ModelKind, float], *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None
+) -> RequestMix:
+    """A mix with everything a node's price reads of it worked out already (the view of each node class, the
+    pressures), for a caller that builds it away from where it is read: the extender, off its event loop."""
+    mix = RequestMix.of_counts(counts, nodes=nodes, rooms=rooms)
+    for node in nodes:
+        mix.for_node(node)
+    mix.pressures()
+    return mix

@@ -33,6 +33,7 @@ from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
 from gpushared.extender.http.tls import ServingTls
 from gpushared.extender.metrics import Metrics
+from gpushared.extender.mixing import MixTaker
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler
@@ -102,6 +103,8 @@ class Extender:
             expected=settings.expected,
             schedulers=frozenset({"default-scheduler", settings.webhook_scheduler}),
         )
+        # Each mix after the first is built off the event loop (extender.mixing): a filter never waits for one.
+        cache.state.taker = self.taker = MixTaker(cache.state.book)
         version = api.server_version()
         cache.reservations.fence_seconds = fence_window(version, landing=settings.binding_landing_seconds)
         log.info(
@@ -227,6 +230,7 @@ class Extender:
             if self.elector is not None:
                 self.elector.stop()
             self.cache.stop()
+            self.taker.close()
 
     def _watch_the_loop(self) -> None:
         watchdog(self.heartbeat, within=WEDGED_SECONDS, exit=_exit, sleep=time.sleep)

@@ -89,8 +89,8 @@ class ClusterCache:
         self.index = FilterIndex(self.state)
         self.state.changed = self.index.changed
         self.reservations = Reservations(clock=clock, landing_seconds=landing_seconds)
-        #: when this process began: an earlier one's Bindings were all sent before it
-        self.started = clock()
+        #: when it began watching (``start``): an earlier process's Bindings were all sent before
+        self.started: float | None = None
         self.inbox = Inbox(self._apply, self.owner)
         # Short watches: a watch that neither delivers nor ends within watch_seconds + its grace is dead,
         # and is replaced by a relist (Informer.stale).
@@ -110,6 +110,7 @@ class ClusterCache:
         self.pending_seen: Callable[[PodBody], None] = lambda pod: None
 
     def start(self) -> None:
+        self.started = self.reservations.clock()
         self.nodes.start()
         self.pods.start()
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
@@ -31,6 +32,14 @@ log = logging.getLogger(__name__)
 
 #: How often the mix of request sizes (the fgd policy's view of what pods ask for) is counted again.
 MIX_SECONDS = 10.0
+
+
+class MixBuilder(Protocol):
+    """Builds a mix of the book's counts elsewhere (``extender.mixing.MixTaker``) and installs it later."""
+
+    def start(self, *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None) -> None: ...
+
+    def collect(self) -> bool: ...
 
 
 class ClusterState:
@@ -69,6 +78,8 @@ class ClusterState:
         #: the kinds of the pods counted here and the mixes taken from them (``core.mixbook``: the trace replay
         #: counts its placed tasks with the same book)
         self.book = MixBook(expected)
+        #: builds each mix after the first off the owner's thread (``extender.mixing``); None: here, at once
+        self.taker: MixBuilder | None = None
         self._mix_counted = -MIX_SECONDS
         #: counts changes of what a node offers any pod (its GPUs, model, allocatable CPU), and the nodes by
         #: class as of that count: counted again only when one changed, not with every mix
@@ -87,10 +98,16 @@ class ClusterState:
         """What the pods on gpushared nodes ask for, as of at most MIX_SECONDS ago: the mix moves slowly, and
         a new one invalidates every node's ranks. The kinds are counted as pods come and go, so taking a
         new mix costs the number of distinct kinds, not of pods."""
+        taker = self.taker
+        if taker is not None:
+            taker.collect()
         if self.clock() - self._mix_counted >= MIX_SECONDS:
             self._mix_counted = self.clock()
             rooms = self._node_rooms() if self.count_rooms else None
-            self.book.take(nodes=self._node_classes(), rooms=rooms)
+            if taker is None or not self.book.mix_generation:  # the first mix before the first filter
+                self.book.take(nodes=self._node_classes(), rooms=rooms)
+            else:
+                taker.start(nodes=self._node_classes(), rooms=rooms)
         return self.book.mix
 
     @property
