@@ -66,6 +66,7 @@ CLAIMS = [
     ("design.md", f"`BINPACK_PRESSURE` ({policies.BINPACK_PRESSURE:g} GPUs"),
     ("design.md", f"`FGD_PRESSURE` ({policies.FGD_PRESSURE:g} levels"),
     ("install.md", f"(default {mixbook.EXPECTED_WEIGHT:,.0f})"),
+    ("design.md", f"at most {mixbook.MAX_EXPECTED_KINDS:,} kinds (`MAX_EXPECTED_KINDS`"),
     # the primer
     ("design.md", f"a pod offered more than {seconds(priming.STALE_SECONDS)} ago is passed over"),
     ("design.md", "takes at most a quarter of the\nevent loop's time" if priming.SHARE == 0.25 else "(SHARE changed)"),
