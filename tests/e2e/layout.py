@@ -6,6 +6,7 @@ the tests, which import these names from ``tests.e2e.cluster``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,12 +59,13 @@ class Ports:
     kubelet_healthz: int
     extender: int
     daemon_metrics: int
+    daemon_health: int = 0  # 0 (a cluster started before it was picked): no health port
 
     @classmethod
     def pick(cls) -> Ports:
         chosen: set[int] = set()
         values = []
-        for _ in range(10):
+        for _ in range(len(dataclasses.fields(cls))):
             port = free_port()
             while port in chosen:
                 port = free_port()

@@ -236,7 +236,12 @@ state = "{base}/state"
             "deviceNodes": True,
             "devRoot": str(gpus.dev_root),
             # the port names no one; the tests read what root on the node reads, from the local socket
-            "metrics": {"address": "127.0.0.1", "port": c.ports.daemon_metrics, "socket": str(self.status_socket)},
+            "metrics": {
+                "address": "127.0.0.1",
+                "port": c.ports.daemon_metrics,
+                "healthPort": c.ports.daemon_health,
+                "socket": str(self.status_socket),
+            },
             # The real nvidia-cuda-mps-control: its control daemons run without a GPU (servers cannot).
             "mps": {
                 "enabled": True,
