@@ -44,6 +44,9 @@ from gpushared.kube.lease import LeaderElector
 
 log = logging.getLogger("gpushared.extender")
 
+#: How long the start waits for the API server's ``/version`` (the fence's window depends on it).
+VERSION_READ_SECONDS = 2.0
+
 #: How often the event loop looks whether both informers have listed, before the extender is ready.
 LISTED_POLL_SECONDS = 0.05
 #: An event loop that has run no timer for this long is wedged: the process exits (``tasks.watchdog``).
@@ -105,7 +108,9 @@ class Extender:
         )
         # Each mix after the first is built off the event loop (extender.mixing): a filter never waits for one.
         cache.state.taker = self.taker = MixTaker(cache.state.book)
-        version = api.server_version()
+        # Once, tried once, briefly: an API server not reachable yet must not hold the start (the safe
+        # window of before is used then).
+        version = api.without_retries().server_version(timeout=VERSION_READ_SECONDS)
         cache.reservations.fence_seconds = fence_window(version, landing=settings.binding_landing_seconds)
         log.info(
             "API server %s: binds fenced for up to %.0f s after a start or a takeover",

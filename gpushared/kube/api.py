@@ -100,10 +100,10 @@ class Api:
             raise KubeError(f"token for {namespace}/{service_account}: the answer holds no token")
         return token
 
-    def server_version(self) -> tuple[int, int] | None:
+    def server_version(self, *, timeout: float = REQUEST_TIMEOUT) -> tuple[int, int] | None:
         """The API server's (major, minor) from ``/version`` (a minor of "21+" is 21); None if not read."""
         try:
-            answer = self.rest.request("get the API server's version", "GET", "/version")
+            answer = self.rest.request("get the API server's version", "GET", "/version", timeout=timeout)
             return int(str(answer["major"]).rstrip("+")), int(str(answer["minor"]).rstrip("+"))
         except (KubeError, KeyError, TypeError, ValueError):
             return None
