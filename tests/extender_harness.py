@@ -47,6 +47,12 @@ def gpu_node(
     return node
 
 
+def lease_holder(api: FakeApiServer, namespace: str = "default") -> str:
+    """Who holds the extenders' Lease ("" while no one does): its identity ends in the holder's URL."""
+    lease = api.get("leases", "gpushared-extender", namespace)
+    return str(((lease or {}).get("spec") or {}).get("holderIdentity") or "")
+
+
 def aliyun_node(name: str, total: int, count: int) -> dict[str, Any]:
     """A node under Aliyun's device plugin: gpu-mem capacity and gpu-count, no inventory annotation."""
     return {

@@ -31,7 +31,7 @@ from gpushared.core.claimusers import ClaimUse, claim_users
 from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
 from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
 from gpushared.daemon.devfiles import CharLinks
-from gpushared.daemon.drabook import BookFull, ClaimBook, ClaimMismatch
+from gpushared.daemon.drabook import BookFull, ClaimBook, ClaimMismatch, DriverLock
 from gpushared.daemon.metrics import PodShare
 from gpushared.deviceplugin.draplugin import DraPluginServer
 from gpushared.kube.errors import Conflict, KubeError, NotFound
@@ -178,6 +178,8 @@ class DraDriver:
         self._lock = threading.Lock()
         #: claims decided and being written, by UID: counted by every other decision until in the book
         self._deciding: dict[str, PreparedClaim] = {}
+        #: the node's one-driver lock (``drabook.DriverLock``), held while this driver serves
+        self.lock: DriverLock | None = None
 
     def prepare(
         self, claims: Sequence[ClaimRef], *, deadline: float | None = None

@@ -31,7 +31,7 @@ from typing import Any
 from gpushared.contract import MemoryUnit, ResourceNames
 from gpushared.core.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
 from gpushared.core.cgroups import CgroupOwner, owner_of
-from gpushared.core.claimusers import claim_users
+from gpushared.core.claimusers import ClaimUse, claim_users
 from gpushared.core.memory import (
     Allowance,
     ContainerUsage,
@@ -144,6 +144,11 @@ class GpuView:
 _Read = tuple[tuple[int, tuple[int, ...], int], dict[str, "PodBody"], dict[tuple[str, str], "Allowance"]]
 
 
+#: What a pod's allowances were worked out from beside its resourceVersion: the GPUs' indices, the prepared
+#: claims' version and the containers that use each claim on the node.
+Basis = tuple[tuple[int, ...], int, frozenset[tuple[ClaimUse, int]]]
+
+
 @dataclass(frozen=True)
 class ClaimsView:
     """The DRA claims prepared on the node, by namespace and name, and a count that changes with them."""
@@ -201,8 +206,8 @@ class MemoryWatcher:
         self._uuids: dict[int, str] = {}
         self._episodes: dict[EpisodeKey, Episode] = {}
         self._unreadable: set[str] = set()  # GPUs whose processes NVML would not list, logged once
-        #: pod UID -> (resourceVersion, (GPU indices, claims' version), its containers' allowances)
-        self._known: dict[str, tuple[str, tuple[tuple[int, ...], int, int], dict[tuple[str, str], Allowance]]] = {}
+        #: pod UID -> (resourceVersion, (GPU indices, claims' version, claims' users), its containers' allowances)
+        self._known: dict[str, tuple[str, Basis, dict[tuple[str, str], Allowance]]] = {}
         metrics.watch_containers(self.series)
 
     def run(self, stop: threading.Event) -> None:
@@ -272,9 +277,9 @@ class MemoryWatcher:
         users = claim_users(pods.values()) if prepared else Counter()
         # a claim prepared or gone, or its users changed, changes its pods' allowances without a new
         # resourceVersion
-        basis = (indices, self.claims.version() if self.claims is not None else 0, hash(frozenset(users.items())))
+        basis = (indices, self.claims.version() if self.claims is not None else 0, frozenset(users.items()))
         allowances: dict[tuple[str, str], Allowance] = {}
-        kept: dict[str, tuple[str, tuple[tuple[int, ...], int, int], dict[tuple[str, str], Allowance]]] = {}
+        kept: dict[str, tuple[str, Basis, dict[tuple[str, str], Allowance]]] = {}
         for uid, pod in pods.items():
             version = meta_of(pod).get("resourceVersion") or ""
             known = self._known.get(uid)

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from gpushared.contract import ResourceNames
-from gpushared.core.bodies import NodeBody
+from gpushared.core.bodies import NodeBody, PodBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import COMPONENT, TokenRenewer
@@ -115,7 +115,7 @@ class Running:
         dra = None
         kubelet: KubeletLink | DraLink
         if config.dra:
-            dra, kubelet = _dra_driver(config, api, manager, watching_node)
+            dra, kubelet = _dra_driver(config, api, manager, watching_node, pods)
             driver = dra
             metrics.watch_claims(lambda: driver.shares(manager.inventory))
         memory = _memory_watcher(parts, manager, pods, dra)
@@ -167,7 +167,9 @@ class Running:
         return self.kubelet.registered
 
 
-def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeBody]) -> tuple[DraDriver, DraLink]:
+def _dra_driver(
+    config: Config, api: Api, manager: Manager, node: Informer[NodeBody], pods: PodWatch
+) -> tuple[DraDriver, DraLink]:
     """The DRA mode's parts (docs/dra.md): the claims prepared before a restart read back first, so that
     the kubelet's first call after it gets the answers it got before."""
     resources = ResourceApi(api.rest)
@@ -195,14 +197,15 @@ def _dra_driver(config: Config, api: Api, manager: Manager, node: Informer[NodeB
         ).start()
     # Claims are read once per try: the driver tries again itself, within the kubelet's deadline.
     reader = ResourceApi(api.rest.without_retries())
-    pods = api.without_retries()
-    driver = DraDriver(
-        node=config.node_name,
-        api=reader,
-        book=book,
-        facts=manager.facts,
-        read_pod=lambda namespace, name, timeout: pods.get_pod(namespace, name, timeout=timeout),
-    )
+    once = api.without_retries()
+
+    def read_pod(namespace: str, name: str, timeout: float) -> PodBody:
+        """A pod the claim is reserved for: the node's pod watch has it (the kubelet prepares for pods bound
+        here), read from the API server only when the watch has not seen it yet."""
+        return pods.find(namespace, name) or once.get_pod(namespace, name, timeout=timeout)
+
+    driver = DraDriver(node=config.node_name, api=reader, book=book, facts=manager.facts, read_pod=read_pod)
+    driver.lock = lock  # held as long as the driver serves
     plugin = DraPluginServer(driver, driver=config.dra_driver, kubelet_dir=config.kubelet_dir)
     plugin.start()
 

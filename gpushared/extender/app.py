@@ -106,7 +106,7 @@ class Extender:
             expected=settings.expected,
             schedulers=frozenset({"default-scheduler", settings.webhook_scheduler}),
         )
-        # Each mix after the first is built off the event loop (extender.mixing): a filter never waits for one.
+        # Each mix after the first is built off the event loop (extender.mixing); the pricing after it is not.
         cache.state.taker = self.taker = MixTaker(cache.state.book)
         # Once, tried once, briefly: an API server not reachable yet must not hold the start (the safe
         # window of before is used then).

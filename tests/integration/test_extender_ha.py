@@ -13,7 +13,7 @@ from gpushared import contract
 from gpushared.contract import MemoryUnit
 from gpushared.core.ledger import Ledger, holding_from_pod
 from tests.builders import pod
-from tests.extender_harness import Extender, gpu_node
+from tests.extender_harness import Extender, gpu_node, lease_holder
 from tests.fakes.apiserver import FakeApiServer
 from tests.harness import wait_until
 
@@ -124,8 +124,7 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     second.wait_ready(60)  # both Ready behind the Service: the follower forwards verbs to the leader
 
     def holder() -> str:
-        lease = cluster.get("leases", "gpushared-extender", "default")
-        return lease["spec"]["holderIdentity"] if lease else ""  # type: ignore[no-any-return]
+        return lease_holder(cluster)
 
     wait_until(holder, timeout=30, message="a leader")
     leader, follower = (first, second) if holder().endswith(f":{first.port}") else (second, first)

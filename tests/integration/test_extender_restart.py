@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from tests.builders import pod
-from tests.extender_harness import Extender, gpu_node
+from tests.extender_harness import Extender, gpu_node, lease_holder
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.harness import wait_until
 from tests.integration.test_extender_ha import over_capacity
@@ -106,8 +106,7 @@ def test_a_takeover_with_100_pods_waiting_binds_the_first_within_5_s_and_all_wit
     second.wait_ready(60)
 
     def holder() -> str:
-        lease = cluster.get("leases", "gpushared-extender", "default")
-        return lease["spec"]["holderIdentity"] if lease else ""  # type: ignore[no-any-return]
+        return lease_holder(cluster)
 
     wait_until(holder, timeout=30, message="a leader")
     leader, follower = (first, second) if holder().endswith(f":{first.port}") else (second, first)
