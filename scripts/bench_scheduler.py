@@ -10,7 +10,7 @@ and the time from the first pod bound to the last, seen through a watch. Modes, 
 kube-scheduler (and extender) and the previous mode's pods deleted, in one run on the same machine:
 
 - ``without``: kube-scheduler with no extender; gpu-mem is then a plain extended resource it counts itself;
-- ``with``: the extender wired as deploy/scheduler-config*.yaml ships it (filter and bind over HTTPS with
+- ``with``: the extender wired as deploy/control-plane/scheduler-config*.yaml ships it (filter and bind over HTTPS with
   mutual TLS, ``nodeCacheCapable``; the extender's filter keeps only the nodes its policy ranks best), the
   extender started as tests/e2e starts it;
 - ``prioritize``: the same choice the way it was shipped before: ``prioritizeVerb`` with weight 100, and the

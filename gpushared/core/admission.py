@@ -20,7 +20,7 @@ from gpushared.core.bodies import PodBody
 
 #: What the API server writes into ``spec.schedulerName`` when a pod names none.
 DEFAULT_SCHEDULER = "default-scheduler"
-#: The second scheduler's name, in deploy/gpushared-scheduler.yaml and the extender's default.
+#: The second scheduler's name, in deploy/managed/gpushared-scheduler.yaml and the extender's default.
 GPUSHARED_SCHEDULER = "gpushared-scheduler"
 
 

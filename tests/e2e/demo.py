@@ -1,9 +1,9 @@
 """``make demo``: the local cluster, Aliyun's sample and a few pods sharing GPUs, then how to look around.
 
-The samples (deploy/binpack-1.yaml, deploy/demo.yaml) fit the local cluster whatever order their pods arrive
-in (tests/unit/test_demo_samples.py); while they start, the demo says which pods it still waits for and why,
-from their status and kube-scheduler's last word on them. The e2e suite runs the same :func:`run_samples`
-ten times in a row, in shuffled orders.
+The samples (deploy/examples/binpack-1.yaml, deploy/examples/demo.yaml) fit the local cluster whatever order
+their pods arrive in (tests/unit/test_demo_samples.py); while they start, the demo says which pods it still
+waits for and why, from their status and kube-scheduler's last word on them. The e2e suite runs the same
+:func:`run_samples` ten times in a row, in shuffled orders.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main() -> int:
   kubectl inspect gpushare -d         # who uses which GPU
   kubectl logs deploy/binpack-1       # the env Allocate gave the container
   kubectl logs mps-inference          # an MPS pod: CUDA_MPS_* limits from its gpu-mem
-  kubectl apply -f deploy/demo.yaml   # edit the amounts, apply again, watch the placement
+  kubectl apply -f deploy/examples/demo.yaml   # edit the amounts, apply again, watch the placement
   gpushared status --config {cluster.state}/gpushared.yaml   # the node daemon's view
   ls {cluster.logs}   # every component's log
 
@@ -59,7 +59,7 @@ Tear it down (processes, containers, mounts, cgroups; logs stay): make demo-down
 
 
 def sample_documents() -> list[dict[str, Any]]:
-    return [d for name in MANIFESTS for d in yaml.safe_load_all((ROOT / "deploy" / name).read_text()) if d]
+    return [d for name in MANIFESTS for d in yaml.safe_load_all((ROOT / "deploy" / "examples" / name).read_text()) if d]
 
 
 def run_samples(

@@ -19,12 +19,13 @@ from tests.e2e import versions
 from tests.e2e.versions import Version
 
 ROOT = Path(__file__).resolve().parents[2]
-STATIC_EXTENDER = ROOT / "deploy" / "extender-static-pod.yaml"
-SECOND_SCHEDULER = ROOT / "deploy" / "gpushared-scheduler.yaml"
+STATIC_EXTENDER = ROOT / "deploy" / "control-plane" / "extender-static-pod.yaml"
+SECOND_SCHEDULER = ROOT / "deploy" / "managed" / "gpushared-scheduler.yaml"
 
 
 def static_extender(*, certs: Path, port: int) -> dict[str, Any]:
-    """deploy/extender-static-pod.yaml with ``certs`` as /etc/kubernetes/gpushared and this cluster's port."""
+    """deploy/control-plane/extender-static-pod.yaml with ``certs`` as /etc/kubernetes/gpushared and this
+    cluster's port."""
     pod: dict[str, Any] = yaml.safe_load(STATIC_EXTENDER.read_text())
     (volume,) = [v for v in pod["spec"]["volumes"] if "hostPath" in v]
     volume["hostPath"]["path"] = str(certs)  # the guide's /etc/kubernetes/gpushared, in the test's directory
@@ -57,7 +58,7 @@ class Wiring:
 
 
 def second_scheduler(*, image: str, wiring: Wiring) -> list[dict[str, Any]]:
-    """deploy/gpushared-scheduler.yaml for this cluster: the edits of :func:`local_scheduler`, the
+    """deploy/managed/gpushared-scheduler.yaml for this cluster: the edits of :func:`local_scheduler`, the
     scheduler's configuration in the API version the cluster serves (v1beta1 on 1.20; v1 as shipped from
     1.25), one replica (one node, one host port) and ``image`` (imported, not pulled)."""
     docs = [d for d in yaml.safe_load_all(SECOND_SCHEDULER.read_text()) if d]

@@ -63,7 +63,7 @@ def scheduled_by(kube: Kube, namespace: str, name: str) -> set[str]:
 def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
     kube: Kube, restored: LocalCluster, namespace: str, tmp_path: Path, extender_image: Path
 ) -> None:
-    """kubeadm: deploy/extender-static-pod.yaml in the kubelet's manifest directory, the certificates and
+    """kubeadm: deploy/control-plane/extender-static-pod.yaml in the kubelet's manifest directory, the certificates and
     kubeconfig the guide makes in its hostPath, and kube-scheduler calling https://127.0.0.1 with them."""
     cluster = restored
     etc = tmp_path / "etc-kubernetes-gpushared"  # the guide's /etc/kubernetes/gpushared
@@ -95,7 +95,7 @@ def test_the_extender_as_a_static_pod_beside_kube_scheduler_over_loopback(
 def test_a_second_scheduler_and_webhook_leave_the_default_scheduler_untouched(
     kube: Kube, restored: LocalCluster, namespace: str, tmp_path: Path
 ) -> None:
-    """Managed clusters: kube-scheduler stock (no extender), deploy/gpushared-scheduler.yaml applied, the
+    """Managed clusters: kube-scheduler stock (no extender), deploy/managed/gpushared-scheduler.yaml applied, the
     guide's certificates; a GPU pod goes through gpushared-scheduler, a CPU pod through the default one.
     With the extender stopped, failurePolicy Ignore lets every pod be created."""
     cluster = restored

@@ -23,7 +23,7 @@ What changed, and where (upstream changelogs):
   plugin's ``enable_cdi``; on by default in 2.0, whose configuration is version 3.
 - kube-scheduler configuration: ``v1beta1`` (1.18-1.22, with ``healthzBindAddress``/``metricsBindAddress``),
   ``v1beta3`` (1.23-1.28, same extender fields, no bind addresses), ``v1`` (1.25+): from 1.25 the scheduler
-  runs ``deploy/scheduler-config.yaml`` as shipped.
+  runs ``deploy/control-plane/scheduler-config.yaml`` as shipped.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SCHEDULER_V1 = ROOT / "deploy" / "scheduler-config.yaml"
-SCHEDULER_V1BETA1 = ROOT / "deploy" / "scheduler-config-v1beta1.yaml"
+SCHEDULER_V1 = ROOT / "deploy" / "control-plane" / "scheduler-config.yaml"
+SCHEDULER_V1BETA1 = ROOT / "deploy" / "control-plane" / "scheduler-config-v1beta1.yaml"
 SCHEDULER_GROUP = "kubescheduler.config.k8s.io"
 
 

@@ -9,6 +9,7 @@ import base64
 import json
 import re
 import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -142,7 +143,11 @@ def test_rbac_is_the_kustomize_manifests_rbac(render: Render) -> None:
     """The chart grants exactly what deploy/ grants: the extender reads nodes and pods and creates Bindings,
     the node identity what the daemon calls, the scheduler the built-in scheduler roles and one Lease."""
     docs = render()
-    extender, node, scheduler = shipped("extender.yaml"), shipped("node-rbac.yaml"), shipped("gpushared-scheduler.yaml")
+    extender, node, scheduler = (
+        shipped("extender.yaml"),
+        shipped("node-rbac.yaml"),
+        shipped("managed/gpushared-scheduler.yaml"),
+    )
     for kind, name, source in [
         ("ClusterRole", "gpushared-extender", extender),
         ("Role", "gpushared-extender-lease", extender),
@@ -200,7 +205,7 @@ def test_the_extender_runs_as_the_kustomize_deployment_does(render: Render) -> N
 
 
 def test_the_second_scheduler_and_webhook_are_the_kustomize_ones(render: Render) -> None:
-    docs, source = render(), shipped("gpushared-scheduler.yaml")
+    docs, source = render(), shipped("managed/gpushared-scheduler.yaml")
     ours = yaml.safe_load(one(docs, "ConfigMap", "gpushared-scheduler")["data"]["config.yaml"])
     theirs = yaml.safe_load(one(source, "ConfigMap", "gpushared-scheduler")["data"]["config.yaml"])
     (mine,), (their,) = ours.pop("extenders"), theirs.pop("extenders")
@@ -295,8 +300,16 @@ def test_no_network_policy_unless_its_addresses_are_given(render: Render, helm: 
     docs = render(
         "--set", "networkPolicy.enabled=true", "--set", "networkPolicy.controlPlaneCIDRs={10.0.0.10/32,10.0.0.11/32}"
     )
-    sources = one(docs, "NetworkPolicy", "gpushared-extender")["spec"]["ingress"][0]["from"]
+    chart = one(docs, "NetworkPolicy", "gpushared-extender")
+    sources = chart["spec"]["ingress"][0]["from"]
     assert [s["ipBlock"]["cidr"] for s in sources if "ipBlock" in s] == ["10.0.0.10/32", "10.0.0.11/32"]
+    # The policy scripts/extender-networkpolicy makes for plain manifests is the chart's, labels aside.
+    made = subprocess.run(
+        [sys.executable, ROOT / "scripts" / "extender-networkpolicy", "--cidr", "10.0.0.10/32", "--cidr", "10.0.0.11",
+         "--namespace", chart["metadata"]["namespace"]],
+        capture_output=True, text=True, timeout=30, check=True,
+    ).stdout  # fmt: skip
+    assert json.loads(made) == {**chart, "metadata": {k: v for k, v in chart["metadata"].items() if k != "labels"}}
     cidrs = ("--set", "networkPolicy.enabled=true", "--set", "networkPolicy.controlPlaneCIDRs={ten}")
     assert "networkPolicy.controlPlaneCIDRs.0" in refused(helm, *cidrs)  # not a CIDR: the schema says which
 

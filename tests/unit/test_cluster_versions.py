@@ -94,7 +94,7 @@ def test_kubelet_flags_and_config_by_version(version: str, cgroup_v1: bool, flag
 
 @pytest.mark.parametrize("version", ["1.20.2", "1.24.17", "1.29.4", "1.36.0"])
 def test_the_scheduler_runs_the_shipped_file_with_only_the_harness_fields_changed(version: str) -> None:
-    """From 1.25 the document is deploy/scheduler-config.yaml itself; before, its API version differs and
+    """From 1.25 the document is deploy/control-plane/scheduler-config.yaml itself; before, its API version differs and
     1.20's v1beta1 keeps the health addresses. The extenders are what the harness passes (its address)."""
     chosen = versions.scheduler_api(Version.parse(version))
     extenders = [{"urlPrefix": "https://127.0.0.1:1/gpushare-scheduler"}]

@@ -23,7 +23,7 @@ from gpushared.core.verdicts import fitting
 from tests.builders import inventory
 from tests.e2e.cluster import GPU_SIZES_MIB
 
-DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "examples"
 
 
 def samples() -> list[tuple[str, dict[str, Any]]]:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,8 @@ def documents(name: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     ("name", "api_version"),
     [
-        ("scheduler-config.yaml", "kubescheduler.config.k8s.io/v1"),
-        ("scheduler-config-v1beta1.yaml", "kubescheduler.config.k8s.io/v1beta1"),
+        ("control-plane/scheduler-config.yaml", "kubescheduler.config.k8s.io/v1"),
+        ("control-plane/scheduler-config-v1beta1.yaml", "kubescheduler.config.k8s.io/v1beta1"),
     ],
 )
 def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
@@ -80,30 +84,106 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
 
 
 def test_the_extender_answers_only_the_scheduler() -> None:
-    """Mutual TLS in the Deployment and in both shipped scheduler configs, and an opt-in NetworkPolicy that
-    cannot be applied before its placeholder address is replaced (kustomize does not apply it at all)."""
+    """Mutual TLS in the Deployment and in both shipped scheduler configs; the NetworkPolicy is not a file of
+    deploy/ (its addresses are the cluster's own) but made for the cluster by scripts/extender-networkpolicy."""
     kinds = {d["kind"]: d for d in documents("extender.yaml")}
     (container,) = kinds["Deployment"]["spec"]["template"]["spec"]["containers"]
     flags = dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
     assert {"--tls-cert", "--tls-key", "--client-ca", "--client-name"} <= flags.keys()
     assert container["readinessProbe"]["httpGet"]["scheme"] == "HTTPS"
     assert "NetworkPolicy" not in kinds
-    assert "networkpolicy.yaml" not in yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())["resources"]
-    ((policy_doc,),) = [documents("networkpolicy.yaml")]
-    policy = policy_doc["spec"]
-    blocks = [s["ipBlock"]["cidr"] for s in policy["ingress"][0]["from"] if "ipBlock" in s]
-    assert blocks and all(cidr.startswith("EDIT") for cidr in blocks)  # the API server refuses it as it is
-    assert policy["policyTypes"] == ["Ingress"] and len(policy["ingress"]) == 1
-    assert policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": 39999}]
-    for name in ("scheduler-config.yaml", "scheduler-config-v1beta1.yaml"):
+    for name in ("control-plane/scheduler-config.yaml", "control-plane/scheduler-config-v1beta1.yaml"):
         (config,) = documents(name)
         for extender in config["extenders"]:
             assert extender["urlPrefix"].startswith("https://") and extender["enableHTTPS"] is True
             assert set(extender["tlsConfig"]) == {"certFile", "keyFile", "caFile"}
 
 
+#: The groups of the objects ``kubectl apply -f deploy/`` may meet: the API server's own (core is "v1").
+API_GROUPS = {"v1", "apps", "rbac.authorization.k8s.io", "policy", "admissionregistration.k8s.io"}
+
+
+def test_kubectl_apply_f_deploy_meets_only_api_objects_and_no_placeholder() -> None:
+    """``kubectl apply -f deploy/`` reads every .yaml, .yml and .json file at deploy/'s top level: each holds
+    only API objects as they are (the kustomization is ``Kustomization``, a name kubectl -f skips and -k
+    reads; scheduler configs, the static pod and the samples live in folders of their own), and no file under
+    deploy/ but the chart's templates carries an EDIT placeholder."""
+    top = sorted(p for p in DEPLOY.iterdir() if p.is_file() and p.suffix in (".yaml", ".yml", ".json"))
+    assert [p.name for p in top] == ["admission-policy.yaml", "extender.yaml", "node-rbac.yaml"]
+    for path in top:
+        for doc in documents(path.name):
+            group = doc["apiVersion"].rpartition("/")[0] or doc["apiVersion"]
+            assert group in API_GROUPS, (path.name, doc["kind"], doc["apiVersion"])
+    placeholders = [
+        f"{p.relative_to(DEPLOY)}:{n}"
+        for p in sorted(DEPLOY.rglob("*"))
+        if p.is_file() and "helm" not in p.parts
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\bEDIT\b", line)
+    ]
+    assert placeholders == []
+
+
+def networkpolicy(*args: str, kubectl: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    if kubectl is not None:
+        env["PATH"] = f"{kubectl.parent}:{env['PATH']}"
+    script = DEPLOY.parent / "scripts" / "extender-networkpolicy"
+    return subprocess.run(
+        [sys.executable, script, *args], capture_output=True, text=True, env=env, timeout=30, check=False
+    )
+
+
+def test_the_networkpolicy_names_the_addresses_given_and_refuses_what_is_not_a_network() -> None:
+    done = networkpolicy("--cidr", "10.0.0.11", "--cidr", "10.0.0.10/32", "--cidr", "fd00::/64")
+    assert done.returncode == 0, done.stderr
+    policy = json.loads(done.stdout)
+    assert (policy["kind"], policy["metadata"]) == (
+        "NetworkPolicy",
+        {"name": "gpushared-extender", "namespace": "kube-system"},
+    )
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 39999}]
+    assert [s["ipBlock"]["cidr"] for s in rule["from"] if "ipBlock" in s] == [
+        "10.0.0.10/32",
+        "10.0.0.11/32",
+        "fd00::/64",
+    ]
+    assert {"podSelector": {"matchLabels": {"app": "gpushared-extender"}}} in rule["from"]
+    for bad in ("EDIT-control-plane-address/32", "10.0.0.1/33", "10.0.0.1/24", ""):
+        refused = networkpolicy("--cidr", bad)
+        assert refused.returncode == 2 and "is not a network" in refused.stderr and not refused.stdout, bad
+
+
+def test_the_networkpolicy_reads_the_control_plane_nodes_addresses(tmp_path: Path) -> None:
+    """Without --cidr: one host network per InternalIP of the nodes labelled control-plane (or master), read
+    through kubectl; none found (a managed cluster) exits 2 and asks for --cidr."""
+    nodes = {
+        "items": [
+            {"metadata": {"labels": {"node-role.kubernetes.io/control-plane": ""}},
+             "status": {"addresses": [{"type": "InternalIP", "address": "192.168.1.10"},
+                                      {"type": "Hostname", "address": "cp-1"}]}},
+            {"metadata": {"labels": {"node-role.kubernetes.io/master": ""}},
+             "status": {"addresses": [{"type": "InternalIP", "address": "192.168.1.11"}]}},
+            {"metadata": {"labels": {}}, "status": {"addresses": [{"type": "InternalIP", "address": "192.168.1.50"}]}},
+        ]
+    }  # fmt: skip
+    kubectl = tmp_path / "kubectl"
+    listing = tmp_path / "nodes.json"
+    listing.write_text(json.dumps(nodes))
+    kubectl.write_text(f"#!/bin/sh\ncat {listing}\n")
+    kubectl.chmod(0o755)
+    done = networkpolicy(kubectl=kubectl)
+    assert done.returncode == 0, done.stderr
+    sources = json.loads(done.stdout)["spec"]["ingress"][0]["from"]
+    assert [s["ipBlock"]["cidr"] for s in sources if "ipBlock" in s] == ["192.168.1.10/32", "192.168.1.11/32"]
+    listing.write_text(json.dumps({"items": nodes["items"][2:]}))
+    refused = networkpolicy(kubectl=kubectl)
+    assert refused.returncode == 2 and "--cidr" in refused.stderr and not refused.stdout
+
+
 def test_sample_asks_for_gpu_memory() -> None:
-    (sample,) = documents("binpack-1.yaml")
+    (sample,) = documents("examples/binpack-1.yaml")
     assert sample["metadata"]["name"] == "binpack-1"
     assert sample["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["aliyun.com/gpu-mem"] == 2
 
@@ -157,12 +237,12 @@ def test_every_manifest_runs_this_release_of_the_extender_image() -> None:
     kustomization that lets an operator point at a registry carries the same tag)."""
     ours = [
         image
-        for name in ("extender.yaml", "extender-static-pod.yaml")
+        for name in ("extender.yaml", "control-plane/extender-static-pod.yaml")
         for image in images(documents(name))
         if "gpushared-extender" in image
     ]
     assert ours == [f"localhost/gpushared-extender:{__version__}"] * 2
-    (kustomization,) = documents("kustomization.yaml")
+    (kustomization,) = documents("Kustomization")
     (image,) = kustomization["images"]
     assert (image["name"], image["newTag"]) == ("localhost/gpushared-extender", __version__)
     assert set(kustomization["resources"]) <= {p.name for p in DEPLOY.iterdir()}
@@ -178,7 +258,7 @@ def test_the_extender_runs_beside_kube_scheduler() -> None:
         "node-role.kubernetes.io/control-plane",
         "node-role.kubernetes.io/master",
     }
-    (static,) = documents("extender-static-pod.yaml")
+    (static,) = documents("control-plane/extender-static-pod.yaml")
     assert static["kind"] == "Pod" and static["spec"]["hostNetwork"] is True
     (container,) = static["spec"]["containers"]
     flags = dict(arg.split("=", 1) for arg in container["args"] if "=" in arg)
@@ -186,13 +266,13 @@ def test_the_extender_runs_beside_kube_scheduler() -> None:
     files = ("--tls-cert", "--tls-key", "--client-ca", "--kubeconfig")
     assert all(flags[k].startswith("/etc/kubernetes/gpushared/") for k in files)
     assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-    for name in ("scheduler-config.yaml", "scheduler-config-v1beta1.yaml"):
+    for name in ("control-plane/scheduler-config.yaml", "control-plane/scheduler-config-v1beta1.yaml"):
         for extender in documents(name)[0]["extenders"]:
             assert extender["urlPrefix"] == "https://127.0.0.1:39999/gpushare-scheduler"
 
 
 def test_the_second_scheduler_is_wired_to_the_extender_and_the_webhook_never_blocks() -> None:
-    docs = {(d["kind"], d["metadata"]["name"]): d for d in documents("gpushared-scheduler.yaml")}
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in documents("managed/gpushared-scheduler.yaml")}
     config = yaml.safe_load(docs["ConfigMap", "gpushared-scheduler"]["data"]["config.yaml"])
     assert config["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert [p["schedulerName"] for p in config["profiles"]] == ["gpushared-scheduler"]
@@ -204,7 +284,7 @@ def test_the_second_scheduler_is_wired_to_the_extender_and_the_webhook_never_blo
     )
     # The same extender entry as the control plane's config, through the Service (it runs in a pod).
     (extender,) = config["extenders"]
-    (shipped,) = documents("scheduler-config.yaml")[0]["extenders"]
+    (shipped,) = documents("control-plane/scheduler-config.yaml")[0]["extenders"]
     assert {k: v for k, v in extender.items() if k != "urlPrefix"} == {
         k: v for k, v in shipped.items() if k != "urlPrefix"
     }
@@ -233,6 +313,5 @@ def test_the_second_scheduler_is_wired_to_the_extender_and_the_webhook_never_blo
         "kubernetes.io/metadata.name",
     }
     # The extender's NetworkPolicy lets this scheduler in.
-    (policy,) = documents("networkpolicy.yaml")
-    sources = policy["spec"]["ingress"][0]["from"]
+    sources = json.loads(networkpolicy("--cidr", "10.0.0.10").stdout)["spec"]["ingress"][0]["from"]
     assert {"podSelector": {"matchLabels": {"app": "gpushared-scheduler"}}} in sources
