@@ -6,12 +6,15 @@ request: version *i* holds every kind whose CPU is at most the *i*-th. Building 
 kinds (each adds one path of log k nodes to the version before), a sum O(log k). The request mix's table of
 rows (``fragmentation.RequestMix``) costs CPU values times sizes, which an operator's file of 10,000 kinds
 made 1.4 GiB and a minute of the event loop; the mix uses this structure past a small budget of cells.
-Pure.
+The tree lives in typed arrays, not lists: a list of a million numbers is a container the garbage collector
+walks element by element on each full collection (tens of ms held by whichever thread collects, the event
+loop's or the mix builder's), an array is one object it does not look into. Pure.
 """
 
 from __future__ import annotations
 
 import bisect
+from array import array
 from collections.abc import Iterable
 
 
@@ -21,12 +24,12 @@ class PrefixSums:
     def __init__(self, items: Iterable[tuple[int, int, float]]) -> None:
         ordered = sorted(items)
         #: every size, in order: the leaves
-        self.sizes: list[int] = sorted({size for _, size, _ in ordered})
+        self.sizes = array("q", sorted({size for _, size, _ in ordered}))
         #: the distinct CPU requests, in order, and the tree's root after each
-        self.cpus: list[int] = []
-        self._roots: list[int] = []
+        self.cpus = array("q")
+        self._roots = array("q")
         # node 0 is the empty tree; a node is (left child, right child, sum)
-        self._left, self._right, self._sum = [0], [0], [0.0]
+        self._left, self._right, self._sum = array("q", [0]), array("q", [0]), array("d", [0.0])
         rank = {size: i for i, size in enumerate(self.sizes)}
         root = 0
         for cpu, size, count in ordered:

@@ -129,10 +129,11 @@ class ClusterCache:
 
     def prepare(self) -> None:
         """Once the informers have listed: apply all they listed, work out every node's room and pricing
-        now (``FilterIndex.warm``), and fence binds for Bindings an earlier extender may have left in
-        flight (``arm_fence``)."""
+        now (``FilterIndex.warm``) and the first request mix, and fence binds for Bindings an earlier
+        extender may have left in flight (``arm_fence``)."""
         self.inbox.drain()
         self.index.warm()
+        self.state.request_mix()  # the first mix, with every node class's view, before the first verb
         self.arm_fence(since=self.started)  # an earlier process sent its last Binding before this one began
 
     # --- the informers' changes, applied by the owner ------------------------------------------------------

@@ -6,10 +6,9 @@ counts, the nodes by class and by room: some thousand entries), a worker thread 
 (``core.mixbook.built_mix``), and the loop installs it at the first look after it is done. The state keeps
 its one owner: the worker reads only the copies and hands back a new object no one else has seen.
 
-What it does not take off the loop: pricing every node again under the new mix, which the first filter of
-each pod size after it still does. Measured (docs/benchmarks.md, "What an expected mix costs"): the
-longest turn a fifth shorter than with the build on the loop, filter p99 higher while a build shares the
-interpreter's lock.
+Pricing the nodes again under the new mix stays on the loop, but never all at once: a verb prices the
+nodes it ranks PRICES_PER_TURN per turn before it answers (``Scheduler.paced``). Measured:
+docs/benchmarks.md, "What an expected mix costs".
 """
 
 from __future__ import annotations

@@ -34,12 +34,12 @@ from gpushared.core.bodies import PodBody
 from gpushared.core.policies import Policy
 from gpushared.core.requests import pod_request
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.index import RankSlot
+from gpushared.extender.index import PRICES_PER_TURN, RankSlot
 
 log = logging.getLogger(__name__)
 
-#: Nodes priced per turn of the event loop: about 0.15 ms of pricing, the most a verb waits for the primer.
-CHUNK = 48
+#: Nodes priced per turn of the event loop: what a verb waits for the primer at most (as for a paced verb).
+CHUNK = PRICES_PER_TURN
 #: Pending pods waiting to be looked at; past it the oldest are dropped (a burst of one Deployment's pods
 #: is one slot many times over).
 QUEUE = 4096

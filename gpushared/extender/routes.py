@@ -88,14 +88,14 @@ class Routes:
 
     async def filter(self, raw: bytes) -> Answer:
         args = wire.parse_args(raw, verb="filter", max_nodes=self.max_nodes)
-        filtered = self.scheduler.filter(args)
+        filtered = await self.scheduler.paced(self.scheduler.filter, args)
         return json_answer(
             wire.filter_result(args, passed=filtered.passed, failed=filtered.failed, error=filtered.error)
         )
 
     async def prioritize(self, raw: bytes) -> Answer:
         args = wire.parse_args(raw, verb="prioritize", max_nodes=self.max_nodes)
-        return json_answer(wire.priority_list(self.scheduler.prioritize(args)))
+        return json_answer(wire.priority_list(await self.scheduler.paced(self.scheduler.prioritize, args)))
 
     async def prioritize_no_gpu(self, raw: bytes) -> Answer:
         args = wire.parse_args(raw, verb="prioritize-no-gpu", max_nodes=self.max_nodes)

@@ -25,7 +25,7 @@ from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models,
 from gpushared.core.cpu import allocatable_cpu, cpu_of, holds_cpu
 from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.mixbook import ExpectedMix, MixBook, kind_of
+from gpushared.core.mixbook import ExpectedMix, MixBook, built_mix, kind_of
 from gpushared.core.nodes import NodeState, Rejected, usable
 
 log = logging.getLogger(__name__)
@@ -104,8 +104,10 @@ class ClusterState:
         if self.clock() - self._mix_counted >= MIX_SECONDS:
             self._mix_counted = self.clock()
             rooms = self._node_rooms() if self.count_rooms else None
-            if taker is None or not self.book.mix_generation:  # the first mix before the first filter
+            if taker is None:
                 self.book.take(nodes=self._node_classes(), rooms=rooms)
+            elif not self.book.mix_generation:  # the first, here and now: the cache takes it before it is ready
+                self.book.install(built_mix(self.book.counts(), nodes=self._node_classes(), rooms=rooms))
             else:
                 taker.start(nodes=self._node_classes(), rooms=rooms)
         return self.book.mix

@@ -255,6 +255,42 @@ def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
         priced.clear()
 
 
+def test_a_call_given_cold_prices_a_turns_worth_and_names_the_rest() -> None:
+    """A new mix (every MIX_SECONDS) prices every node again for each size: given ``cold``, a call prices at
+    most PRICES_PER_TURN of them and names the others, answered None, for the caller to price over the next
+    turns of the event loop (``Scheduler.paced``); asked again, it answers every node as one call pricing
+    them all would."""
+    now = [0.0]
+    cache = fed_by_hand(clock=lambda: now[0])
+    names = [f"n{i:03}" for i in range(2 * index_module.PRICES_PER_TURN + 20)]
+    for name in names:
+        cache.on_node(None, gpu_node(name, inv=INVENTORY))
+    priced: set[tuple[int, int]] = set()  # (the node's ledger, the mix it was priced under)
+
+    def by_mix(verdict: GpuVerdict, need: int, setting: PricingContext) -> float:
+        priced.add((id(setting.ledger), cache.state.mix_generation))
+        return float(cache.state.mix_generation)
+
+    policy = Policy(name="by-mix", price=by_mix, reads_mix=True)
+    probe, request = pod("probe", 3), pod_request(pod("probe", 3))
+    cache.index.node_ranks(names, probe, request, policy)
+    assert len(priced) == len(names)
+    now[0] += MIX_SECONDS
+    priced.clear()
+    cold: list[str] = []
+    ranks = cache.index.node_ranks(names, probe, request, policy, cold=cold)
+    turn = index_module.PRICES_PER_TURN
+    assert len(priced) == turn and {mix for _, mix in priced} == {cache.state.mix_generation}
+    assert cold == names[turn:] and ranks[turn:] == [None] * len(cold) and None not in ranks[:turn]
+    cache.index.node_ranks(cold, probe, request, policy)  # what the caller does over the next turns
+    priced.clear()
+    again: list[str] = []
+    ranks = cache.index.node_ranks(names, probe, request, policy, cold=again)
+    assert not again and not priced
+    fresh = dataclasses.replace(policy, name="by-mix-fresh")
+    assert ranks == [cache.index.node_ranks([name], probe, request, fresh)[0] for name in names]
+
+
 def test_prices_that_read_only_the_pressures_outlive_a_new_mix_until_the_pressures_move() -> None:
     """binpack reads the mix only for the pressure pinned pods put on GPU models: where none is pinned a new
     mix (every MIX_SECONDS) changes none of its prices, and pricing every node again for every request size
