@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
@@ -18,8 +17,20 @@ from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of
 from gpushared.core.quantity import parse_whole_quantity
 from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
 
-if TYPE_CHECKING:
-    from gpushared.core.verdicts import GpuVerdict
+
+@dataclass(frozen=True)
+class GpuVerdict:
+    """Whether one GPU can take the pod; ``reason`` says why not, in words a person acts on. Judged by
+    ``core.verdicts``; kept here, beside the book it reads, so that the book's derived views can name it
+    without the two modules importing each other."""
+
+    gpu: GpuInfo
+    free: int
+    reason: str | None
+
+    @property
+    def fits(self) -> bool:
+        return self.reason is None
 
 
 class GpuMode(enum.Enum):

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from gpushared import contract
-from gpushared.core.ledger import Ledger
+from gpushared.core.ledger import GpuVerdict, Ledger
 from gpushared.core.pricing import PricingContext
 from gpushared.core.requests import PodRequest
 from gpushared.core.topology import choose_set, set_score, topology_of
-from gpushared.core.verdicts import MAX_MPS_CLIENTS, GpuVerdict, by_free, fitting
+from gpushared.core.verdicts import MAX_MPS_CLIENTS, by_free, fitting
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
 MAX_SCORE: Final = 10

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from gpushared.core.fragmentation import RequestMix, node_class
-from gpushared.core.ledger import Ledger
-from gpushared.core.verdicts import GpuVerdict, by_free
+from gpushared.core.ledger import GpuVerdict, Ledger
+from gpushared.core.verdicts import by_free
 
 
 @dataclass(frozen=True)

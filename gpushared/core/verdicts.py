@@ -7,29 +7,15 @@ what fits. A policy (``core.policies``) only prices the GPUs that fit.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Final
 
 from gpushared import contract
 from gpushared.contract import GpuInfo
-from gpushared.core.ledger import GpuMode, Ledger
+from gpushared.core.ledger import GpuMode, GpuVerdict, Ledger
 from gpushared.core.requests import PodRequest
 
 #: Clients one MPS server takes on SM 7.0+ (16 before Volta). Each CUDA process is one client.
 MAX_MPS_CLIENTS: Final = 48
-
-
-@dataclass(frozen=True)
-class GpuVerdict:
-    """Whether one GPU can take the pod; ``reason`` says why not, in words a person acts on."""
-
-    gpu: GpuInfo
-    free: int
-    reason: str | None
-
-    @property
-    def fits(self) -> bool:
-        return self.reason is None
 
 
 def _refusal(ledger: Ledger, gpu: GpuInfo, *, mps: bool, max_mps_clients: int) -> str | None:

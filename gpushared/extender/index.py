@@ -21,12 +21,12 @@ from typing import NamedTuple
 from gpushared.contract import MemoryUnit
 from gpushared.core.bodies import PodBody, gpu_models
 from gpushared.core.cpu import cpu_of
-from gpushared.core.ledger import Ledger
+from gpushared.core.ledger import GpuVerdict, Ledger
 from gpushared.core.nodes import ClusterView, NodeState, Rejected
 from gpushared.core.policies import NodeRank, Policy
 from gpushared.core.pricing import PricingContext, derive_pricing
 from gpushared.core.requests import PodRequest
-from gpushared.core.verdicts import GpuVerdict, explain, idle_gpu_mib, judge, most_free, no_room
+from gpushared.core.verdicts import explain, idle_gpu_mib, judge, most_free, no_room
 
 #: A node's room that must be worked out again; also what a lookup of a name not in the table gives.
 STALE = -2

@@ -16,12 +16,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from gpushared import contract
 from gpushared.core.binding import bind_annotations
 from gpushared.core.fragmentation import RequestMix
-from gpushared.core.ledger import Ledger
+from gpushared.core.ledger import GpuVerdict, Ledger
 from gpushared.core.policies import BINPACK, Policy
 from gpushared.core.pricing import NodeCpu, PricingContext
 from gpushared.core.requests import pod_request
 from gpushared.core.reservations import LANDING_SECONDS, ghost_uid
-from gpushared.core.verdicts import GpuVerdict, judge, no_room
+from gpushared.core.verdicts import judge, no_room
 from gpushared.extender import index as index_module
 from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.index import STALE, Rooms

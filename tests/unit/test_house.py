@@ -39,8 +39,9 @@ def test_no_class_is_over_300_lines() -> None:
     assert long == {}
 
 
-def imports_within(package: str, root: Path = PACKAGE.parent) -> dict[str, set[str]]:
-    """Module -> the modules of ``package`` it imports (anywhere in it but under ``if TYPE_CHECKING``)."""
+def imports_within(package: str, root: Path = PACKAGE.parent, *, typing: bool = False) -> dict[str, set[str]]:
+    """Module -> the modules of ``package`` it imports (anywhere in it; under ``if TYPE_CHECKING`` too when
+    ``typing``)."""
     base = root / package.replace(".", "/")
     modules = {}
     for path in sources(base):
@@ -50,7 +51,8 @@ def imports_within(package: str, root: Path = PACKAGE.parent) -> dict[str, set[s
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         found: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree) if typing else _runtime_nodes(tree):
             targets: list[str] = []
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
@@ -95,6 +97,12 @@ def test_the_extender_is_at_most_five_floors_deep_with_no_cycle() -> None:
         if name.startswith("gpushared.extender.http")
         for other in imported
     )
+
+
+def test_no_module_of_gpushared_is_in_an_import_cycle() -> None:
+    """Issue #53: ``core/ledger.py`` and ``core/verdicts.py`` imported each other (the ledger's views name a
+    verdict, for type checking only); a circle of any kind means neither can be read without the other."""
+    floors(imports_within("gpushared", typing=True))  # raises on a cycle
 
 
 def test_floors_find_cycles_and_depth() -> None:
