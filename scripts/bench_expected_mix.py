@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpushared.core.mixbook import MAX_EXPECTED_KINDS
+from gpushared.core.placement.mixbook import MAX_EXPECTED_KINDS
 from tests.builders import pod
 from tests.extender_harness import Extender, gpu_node
 from tests.fakes.apiserver import FakeApiServer

@@ -55,12 +55,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations, holding_for
-from gpushared.core.ledger import Ledger
-from gpushared.core.policies import BINPACK, policy_named
-from gpushared.core.pricing import PricingContext
-from gpushared.core.requests import pod_request
-from gpushared.core.verdicts import judge
+from gpushared.core.placement.binding import bind_annotations, holding_for
+from gpushared.core.placement.policies import BINPACK, policy_named
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import Ledger
+from gpushared.core.shared.requests import pod_request
+from gpushared.core.shared.verdicts import judge
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
 from gpushared.extender.scheduler import Scheduler

@@ -28,7 +28,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpushared.core.policies import POLICIES
+from gpushared.core.placement.policies import POLICIES
 from gpushared.replay.run import SEEDS, Replay, replay
 from scripts.bench_openb import DEFAULT_DATA, NODE_LIST, ROOT, inputs, run_all
 

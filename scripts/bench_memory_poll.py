@@ -27,9 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import pynvml
 
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
-from gpushared.core.binding import bind_annotations
-from gpushared.core.memory import Enforcement, MemoryPolicy
-from gpushared.core.requests import pod_request
+from gpushared.core.node.memory import Enforcement, MemoryPolicy
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from gpushared.daemon.memory import GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.nvml.backend import NvmlBackend

@@ -43,8 +43,8 @@ from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpushared.core.mixbook import EXPECTED_WEIGHT, ExpectedMix
-from gpushared.core.policies import POLICIES
+from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix
+from gpushared.core.placement.policies import POLICIES
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
 from gpushared.replay.trace import read_nodes, read_pods
 

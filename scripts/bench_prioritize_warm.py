@@ -18,7 +18,7 @@ from typing import cast
 import bench_extender as bench
 
 from gpushared import contract
-from gpushared.core.policies import BINPACK
+from gpushared.core.placement.policies import BINPACK
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import ExtenderArgs
 from gpushared.extender.scheduler import Scheduler

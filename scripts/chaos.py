@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared import contract
 from gpushared.contract import MemoryUnit
-from gpushared.core.ledger import Ledger, holding_from_pod
+from gpushared.core.shared.ledger import Ledger, holding_from_pod
 from tests.builders import GPU_MEM, pod
 from tests.extender_harness import Extender, gpu_node
 from tests.fakes.apiserver import FakeApiServer, Fault

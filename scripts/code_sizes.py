@@ -2,7 +2,7 @@
 
 Prints the largest classes (lines from ``class`` to their last line, and methods), the largest functions,
 the classes past the ~300 lines the style guide allows, and the escapes from typing at the boundary
-(``type: ignore`` comments, ``get("metadata") or {}`` chains that core.bodies' accessors replace).
+(``type: ignore`` comments, ``get("metadata") or {}`` chains that core.shared.bodies' accessors replace).
 Generated gRPC stubs are left out. Run it on another tree to compare:
 
     .venv/bin/python scripts/code_sizes.py [TREE]

@@ -1,5 +1,5 @@
-"""Choose the constants binpack and fgd use: the pinned-model pressure (``core.policies.BINPACK_PRESSURE``,
-``FGD_PRESSURE``) and the weight of the operator's expected mix (``core.mixbook.EXPECTED_WEIGHT``), on a
+"""Choose the constants binpack and fgd use: the pinned-model pressure (``core.placement.policies.BINPACK_PRESSURE``,
+``FGD_PRESSURE``) and the weight of the operator's expected mix (``core.placement.mixbook.EXPECTED_WEIGHT``), on a
 declared tuning set of traces, with the causal replay (issue #41) and the expected mix made from another
 trace (``bench_openb.MEMORY_FROM``); the traces it was not tuned on are judged apart, by ``bench_openb.py``
 with the values chosen.
@@ -43,7 +43,7 @@ from bench_openb import (
     run_all,
 )
 
-from gpushared.core.policies import binpack, fgd
+from gpushared.core.placement.policies import binpack, fgd
 from gpushared.replay.run import replay
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -18,8 +18,8 @@ import yaml
 
 from gpushared import contract
 from gpushared.contract import GpuInventory
-from gpushared.core.binding import bind_annotations
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from tests.builders import on_gpus, pod
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kubelet import ContainerAllocation, ContainerSpec, FakeKubelet, PodRef

@@ -13,7 +13,7 @@ import click
 
 from gpushared import __version__
 from gpushared.cli import logs
-from gpushared.core.report import LINK_LEGEND, link_matrix_lines
+from gpushared.core.placement.report import LINK_LEGEND, link_matrix_lines
 from gpushared.daemon import config as config_module
 
 CONFIG_HELP = f"YAML configuration (default {config_module.DEFAULT_PATH}); GPUSHARED_* variables override it."

@@ -15,7 +15,7 @@ from gpushared import __version__
 from gpushared.cli import logs
 
 if TYPE_CHECKING:
-    from gpushared.core.mixbook import ExpectedMix
+    from gpushared.core.placement.mixbook import ExpectedMix
 
 log = logging.getLogger("gpushared.extender")
 
@@ -163,7 +163,7 @@ def main(
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
     from gpushared.contract import ContractError, ResourceNames
-    from gpushared.core.policies import policy_named
+    from gpushared.core.placement.policies import policy_named
     from gpushared.extender import app
     from gpushared.extender.http.config import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
@@ -221,7 +221,7 @@ def _expected(path: Path | None) -> ExpectedMix | None:
     import json
 
     from gpushared.contract import ContractError
-    from gpushared.core.mixbook import read_expected_mix
+    from gpushared.core.placement.mixbook import read_expected_mix
 
     try:
         # Opened without waiting (a FIFO's writer may never come), then held to a regular file: a FIFO, a

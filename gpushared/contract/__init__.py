@@ -131,7 +131,7 @@ POD_MPS: Final = f"{ANNOTATION_DOMAIN}/mps"
 #: Pod: overrides the derived CUDA_MPS_ACTIVE_THREAD_PERCENTAGE (1-100).
 POD_MPS_THREAD_PERCENTAGE: Final = f"{ANNOTATION_DOMAIN}/mps-active-thread-percentage"
 #: Pod: "off", "report" or "kill": what the daemon does when the pod's containers use more GPU memory than
-#: they were allocated; only stricter than the node's setting takes effect (core.memory).
+#: they were allocated; only stricter than the node's setting takes effect (core.node.memory).
 POD_MEMORY_ENFORCEMENT: Final = f"{ANNOTATION_DOMAIN}/memory-enforcement"
 
 
@@ -232,7 +232,7 @@ LINK_WORD: Final = re.compile(r"NV[1-9][0-9]{0,2}|PIX-BOARD|PIX|PXB|PHB|NODE|SYS
 class GpuInventory:
     """All GPUs of one node. One unit per node: a node advertises one gpu-mem resource.
 
-    ``links`` is how the GPUs are connected (``core.topology``): the upper triangle of the link matrix over
+    ``links`` is how the GPUs are connected (``core.shared.topology``): the upper triangle of the link matrix over
     ``gpus`` in order, row by row (GPU 0 to 1, 2, ...; then 1 to 2, ...), empty when not read. In the
     annotation it is one string of words (28 for 8 GPUs); readers older than it ignore the key."""
 

@@ -12,9 +12,9 @@ import logging
 from dataclasses import dataclass, field
 
 from gpushared.contract import GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core import handshake
-from gpushared.core.bodies import PodBody, meta_of, uid_of
-from gpushared.core.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.node import handshake
+from gpushared.core.shared.bodies import PodBody, meta_of, uid_of
+from gpushared.core.shared.ledger import Holding, Ledger, holding_from_pod
 from gpushared.daemon.metrics import Metrics, PodShare
 from gpushared.daemon.outbox import Outbox
 from gpushared.kube.podwatch import PodWatch

@@ -1,6 +1,6 @@
 """The pods an Allocate call may be for, gathered from the kubelet and the API server.
 
-``core.handshake`` decides which container is asking; this gathers what it decides over: the kubelet's
+``core.node.handshake`` decides which container is asking; this gathers what it decides over: the kubelet's
 PodResources listing (which pods are in its pod manager, and which containers have devices), the pod
 bodies from the node's pod watch, and — only for a pod the watch has not delivered yet — one read of
 that pod by name, within what is left of the call's budget. See docs/design.md §7.
@@ -15,9 +15,9 @@ from pathlib import Path
 
 from gpushared import contract
 from gpushared.contract import MemoryUnit, ResourceNames
-from gpushared.core import handshake
-from gpushared.core.bodies import PodBody, node_of, uid_of
-from gpushared.core.requests import pod_request
+from gpushared.core.node import handshake
+from gpushared.core.shared.bodies import PodBody, node_of, uid_of
+from gpushared.core.shared.requests import pod_request
 from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable, list_pod_devices
 from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import Api, KubeError, NotFound

@@ -1,5 +1,5 @@
 """The compute watcher: each poll, NVML's SM samples per process, summed per container, against each pod's
-compute limit (core.compute decides); over the limit is an Event and a counter, never a kill.
+compute limit (core.node.compute decides); over the limit is an Event and a counter, never a kill.
 
 Driven by the memory watcher's poll, which has already listed each GPU's processes and found their
 containers: the samples of a PID it did not list (exited since) are not attributed.
@@ -11,10 +11,10 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from gpushared import contract
-from gpushared.core.bodies import PodBody, annotations_of
-from gpushared.core.compute import ComputeDecision, UseKey, decide_compute
-from gpushared.core.ledger import recorded_compute
-from gpushared.core.memory import ContainerRef, GpuProcess
+from gpushared.core.node.compute import ComputeDecision, UseKey, decide_compute
+from gpushared.core.node.memory import ContainerRef, GpuProcess
+from gpushared.core.shared.bodies import PodBody, annotations_of
+from gpushared.core.shared.ledger import recorded_compute
 from gpushared.daemon.metrics import ContainerCompute, Metrics
 from gpushared.daemon.outbox import Outbox
 from gpushared.nvml.backend import GpuBackend, GpuBackendError

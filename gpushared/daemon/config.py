@@ -18,9 +18,9 @@ import yaml
 
 from gpushared.contract import ContractError, MemoryUnit
 from gpushared.contract.dra import DRIVER
-from gpushared.core.exposure import ExposurePolicy, Strategy, parse_strategies
-from gpushared.core.health import APPLICATION_XIDS
-from gpushared.core.memory import Enforcement, MemoryPolicy
+from gpushared.core.node.exposure import ExposurePolicy, Strategy, parse_strategies
+from gpushared.core.node.health import APPLICATION_XIDS
+from gpushared.core.node.memory import Enforcement, MemoryPolicy
 
 DEFAULT_PATH = Path("/etc/gpushared/config.yaml")
 DEFAULT_IGNORED_XIDS = APPLICATION_XIDS

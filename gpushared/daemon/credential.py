@@ -3,7 +3,7 @@
 On a host the daemon authenticates with the ServiceAccount token in its kubeconfig
 (``scripts/node-kubeconfig``). A token from the TokenRequest API expires, and managed control planes cap
 its life at a day or two, so the daemon asks the API server for its next one (the same ServiceAccount,
-the same lifetime) once ``core.tokens`` says it is due, keeps it in ``renewedTokenFile`` (0600, replaced
+the same lifetime) once ``core.node.tokens`` says it is due, keeps it in ``renewedTokenFile`` (0600, replaced
 atomically) and uses it from the next request on; after a restart the one issued last is used. A renewal
 that fails is tried again (every tenth of the time left, between 1 and 60 s), logged, counted, and
 reported as a ``CredentialRenewalFailed`` Event on the Node while the old token still works; when it runs
@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from gpushared.core.tokens import BoundToken, read_bound_token
+from gpushared.core.node.tokens import BoundToken, read_bound_token
 from gpushared.daemon.metrics import Metrics
 from gpushared.kube.api import Api
 from gpushared.kube.credentials import StaticCredential

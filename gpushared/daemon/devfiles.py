@@ -15,7 +15,7 @@ import os
 import stat
 from collections.abc import Iterable, Sequence
 
-from gpushared.core.exposure import CONTROL_DEVICES, DeviceFile, ExposurePolicy, gpu_device_path
+from gpushared.core.node.exposure import CONTROL_DEVICES, DeviceFile, ExposurePolicy, gpu_device_path
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
-"""The kubelet's message limit on the device list (the IDs themselves are core.devices)."""
+"""The kubelet's message limit on the device list (the IDs themselves are core.node.devices)."""
 
 from __future__ import annotations
 
 from gpushared.contract import GpuInventory
-from gpushared.core.devices import device_list
+from gpushared.core.node.devices import device_list
 from gpushared.deviceplugin.server import MAX_MESSAGE_BYTES, list_message
 
 

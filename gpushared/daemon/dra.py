@@ -2,10 +2,10 @@
 
 Two parts, both fed by the manager's GPU inventory:
 
-- :class:`SlicePublisher` keeps the node's ResourceSlice equal to its healthy GPUs (``core.slices``),
+- :class:`SlicePublisher` keeps the node's ResourceSlice equal to its healthy GPUs (``core.dra.slices``),
   changing the pool's generation only when the devices change;
 - :class:`DraDriver` answers the kubelet's NodePrepareResources / NodeUnprepareResources: it reads each
-  claim's allocation from the API server, lets ``core.prepare.decide`` check it against the claims already
+  claim's allocation from the API server, lets ``core.dra.prepare.decide`` check it against the claims already
   prepared here, records the claim (CDI spec, then checkpoint: ``daemon.drabook``) and answers with the CDI
   devices. Both calls are idempotent: a claim already prepared gets the same answer without another read,
   and unpreparing a claim that is not prepared succeeds.
@@ -24,12 +24,12 @@ from concurrent import futures
 from typing import Any
 
 from gpushared.contract import GpuInventory, dra
-from gpushared.core.allocate import NodeFacts
-from gpushared.core.bodies import PodBody, uid_of
-from gpushared.core.claims import ClaimRef, reserved_pods
-from gpushared.core.claimusers import ClaimUse, claim_users
-from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
-from gpushared.core.slices import pool_generation, slice_body, slice_devices, slice_name
+from gpushared.core.dra.claims import ClaimRef, reserved_pods
+from gpushared.core.dra.claimusers import ClaimUse, claim_users
+from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
+from gpushared.core.dra.slices import pool_generation, slice_body, slice_devices, slice_name
+from gpushared.core.node.allocate import NodeFacts
+from gpushared.core.shared.bodies import PodBody, uid_of
 from gpushared.daemon.devfiles import CharLinks
 from gpushared.daemon.drabook import BookFull, ClaimBook, ClaimMismatch, DriverLock
 from gpushared.daemon.metrics import PodShare
@@ -167,7 +167,7 @@ class DraDriver:
     ) -> None:
         self.node = node
         #: reads a pod the claim is reserved for, once per try (namespace, name, timeout): its containers
-        #: share the claim's memory (``core.claimusers``); None: every claim is one container's
+        #: share the claim's memory (``core.dra.claimusers``); None: every claim is one container's
         self.read_pod = read_pod
         self.sleep = sleep
         #: reads claims once per try (no retries of its own: ``_read`` retries within the call's deadline)

@@ -12,7 +12,7 @@ import logging
 import os
 import threading
 
-from gpushared.core.topology import Link
+from gpushared.core.shared.topology import Link
 from gpushared.daemon.errors import RestartNeeded
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics

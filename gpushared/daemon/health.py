@@ -2,7 +2,7 @@
 
 NVIDIA's plugin never lets a GPU recover, so one stray XID costs a node its GPU until a restart. Here a
 GPU is unhealthy for ``recover_after`` seconds after its last critical event; which events are critical
-is ``core.health.judge_event``'s table (application XIDs and corrected ECC errors are not). When
+is ``core.node.health.judge_event``'s table (application XIDs and corrected ECC errors are not). When
 NVML fails on one GPU (GPU_IS_LOST on its memory info), that GPU alone is unhealthy, as after an event;
 when NVML itself fails we cannot see the GPUs at all, so all of them are unhealthy until it answers again.
 A GPU whose MPS control daemon does not answer is unhealthy for as long as that lasts (a condition, not
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from gpushared.core.health import EventVerdict, judge_event
+from gpushared.core.node.health import EventVerdict, judge_event
 
 _NVML_FAILED = "NVML failed on this GPU"
 
@@ -41,7 +41,7 @@ class Health:
         self._backend_back: float | None = None
 
     def event(self, uuid: str | None, *, kind: str, xid: int, all_uuids: Iterable[str]) -> EventVerdict:
-        """Record an event as ``core.health.judge_event`` rules; ``uuid`` None means the driver could not say
+        """Record an event as ``core.node.health.judge_event`` rules; ``uuid`` None means the driver could not say
         which GPU (then it counts for all of them)."""
         verdict = judge_event(kind, xid, ignored_xids=self.ignored, recover_after=self.recover_after)
         if not verdict.counts:

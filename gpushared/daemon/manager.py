@@ -2,8 +2,8 @@
 
 The gRPC server asks it for devices and allocations (it implements ``DeviceManager``); the service loop
 feeds it GPU readings and tells it to publish the inventory. Allocate is three steps: ``Candidates``
-gathers the pods the call may be for and the handshake names the container (``core.handshake``);
-``core.allocate.decide`` checks the node can give it its GPU and says what it gets; this class acts on the
+gathers the pods the call may be for and the handshake names the container (``core.node.handshake``);
+``core.node.allocate.decide`` checks the node can give it its GPU and says what it gets; this class acts on the
 outcome: answers, records what it served (``Accounting``, the node's books), and leaves the API writes
 (the ASSIGNED flag, Events) to the ``Outbox``, so an Allocate answer never waits for the API server.
 """
@@ -18,13 +18,13 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core import handshake
-from gpushared.core.allocate import ContainerAllocation, NodeFacts, Refusal, decide, preferred_devices
-from gpushared.core.bodies import PodBody, meta_of, uid_of
-from gpushared.core.devices import Device, device_list
-from gpushared.core.exposure import ExposurePolicy
-from gpushared.core.ledger import Ledger
-from gpushared.core.topology import Link, Topology, link_words, topology_of
+from gpushared.core.node import handshake
+from gpushared.core.node.allocate import ContainerAllocation, NodeFacts, Refusal, decide, preferred_devices
+from gpushared.core.node.devices import Device, device_list
+from gpushared.core.node.exposure import ExposurePolicy
+from gpushared.core.shared.bodies import PodBody, meta_of, uid_of
+from gpushared.core.shared.ledger import Ledger
+from gpushared.core.shared.topology import Link, Topology, link_words, topology_of
 from gpushared.daemon.accounting import Accounting, Served
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
 from gpushared.daemon.devfiles import CharLinks, present_devices

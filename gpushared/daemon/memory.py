@@ -1,8 +1,8 @@
-"""The memory watcher: every GPU's processes, attributed to their containers, and acted on (core.memory).
+"""The memory watcher: every GPU's processes, attributed to their containers, and acted on (core.node.memory).
 
 Each poll reads every GPU's running processes from NVML (host PIDs, with the memory each holds there),
 pins each process with a pidfd, reads its ``/proc/<pid>/cgroup`` to find its pod and container
-(``core.cgroups``), and hands the lot to ``core.memory.decide_memory``. A PID that exited between NVML's
+(``core.node.cgroups``), and hands the lot to ``core.node.memory.decide_memory``. A PID that exited between NVML's
 list and our read has no cgroup to read and is left out of this poll (its memory is being freed; NVML stops
 listing it). A PID that was reused in that window is a different process: the pidfd was opened before the
 cgroup was read, so the cgroup read is the pinned process's own, and a signal through the pidfd can only
@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from gpushared.contract import MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
-from gpushared.core.cgroups import CgroupOwner, owner_of
-from gpushared.core.claimusers import ClaimUse, claim_users
-from gpushared.core.memory import (
+from gpushared.core.dra.allowances import claim_allowances
+from gpushared.core.dra.claimusers import ClaimUse, claim_users
+from gpushared.core.dra.prepare import PreparedClaim
+from gpushared.core.node.cgroups import CgroupOwner, owner_of
+from gpushared.core.node.memory import (
     Allowance,
     ContainerUsage,
     Enforcement,
@@ -44,13 +45,12 @@ from gpushared.core.memory import (
     MemoryPolicy,
     Report,
     allowances_of,
-    claim_allowances,
     decide_memory,
     enforcement_problem,
     given_by_kubelet,
     owner_ref,
 )
-from gpushared.core.prepare import PreparedClaim
+from gpushared.core.shared.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
@@ -273,7 +273,7 @@ class MemoryWatcher:
         indices = tuple(gpu.index for gpu in gpus)
         prepared = self.claims.claims() if self.claims is not None else {}
         # the containers sharing each claim, over every pod here: a pod that joins a claim shrinks the
-        # others' parts (core.claimusers)
+        # others' parts (core.dra.claimusers)
         users = claim_users(pods.values()) if prepared else Counter()
         # a claim prepared or gone, or its users changed, changes its pods' allowances without a new
         # resourceVersion

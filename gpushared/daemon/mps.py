@@ -1,4 +1,4 @@
-"""Supervision of one MPS control daemon per GPU (what an MPS pod's container gets is core.allocate).
+"""Supervision of one MPS control daemon per GPU (what an MPS pod's container gets is core.node.allocate).
 
 The daemons must outlive gpushared: ``quit`` cuts every client of the GPU off, so a gpushared restart or
 upgrade must not restart them. On start we therefore *adopt* a daemon that answers on its control socket,
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpushared.core.allocate import MpsDaemon
+from gpushared.core.node.allocate import MpsDaemon
 from gpushared.daemon.config import Config
 from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics
@@ -263,7 +263,7 @@ class MpsSupervisor:
 
     def answering(self) -> dict[str, MpsDaemon]:
         """The running daemons by GPU UUID, with the directories a client container mounts
-        (``core.allocate`` makes the container their client)."""
+        (``core.node.allocate`` makes the container their client)."""
         with self._lock:
             uuids = [uuid for uuid, daemon in self._daemons.items() if daemon.state == "running"]
         answering = {}

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpushared import contract
 from gpushared.contract import GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, annotations_of, version_of
+from gpushared.core.shared.bodies import NodeBody, annotations_of, version_of
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.metrics import Metrics
 from gpushared.deviceplugin.server import PluginServer, RegistrationFailed

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 
 from gpushared import contract
-from gpushared.core.bodies import PodBody, meta_of
+from gpushared.core.shared.bodies import PodBody, meta_of
 from gpushared.kube.api import Api, KubeError, NotFound
 from gpushared.kube.podwatch import PodWatch
 

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 
 from gpushared.contract import ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody
+from gpushared.core.shared.bodies import NodeBody, PodBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import COMPONENT, TokenRenewer

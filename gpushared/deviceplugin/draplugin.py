@@ -24,8 +24,8 @@ from typing import Any, Protocol
 import grpc
 
 from gpushared.contract import dra
-from gpushared.core.claims import ClaimRef
-from gpushared.core.prepare import PreparedClaim
+from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.prepare import PreparedClaim
 from gpushared.deviceplugin.dra.v1 import api_pb2 as v1
 from gpushared.deviceplugin.dra.v1 import api_pb2_grpc as v1_grpc
 from gpushared.deviceplugin.dra.v1beta1 import api_pb2 as v1beta1

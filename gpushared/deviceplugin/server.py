@@ -16,8 +16,8 @@ from typing import Protocol
 
 import grpc
 
-from gpushared.core.allocate import ContainerAllocation
-from gpushared.core.devices import Device
+from gpushared.core.node.allocate import ContainerAllocation
+from gpushared.core.node.devices import Device
 from gpushared.deviceplugin.sockets import serve_root_only
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 

@@ -23,10 +23,10 @@ import uvloop
 from aiohttp import web
 
 from gpushared.contract import ResourceNames
-from gpushared.core.admission import GPUSHARED_SCHEDULER
-from gpushared.core.mixbook import ExpectedMix
-from gpushared.core.policies import Policy
-from gpushared.core.reservations import fence_window
+from gpushared.core.placement.admission import GPUSHARED_SCHEDULER
+from gpushared.core.placement.mixbook import ExpectedMix
+from gpushared.core.placement.policies import Policy
+from gpushared.core.placement.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
@@ -78,9 +78,9 @@ class ExtenderSettings:
     #: filter keeps only the best-ranked nodes, so kube-scheduler wired without prioritizeVerb (deploy/,
     #: Aliyun's wiring) makes the policy's choice; False: every node that fits passes
     rank_in_filter: bool = True
-    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/admission.py)
+    #: where <prefix>/mutate sends new pods that ask for GPU memory (core/placement/admission.py)
     webhook_scheduler: str = GPUSHARED_SCHEDULER
-    #: the operator's expected mix (``--expected-mix``), counted beside the pods seen (core/mixbook.py)
+    #: the operator's expected mix (``--expected-mix``), counted beside the pods seen (core/placement/mixbook.py)
     expected: ExpectedMix | None = None
 
     @property

@@ -25,8 +25,12 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from gpushared.contract import ContractError, GpuInfo, MemoryUnit, ResourceNames
-from gpushared.core.binding import bind_annotations
-from gpushared.core.bodies import (
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.mixbook import ExpectedMix
+from gpushared.core.placement.nodes import Rejected
+from gpushared.core.placement.policies import Policy
+from gpushared.core.placement.reservations import LANDING_SECONDS, Action, Assumed, Settlement
+from gpushared.core.shared.bodies import (
     Key,
     NodeBody,
     PodBody,
@@ -38,12 +42,8 @@ from gpushared.core.bodies import (
     slim_pod,
     uid_of,
 )
-from gpushared.core.mixbook import ExpectedMix
-from gpushared.core.nodes import Rejected
-from gpushared.core.policies import Policy
-from gpushared.core.requests import PodRequest, pod_request
-from gpushared.core.reservations import LANDING_SECONDS, Action, Assumed, Settlement
-from gpushared.core.verdicts import explain
+from gpushared.core.shared.requests import PodRequest, pod_request
+from gpushared.core.shared.verdicts import explain
 from gpushared.extender.inbox import BATCH, Inbox, Owner
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reserving import Reservations

@@ -6,7 +6,7 @@ index's memo of the node (:class:`NodeMemo`) per request and policy. The state t
 node whose ledger changed, and a memo is read only for the ledger, version and GPU model it was worked out
 for, so nothing here is older than what it was worked out from.
 
-The index reads the cluster through ``core.nodes.ClusterView`` and owns only what it works out; both are
+The index reads the cluster through ``core.placement.nodes.ClusterView`` and owns only what it works out; both are
 touched by the cache's owner alone, on one thread (``cache.ClusterCache``): no lock.
 
 The rooms' table is laid out for a filter's lookups: one dict of ints per kind of pod, each node's memory
@@ -19,14 +19,14 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gpushared.contract import MemoryUnit
-from gpushared.core.bodies import PodBody, gpu_models
-from gpushared.core.cpu import cpu_of
-from gpushared.core.ledger import GpuVerdict, Ledger
-from gpushared.core.nodes import ClusterView, NodeState, Rejected
-from gpushared.core.policies import NodeRank, Policy
-from gpushared.core.pricing import PricingContext, derive_pricing
-from gpushared.core.requests import PodRequest
-from gpushared.core.verdicts import explain, idle_gpu_mib, judge, most_free, no_room
+from gpushared.core.placement.cpu import cpu_of
+from gpushared.core.placement.nodes import ClusterView, NodeState, Rejected
+from gpushared.core.placement.policies import NodeRank, Policy
+from gpushared.core.placement.pricing import PricingContext, derive_pricing
+from gpushared.core.shared.bodies import PodBody, gpu_models
+from gpushared.core.shared.ledger import GpuVerdict, Ledger
+from gpushared.core.shared.requests import PodRequest
+from gpushared.core.shared.verdicts import explain, idle_gpu_mib, judge, most_free, no_room
 
 #: A node's room that must be worked out again; also what a lookup of a name not in the table gives.
 STALE = -2

@@ -3,7 +3,7 @@
 A new mix is taken every ``state.MIX_SECONDS``; building it, with the view each node class prices from,
 ran inside a filter, on the event loop. Here the loop copies what the mix is taken of (the kinds and their
 counts, the nodes by class and by room: some thousand entries), a worker thread builds it
-(``core.mixbook.built_mix``), and the loop installs it at the first look after it is done. The state keeps
+(``core.placement.mixbook.built_mix``), and the loop installs it at the first look after it is done. The state keeps
 its one owner: the worker reads only the copies and hands back a new object no one else has seen.
 
 Pricing the nodes again under the new mix stays on the loop, but never all at once: a verb prices the
@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix
-from gpushared.core.mixbook import MixBook, built_mix
+from gpushared.core.placement.fragmentation import NodeClass, NodeRoom, RequestMix
+from gpushared.core.placement.mixbook import MixBook, built_mix
 
 
 class MixTaker:

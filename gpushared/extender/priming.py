@@ -30,9 +30,9 @@ import time
 from collections.abc import Awaitable, Callable
 
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import PodBody
-from gpushared.core.policies import Policy
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.policies import Policy
+from gpushared.core.shared.bodies import PodBody
+from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.index import PRICES_PER_TURN, RankSlot
 

@@ -1,4 +1,4 @@
-"""The book of binds counted before the pod watch shows them, and what ends each (``core.reservations``
+"""The book of binds counted before the pod watch shows them, and what ends each (``core.placement.reservations``
 decides).
 
 A bind counts its pod on the chosen node before it writes the Binding (``cache.ClusterCache.reserve``), and
@@ -14,8 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpushared.core.bodies import PodBody, awaits_node, node_of, uid_of
-from gpushared.core.reservations import (
+from gpushared.core.placement.reservations import (
     CHECK_SECONDS,
     CONFIRM_SECONDS,
     FENCE_SECONDS,
@@ -26,6 +25,7 @@ from gpushared.core.reservations import (
     fenced,
     settle,
 )
+from gpushared.core.shared.bodies import PodBody, awaits_node, node_of, uid_of
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
-from gpushared.core.admission import scheduler_route
-from gpushared.core.bodies import meta_of
-from gpushared.core.report import node_report
+from gpushared.core.placement.admission import scheduler_route
+from gpushared.core.placement.report import node_report
+from gpushared.core.shared.bodies import meta_of
 from gpushared.extender.http import wire
 from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answer
 from gpushared.extender.http.config import MAX_REVIEW_BYTES
@@ -46,7 +46,7 @@ class Routes:
         max_nodes: int = wire.MAX_NODES,
     ) -> None:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
-        (``core.admission``); ``public_pod_names``: /inspect names pods to callers without a client
+        (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
         certificate too."""
         self.scheduler = scheduler
         self.guard = guard

@@ -17,11 +17,11 @@ from collections.abc import Callable
 from typing import NamedTuple, TypeVar
 
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import PodBody, key_of, node_of, uid_of
-from gpushared.core.nodes import Rejected
-from gpushared.core.policies import NodeRank, Policy, best_nodes, node_scores
-from gpushared.core.requests import pod_request
-from gpushared.core.reservations import Assumed
+from gpushared.core.placement.nodes import Rejected
+from gpushared.core.placement.policies import NodeRank, Policy, best_nodes, node_scores
+from gpushared.core.placement.reservations import Assumed
+from gpushared.core.shared.bodies import PodBody, key_of, node_of, uid_of
+from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
 from gpushared.extender.index import PRICES_PER_TURN

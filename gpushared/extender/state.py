@@ -21,12 +21,12 @@ from typing import Protocol
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
-from gpushared.core.cpu import allocatable_cpu, cpu_of, holds_cpu
-from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
-from gpushared.core.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.mixbook import ExpectedMix, MixBook, built_mix, kind_of
-from gpushared.core.nodes import NodeState, Rejected, usable
+from gpushared.core.placement.cpu import allocatable_cpu, cpu_of, holds_cpu
+from gpushared.core.placement.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
+from gpushared.core.placement.mixbook import ExpectedMix, MixBook, built_mix, kind_of
+from gpushared.core.placement.nodes import NodeState, Rejected, usable
+from gpushared.core.shared.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
+from gpushared.core.shared.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class ClusterState:
         """``expected``: the operator's expected mix (``--expected-mix``), counted in every mix beside the
         pods seen."""
         self.resources = resources
-        #: whether each mix is told what every node has left now (fgd's scarcity: core.fragmentation)
+        #: whether each mix is told what every node has left now (fgd's scarcity: core.placement.fragmentation)
         self.count_rooms = rooms
         #: the node label naming each node's GPU model; pods' node affinity on it says which models a kind of
         #: pod may use (fgd's request mix). Empty: models are not weighed.
@@ -75,8 +75,8 @@ class ClusterState:
         #: UIDs of bound pods whose GPU annotations or request cannot be read: counted at their spec amounts
         #: as pending on their node (``Holding.problem``), never dropped
         self.unreadable: set[str] = set()
-        #: the kinds of the pods counted here and the mixes taken from them (``core.mixbook``: the trace replay
-        #: counts its placed tasks with the same book)
+        #: the kinds of the pods counted here and the mixes taken from them (``core.placement.mixbook``: the
+        #: trace replay counts its placed tasks with the same book)
         self.book = MixBook(expected)
         #: builds each mix after the first off the owner's thread (``extender.mixing``); None: here, at once
         self.taker: MixBuilder | None = None

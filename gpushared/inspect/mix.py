@@ -1,5 +1,5 @@
 """The expected mix of a cluster's pods (``kubectl inspect gpushare --expected-mix``): every pod on a
-gpushared node counted by kind as the extender's cache counts it (``core.mixbook.kind_of``), written as the
+gpushared node counted by kind as the extender's cache counts it (``core.placement.mixbook.kind_of``), written as the
 document the extender's ``--expected-mix`` reads. Run now and then (a CronJob, or before an upgrade), it
 carries what the cluster's workload looks like across extender restarts: a fresh extender counts it
 beside the pods it sees, and keeps room for the big kinds that are not running at that moment.
@@ -11,11 +11,11 @@ from collections import Counter
 from typing import Any
 
 from gpushared.contract import ResourceNames
-from gpushared.core.bodies import gpu_models, node_of
-from gpushared.core.cpu import cpu_of, holds_cpu
-from gpushared.core.fragmentation import ModelKind
-from gpushared.core.ledger import holding_from_pod
-from gpushared.core.mixbook import EXPECTED_WEIGHT, expected_mix_document, kind_of
+from gpushared.core.placement.cpu import cpu_of, holds_cpu
+from gpushared.core.placement.fragmentation import ModelKind
+from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, expected_mix_document, kind_of
+from gpushared.core.shared.bodies import gpu_models, node_of
+from gpushared.core.shared.ledger import holding_from_pod
 from gpushared.inspect.view import gpushared_nodes
 from gpushared.kube.api import Api
 

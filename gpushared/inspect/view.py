@@ -11,10 +11,10 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, node_of
-from gpushared.core.claims import claim_holdings
-from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
+from gpushared.core.dra.claims import claim_holdings
+from gpushared.core.placement.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
+from gpushared.core.shared.bodies import NodeBody, PodBody, node_of
+from gpushared.core.shared.ledger import Ledger, holding_from_pod, inventory_from_node
 from gpushared.kube.api import Api, KubeError
 from gpushared.kube.resources import ResourceApi
 

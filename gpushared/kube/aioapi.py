@@ -15,8 +15,8 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from gpushared.core.bodies import PodBody
-from gpushared.core.reservations import BINDING_TIMEOUT_SECONDS
+from gpushared.core.placement.reservations import BINDING_TIMEOUT_SECONDS
+from gpushared.core.shared.bodies import PodBody
 from gpushared.kube import jsonio
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message

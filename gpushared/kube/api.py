@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Any, cast
 
-from gpushared.core.bodies import NodeBody, PodBody, meta_of, node_of
+from gpushared.core.shared.bodies import NodeBody, PodBody, meta_of, node_of
 from gpushared.kube import kubeconfig as kubeconfig_module
 from gpushared.kube.errors import Conflict, KubeError, NoCredentials, NotFound, error_for, status_message
 from gpushared.kube.rest import REQUEST_TIMEOUT, Rest, pod_path, quoted
@@ -46,7 +46,7 @@ def default_kubeconfig() -> Path:
 
 
 class Api:
-    """The few calls gpushared makes, as dicts in and dicts out, typed once here (``core.bodies``)."""
+    """The few calls gpushared makes, as dicts in and dicts out, typed once here (``core.shared.bodies``)."""
 
     def __init__(self, rest: Rest) -> None:
         self.rest = rest

@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 import urllib3
 
-from gpushared.core.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
+from gpushared.core.shared.bodies import Key, NodeBody, PodBody, key_of, uid_of, version_of
 from gpushared.kube import jsonio
 from gpushared.kube.errors import KubeError
 from gpushared.kube.locks import INFORMER, RankedLock
@@ -33,7 +33,7 @@ from gpushared.kube.rest import REQUEST_TIMEOUT, Lister
 
 log = logging.getLogger(__name__)
 
-#: The kinds of object an informer mirrors, typed once here at the boundary (core.bodies).
+#: The kinds of object an informer mirrors, typed once here at the boundary (core.shared.bodies).
 B = TypeVar("B", PodBody, NodeBody)
 #: Called with (old, new): new None is a deletion, old None an addition. Runs on the informer's thread.
 Handler = Callable[[B | None, B | None], None]

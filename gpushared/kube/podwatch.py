@@ -6,7 +6,7 @@ API servers. One list and one watch per node cost the API server almost nothing.
 
 from __future__ import annotations
 
-from gpushared.core.bodies import PodBody, node_of
+from gpushared.core.shared.bodies import PodBody, node_of
 from gpushared.kube.api import Api
 from gpushared.kube.informer import Informer
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import pynvml
 
-from gpushared.core.topology import Link, LinkKind
+from gpushared.core.shared.topology import Link, LinkKind
 from gpushared.nvml import driver
 
 

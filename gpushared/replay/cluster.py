@@ -26,15 +26,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
-from gpushared.core.binding import holding_for
-from gpushared.core.fragmentation import RequestMix, node_class, node_room
-from gpushared.core.ledger import Ledger
-from gpushared.core.mixbook import ExpectedMix, MixBook, kind_of
-from gpushared.core.policies import NodeRank, Policy, best_rank, ties
-from gpushared.core.pricing import NodeCpu, PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest
-from gpushared.core.topology import LinkKind, link_words, set_score
-from gpushared.core.verdicts import idle_gpu_mib
+from gpushared.core.placement.binding import holding_for
+from gpushared.core.placement.fragmentation import RequestMix, node_class, node_room
+from gpushared.core.placement.mixbook import ExpectedMix, MixBook, kind_of
+from gpushared.core.placement.policies import NodeRank, Policy, best_rank, ties
+from gpushared.core.placement.pricing import NodeCpu, PricingContext
+from gpushared.core.shared.ledger import Ledger
+from gpushared.core.shared.requests import ContainerRequest, PodRequest
+from gpushared.core.shared.topology import LinkKind, link_words, set_score
+from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.replay.layouts import model_layout
 from gpushared.replay.trace import GPU_MIB, MAX_PODS, TraceNode, TracePod
 
@@ -135,7 +135,7 @@ class SimCluster:
         compute: bool = False,
     ) -> None:
         """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
-        the first task); None: the mix is counted as the extender counts it (``core.mixbook``), from the
+        the first task); None: the mix is counted as the extender counts it (``core.placement.mixbook``), from the
         tasks placed so far, a new one every ROOMS_STEP of the capacity, beside the operator's ``expected``
         mix where there is one (the extender's ``--expected-mix``). ``compute``: each GPU task also asks for
         its GPU share as a compute request (``TracePod.compute_request``), the ledger's second dimension."""

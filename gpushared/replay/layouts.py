@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 
-from gpushared.core.topology import Link, LinkKind, Topology, parse_link
+from gpushared.core.shared.topology import Link, LinkKind, Topology, parse_link
 
 #: DGX-1 with V100: hybrid cube-mesh. Each GPU has six NVLink links to four others, GPUs 0-3 and 4-7 are
 #: fully linked within their socket, and each GPU links to one GPU of the other socket.

@@ -10,9 +10,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpushared.core.fragmentation import ModelKind, RequestMix, node_class
-from gpushared.core.mixbook import ExpectedMix, request_kind
-from gpushared.core.policies import Policy, policy_named
+from gpushared.core.placement.fragmentation import ModelKind, RequestMix, node_class
+from gpushared.core.placement.mixbook import ExpectedMix, request_kind
+from gpushared.core.placement.policies import Policy, policy_named
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
 
@@ -78,7 +78,7 @@ def replay(
     weighs them; without, placement sees none. Either way the sets chosen are scored on them.
 
     ``causal`` (the default): the request mix is counted as a running extender counts it, from the tasks
-    placed so far (``core.mixbook``; issue #41), beside the operator's ``expected`` mix where one is given
+    placed so far (``core.placement.mixbook``; issue #41), beside the operator's ``expected`` mix where one is given
     (the extender's ``--expected-mix``; for a figure, made by :func:`trace_kinds` from *another* trace).
     Without, it is the *oracle* mix: the kinds of every task of the shuffled workload, those still to
     arrive (and those that will fail) included, known before the first is placed; no extender can know
@@ -144,7 +144,7 @@ def oracle_mix(nodes: Sequence[TraceNode], workload: Sequence[TracePod]) -> Requ
 
 
 def trace_kinds(pods: Sequence[TracePod]) -> Counter[ModelKind]:
-    """The kinds of a trace's tasks, counted as the extender's cache counts pods (``core.mixbook.kind_of``)
+    """The kinds of a trace's tasks, counted as the extender's cache counts pods (``core.placement.mixbook.kind_of``)
     after running them all: what an operator's ``kubectl inspect gpushare --expected-mix`` would have
     written of that workload."""
     return Counter(request_kind(p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in pods)

@@ -24,8 +24,8 @@ from pathlib import Path
 import yaml
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from tests.builders import GPU_MEM, pod
 from tests.e2e.cluster import CACHE
 from tests.fakes.apiserver import FakeApiServer

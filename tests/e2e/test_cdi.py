@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 
 from gpushared import contract
-from gpushared.core.allocate import Mount
-from gpushared.core.exposure import CDI_KIND, DeviceFile
-from gpushared.core.prepare import CdiDevice, cdi_document
+from gpushared.core.dra.prepare import CdiDevice, cdi_document
+from gpushared.core.node.allocate import Mount
+from gpushared.core.node.exposure import CDI_KIND, DeviceFile
 from tests.e2e.cluster import LocalCluster, cached_version
 from tests.e2e.kube import PRINT_ENV, Kube, gpu_pod
 from tests.e2e.versions import Version
@@ -42,7 +42,7 @@ MARKER = "written-by-the-cdi-spec"
 @pytest.fixture(scope="module")
 def cdi_node(cluster: LocalCluster, kube: Kube) -> Iterator[LocalCluster]:
     """NVIDIA toolkit's CDI spec for the simulated GPUs, written by gpushared's own CDI writer (the one that
-    writes each DRA claim's spec: core.prepare.cdi_document) so that containerd's reading of it is tested
+    writes each DRA claim's spec: core.dra.prepare.cdi_document) so that containerd's reading of it is tested
     too, with a bind mount; and the daemon naming GPUs by CDI alone."""
     shared = cluster.state / "cdi-shared"
     shared.mkdir(exist_ok=True)

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpushared import contract
-from gpushared.core.ledger import holding_from_pod
+from gpushared.core.shared.ledger import holding_from_pod
 from tests.e2e import demo, host
 from tests.e2e.cluster import GPU_SIZES_MIB, NODE, ROOT, LocalCluster, wait_for
 from tests.e2e.kube import Kube, gpu_pod

@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from gpushared.contract import dra
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.shared.quantity import parse_whole_quantity
 from tests.e2e.cluster import NODE, ROOT, LocalCluster, cached_version, wait_for
 from tests.e2e.kube import PRINT_ENV, Kube
 from tests.e2e.versions import Version, serves_dra

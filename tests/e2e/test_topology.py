@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 
 from gpushared import contract
-from gpushared.core.topology import LinkKind, set_score, topology_of
+from gpushared.core.shared.topology import LinkKind, set_score, topology_of
 from tests.e2e.cluster import GPU_SIZES_MIB, LocalCluster, wait_for
 from tests.e2e.kube import Kube, gpu_pod
 from tests.fakes.topologies import layout

@@ -1,7 +1,7 @@
 """The fake API server's side of DRA (``resource.k8s.io/v1``): what kube-apiserver checks on a ResourceSlice,
 and what kube-scheduler writes into a ResourceClaim when it allocates one.
 
-The allocator is the scheduler's consumable-capacity arithmetic (``core.capacity``) over the slices in the
+The allocator is the scheduler's consumable-capacity arithmetic (``core.dra.capacity``) over the slices in the
 store: for each request of a claim, the first devices of a node's slices (newest pool generation) that match
 the request's class's driver and fit beside every allocated claim; ``status.allocation`` then names them
 with ``consumedCapacity`` and a ``shareID``, as the scheduler writes it. Enough for the node daemon's side of
@@ -16,8 +16,8 @@ import uuid
 from typing import Any
 
 from gpushared.contract import ContractError
-from gpushared.core.capacity import fits, model_device
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.dra.capacity import fits, model_device
+from gpushared.core.shared.quantity import parse_whole_quantity
 
 _LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpushared.core.topology import LinkKind, Topology
+from gpushared.core.shared.topology import LinkKind, Topology
 from tests.fakes import topologies
 
 SOURCE = Path(__file__).with_name("nvml") / "fake_nvml.c"

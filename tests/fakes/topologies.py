@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from gpushared.contract import GpuInventory
-from gpushared.core.topology import link_words
+from gpushared.core.shared.topology import link_words
 from gpushared.replay.layouts import DGX1, DGX_A100, LAYOUTS, PCIE_2_SOCKET, UNKNOWN, layout, parse
 from tests.builders import inventory
 

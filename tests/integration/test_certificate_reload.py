@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushared.core.x509 import not_after
+from gpushared.core.shared.x509 import not_after
 from tests.builders import pod
 from tests.extender_harness import Extender, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from gpushared.daemon.metrics import DCGM_LABELS
 from tests.builders import pod
 from tests.fakes.apiserver import Fault

@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from gpushared.core.tokens import read_bound_token
+from gpushared.core.node.tokens import read_bound_token
 from tests.fakes.apiserver import Fault
 from tests.harness import NODE, Daemon, wait_until
 from tests.integration.test_daemon import started

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from gpushared import contract
-from gpushared.core.ledger import Ledger, holding_from_pod
-from gpushared.core.policies import policy_named
-from gpushared.core.pricing import PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest
-from gpushared.core.topology import LinkKind, set_score, topology_of
-from gpushared.core.verdicts import judge
+from gpushared.core.placement.policies import policy_named
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import Ledger, holding_from_pod
+from gpushared.core.shared.requests import ContainerRequest, PodRequest
+from gpushared.core.shared.topology import LinkKind, set_score, topology_of
+from gpushared.core.shared.verdicts import judge
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.topologies import LAYOUTS, layout
 from tests.harness import GPU_MEM, Daemon, wait_until

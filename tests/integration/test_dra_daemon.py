@@ -375,7 +375,9 @@ def test_a_damaged_checkpoint_record_is_set_aside_with_an_event_and_the_daemon_s
         message="the node's Event",
     )
     assert record.with_name(record.name + ".unreadable").exists()
-    assert [c["name"] for c in daemon.status()["claims"]] == ["kept"]
+    # the driver posts the Event while it starts, a moment before the daemon's status shows its claims
+    claims = wait_until(lambda: daemon.status()["claims"], message="the driver's claims in the status")
+    assert [c["name"] for c in claims] == ["kept"]
     assert cdi_spec(daemon, broken.uid), "its pod's containers may still need the spec"
 
 

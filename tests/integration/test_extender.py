@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from tests.builders import GPU_COUNT, GPU_MEM, admission_review, container, on_gpus, pod
 from tests.extender_harness import Extender, gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer, Fault

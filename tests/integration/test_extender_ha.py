@@ -11,7 +11,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import MemoryUnit
-from gpushared.core.ledger import Ledger, holding_from_pod
+from gpushared.core.shared.ledger import Ledger, holding_from_pod
 from tests.builders import pod
 from tests.extender_harness import Extender, gpu_node, lease_holder
 from tests.fakes.apiserver import FakeApiServer

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
-from gpushared.core.slices import slice_body, slice_devices
+from gpushared.core.dra.slices import slice_body, slice_devices
 from gpushared.kube.errors import KubeError
 from gpushared.kube.resources import ResourceApi
 from tests.fakes.apiserver import FakeApiServer

@@ -12,7 +12,7 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from gpushared.core.topology import Topology
+from gpushared.core.shared.topology import Topology
 from gpushared.nvml.backend import NvmlBackend
 from tests.fakes.nvml import FakeNvml
 from tests.fakes.topologies import LAYOUTS, layout

@@ -15,9 +15,9 @@ import yaml
 
 from gpushared import contract
 from gpushared.contract import dra
-from gpushared.core.binding import bind_annotations
-from gpushared.core.mixbook import MAX_EXPECTED_KINDS
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.mixbook import MAX_EXPECTED_KINDS
+from gpushared.core.shared.requests import pod_request
 from tests.builders import inventory, on_gpus, pod
 from tests.extender_harness import gpu_node, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer

@@ -17,12 +17,12 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit, dra
-from gpushared.core.binding import bind_annotations
-from gpushared.core.claims import ClaimRef
-from gpushared.core.exposure import ExposurePolicy
-from gpushared.core.memory import Enforcement, MemoryPolicy
-from gpushared.core.prepare import DraNode, PreparedClaim, decide
-from gpushared.core.requests import pod_request
+from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.prepare import DraNode, PreparedClaim, decide
+from gpushared.core.node.exposure import ExposurePolicy
+from gpushared.core.node.memory import Enforcement, MemoryPolicy
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from gpushared.daemon.compute import EVENT_COMPUTE_OVER_LIMIT, ComputeWatcher
 from gpushared.daemon.memory import EVENT_OVER_LIMIT, ClaimsView, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics

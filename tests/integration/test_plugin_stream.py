@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from gpushared.core.devices import Device
+from gpushared.core.node.devices import Device
 from gpushared.deviceplugin import server as plugin_server
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc

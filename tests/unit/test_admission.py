@@ -1,4 +1,4 @@
-"""Which scheduler a new pod goes to (core/admission.py), and the AdmissionReview around it (wire.py)."""
+"""Which scheduler a new pod goes to (core/placement/admission.py), and the AdmissionReview around it (wire.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from gpushared.contract import DEFAULT_RESOURCES, ResourceNames
-from gpushared.core.admission import GPUSHARED_SCHEDULER, asks_for_gpu, scheduler_route
+from gpushared.core.placement.admission import GPUSHARED_SCHEDULER, asks_for_gpu, scheduler_route
 from gpushared.extender.http import wire
 from tests.builders import GPU_COUNT, GPU_MEM, admission_review, container, pod
 

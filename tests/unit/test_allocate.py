@@ -1,7 +1,7 @@
 """The daemon's Allocate as a table: the node's pods, the kubelet's call, and what the container gets or why not.
 
 Each row runs what the manager runs between gathering and answering — the handshake names the container
-(``core.handshake``), ``core.allocate.decide`` answers for it — over plain data. Every refusal of
+(``core.node.handshake``), ``core.node.allocate.decide`` answers for it — over plain data. Every refusal of
 docs/design.md §7 is a row here; the two that depend on I/O (the API server or PodResources unreachable)
 are rows of the second table, through ``daemon.candidates`` with fakes that fail.
 """
@@ -20,13 +20,13 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, GpuInventory, MemoryUnit
-from gpushared.core.allocate import ContainerAllocation, MpsDaemon, NodeFacts, Refusal, decide, preferred_devices
-from gpushared.core.binding import bind_annotations
-from gpushared.core.exposure import CDI_KIND, ExposurePolicy, Strategy
-from gpushared.core.handshake import Unidentified, candidate, identify
-from gpushared.core.ledger import Ledger, holding_from_pod
-from gpushared.core.requests import pod_request
-from gpushared.core.verdicts import MAX_MPS_CLIENTS
+from gpushared.core.node.allocate import ContainerAllocation, MpsDaemon, NodeFacts, Refusal, decide, preferred_devices
+from gpushared.core.node.exposure import CDI_KIND, ExposurePolicy, Strategy
+from gpushared.core.node.handshake import Unidentified, candidate, identify
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.ledger import Ledger, holding_from_pod
+from gpushared.core.shared.requests import pod_request
+from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon.candidates import Candidates
 from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import KubeError, NotFound

@@ -14,14 +14,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.ledger import GpuVerdict, Ledger
-from gpushared.core.policies import BINPACK, Policy
-from gpushared.core.pricing import NodeCpu, PricingContext
-from gpushared.core.requests import pod_request
-from gpushared.core.reservations import LANDING_SECONDS, ghost_uid
-from gpushared.core.verdicts import judge, no_room
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.policies import BINPACK, Policy
+from gpushared.core.placement.pricing import NodeCpu, PricingContext
+from gpushared.core.placement.reservations import LANDING_SECONDS, ghost_uid
+from gpushared.core.shared.ledger import GpuVerdict, Ledger
+from gpushared.core.shared.requests import pod_request
+from gpushared.core.shared.verdicts import judge, no_room
 from gpushared.extender import index as index_module
 from gpushared.extender.cache import ClusterCache, Rejected
 from gpushared.extender.index import STALE, Rooms

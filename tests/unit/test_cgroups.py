@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpushared.core.cgroups import CgroupOwner, container_id_of, owner_of
+from gpushared.core.node.cgroups import CgroupOwner, container_id_of, owner_of
 
 UID = "3f2a9c1e-7b4d-4e8f-9a0b-1c2d3e4f5a6b"
 SYSTEMD_UID = UID.replace("-", "_")

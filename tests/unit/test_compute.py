@@ -8,10 +8,10 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import ComputeShare, ContractError, GpuInfo, GpuInventory, MemoryUnit
-from gpushared.core.binding import bind_annotations, holding_for
-from gpushared.core.ledger import Ledger, holding_from_pod
-from gpushared.core.requests import pod_request
-from gpushared.core.verdicts import explain, judge
+from gpushared.core.placement.binding import bind_annotations, holding_for
+from gpushared.core.shared.ledger import Ledger, holding_from_pod
+from gpushared.core.shared.requests import pod_request
+from gpushared.core.shared.verdicts import explain, judge
 from tests.builders import pod
 
 REQUEST, LIMIT = contract.POD_COMPUTE_REQUEST, contract.POD_COMPUTE_LIMIT
@@ -124,8 +124,8 @@ def test_compute_of_a_pod_on_no_known_gpu_is_taken_from_every_gpu() -> None:
 
 
 def test_inspect_shows_each_pods_compute_request_and_each_gpus_sum() -> None:
-    from gpushared.core.ledger import Holding
-    from gpushared.core.report import node_report
+    from gpushared.core.placement.report import node_report
+    from gpushared.core.shared.ledger import Holding
     from gpushared.inspect.view import render_details
 
     holdings = [
@@ -150,8 +150,8 @@ def test_inspect_shows_each_pods_compute_request_and_each_gpus_sum() -> None:
 
 
 def test_decide_compute_sums_per_container_and_reports_beyond_the_tolerance() -> None:
-    from gpushared.core.compute import TOLERANCE, decide_compute
-    from gpushared.core.memory import ContainerRef
+    from gpushared.core.node.compute import TOLERANCE, decide_compute
+    from gpushared.core.node.memory import ContainerRef
 
     a, b = ContainerRef("ua", "d", "a", "c0"), ContainerRef("ub", "d", "b", "c0")
     samples = [(0, a, 30), (0, a, 15), (0, b, 80), (0, b, 60), (1, a, 10), (0, None, 99)]
@@ -173,9 +173,9 @@ def test_fgd_counts_memory_stranded_by_taken_compute_as_fragment() -> None:
     """fgd's second dimension: a GPU whose compute is all but taken strands its free memory, as a node
     whose CPU is taken strands its GPUs'. A small pod goes where its memory would be stranded anyway, and
     a ledger without compute prices memory alone, as before compute shares."""
-    from gpushared.core.fragmentation import RequestMix
-    from gpushared.core.policies import FGD
-    from gpushared.core.pricing import PricingContext
+    from gpushared.core.placement.fragmentation import RequestMix
+    from gpushared.core.placement.policies import FGD
+    from gpushared.core.placement.pricing import PricingContext
 
     mix = RequestMix([(1000, 4, 1)] * 10)  # the pods seen: 4 GiB on one GPU
     ledger = Ledger.build(INVENTORY)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from gpushared.contract import MemoryUnit
-from gpushared.core.exposure import ExposurePolicy, Strategy
+from gpushared.core.node.exposure import ExposurePolicy, Strategy
 from gpushared.daemon.config import DEFAULT_IGNORED_XIDS, ConfigError, load
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushared.core.allocate import thread_percentage
+from gpushared.core.node.allocate import thread_percentage
 from gpushared.mps import control as mps_control
 from gpushared.mps.control import GpuDirs, MpsControl, MpsError
 

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 import yaml
 
-from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import policy_named
-from gpushared.core.pricing import PricingContext
-from gpushared.core.requests import pod_request
-from gpushared.core.verdicts import fitting
+from gpushared.core.placement.policies import policy_named
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import Holding, Ledger
+from gpushared.core.shared.requests import pod_request
+from gpushared.core.shared.verdicts import fitting
 from tests.builders import inventory
 from tests.e2e.cluster import GPU_SIZES_MIB
 

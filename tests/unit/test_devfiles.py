@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpushared.core.exposure import DeviceFile, ExposurePolicy
+from gpushared.core.node.exposure import DeviceFile, ExposurePolicy
 from gpushared.daemon.devfiles import CharLinks, present_devices
 
 needs_mknod = pytest.mark.skipif(os.geteuid() != 0, reason="making character devices needs root")

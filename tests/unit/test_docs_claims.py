@@ -13,8 +13,8 @@ import pytest
 
 from gpushared.cli import extender as extender_cli
 from gpushared.contract import dra
-from gpushared.core import mixbook, policies, reservations
-from gpushared.core.verdicts import MAX_MPS_CLIENTS
+from gpushared.core.placement import mixbook, policies, reservations
+from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon import candidates, endpoints, service
 from gpushared.daemon.config import OPTIONS
 from gpushared.extender import app, inbox, priming, state, tasks

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.allocate import NodeFacts
-from gpushared.core.claims import ClaimRef
-from gpushared.core.ledger import Ledger
-from gpushared.core.prepare import PreparedClaim, decide
+from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.prepare import PreparedClaim, decide
+from gpushared.core.node.allocate import NodeFacts
+from gpushared.core.shared.ledger import Ledger
 from gpushared.daemon import dra as dra_module
 from gpushared.daemon.dra import DraDriver
 from gpushared.daemon.drabook import CDI_PREFIX, MAX_RECORD_BYTES, ClaimBook, DriverLock
@@ -161,7 +161,7 @@ def test_a_damaged_single_file_checkpoint_is_set_aside(tmp_path: Path, damage: A
 
 
 def test_the_single_file_checkpoint_is_split_into_records_once(tmp_path: Path) -> None:
-    from gpushared.core.checkpoint import format_checkpoint
+    from gpushared.core.dra.checkpoint import format_checkpoint
 
     claims = [prepared(ref("a")), prepared(ref("b"), "2Gi", G1)]
     (tmp_path / "checkpoint.json").write_text(format_checkpoint(claims))

@@ -1,4 +1,4 @@
-"""The scheduler's consumable-capacity arithmetic (core.capacity), and what the driver publishes checked
+"""The scheduler's consumable-capacity arithmetic (core.dra.capacity), and what the driver publishes checked
 through it: for every sequence of claims, the slices never let a GPU be allocated past what it holds, and
 the driver prepares every allocation the scheduler could make (tests of issue #44)."""
 
@@ -11,11 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, dra
-from gpushared.core.capacity import Capacity, ModelDevice, RequestPolicy, consumed, fits, model_device
-from gpushared.core.claims import ClaimRef
-from gpushared.core.exposure import ExposurePolicy
-from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
-from gpushared.core.slices import format_bytes, slice_devices
+from gpushared.core.dra.capacity import Capacity, ModelDevice, RequestPolicy, consumed, fits, model_device
+from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
+from gpushared.core.dra.slices import format_bytes, slice_devices
+from gpushared.core.node.exposure import ExposurePolicy
 
 GI = 2**30
 #: the GPUs named by variable only: these tests are about amounts, not device files

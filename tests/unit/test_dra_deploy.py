@@ -13,9 +13,9 @@ import yaml
 from celpy import celtypes
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, dra, parse_int
-from gpushared.core.capacity import fits, model_device
-from gpushared.core.quantity import parse_whole_quantity
-from gpushared.core.slices import slice_devices
+from gpushared.core.dra.capacity import fits, model_device
+from gpushared.core.dra.slices import slice_devices
+from gpushared.core.shared.quantity import parse_whole_quantity
 from tests.unit.test_admission_policies import _evaluate
 
 DRA = Path(__file__).parents[2] / "deploy" / "dra"

@@ -1,4 +1,4 @@
-"""NodePrepareResources decided (core.prepare, core.claims): one row per refusal, and what containers get
+"""NodePrepareResources decided (core.dra.prepare, core.dra.claims): one row per refusal, and what containers get
 (the CDI spec) for a fractional claim, an MPS claim and a two-GPU claim."""
 
 from __future__ import annotations
@@ -9,13 +9,14 @@ from typing import Any
 import pytest
 
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, dra
-from gpushared.core.allocate import MpsDaemon
-from gpushared.core.checkpoint import format_checkpoint, parse_checkpoint
-from gpushared.core.claims import ClaimRef, allocated_devices
-from gpushared.core.claimusers import claim_users
-from gpushared.core.exposure import ExposurePolicy, Strategy
-from gpushared.core.memory import Allowance, Enforcement, claim_allowances
-from gpushared.core.prepare import DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide
+from gpushared.core.dra.allowances import claim_allowances
+from gpushared.core.dra.checkpoint import format_checkpoint, parse_checkpoint
+from gpushared.core.dra.claims import ClaimRef, allocated_devices
+from gpushared.core.dra.claimusers import claim_users
+from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide
+from gpushared.core.node.allocate import MpsDaemon
+from gpushared.core.node.exposure import ExposurePolicy, Strategy
+from gpushared.core.node.memory import Allowance, Enforcement
 
 GPUS = (
     GpuInfo(0, "GPU-0aaa", "T4", 15, 15360, mps_capable=True),
@@ -305,7 +306,7 @@ def test_a_checkpoint_that_does_not_parse_is_an_error_not_a_crash(text: str) -> 
         parse_checkpoint(text)
 
 
-# --- what a DRA pod's containers may use (core.memory.claim_allowances) -------------------------------------
+# --- what a DRA pod's containers may use (core.dra.allowances.claim_allowances) -------------------------------------
 
 
 def dra_pod(

@@ -1,4 +1,4 @@
-"""What a DRA-mode node publishes (core.slices): devices, attributes, capacities the API server accepts, and a
+"""What a DRA-mode node publishes (core.dra.slices): devices, attributes, capacities the API server accepts, and a
 pool generation that changes exactly when the devices do."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, dra
-from gpushared.core.capacity import model_device
-from gpushared.core.slices import (
+from gpushared.core.dra.capacity import model_device
+from gpushared.core.dra.slices import (
     format_bytes,
     nvlink_domains,
     pool_generation,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpushared.core.exposure import (
+from gpushared.core.node.exposure import (
     CannotExpose,
     DeviceFile,
     ExposedGpu,

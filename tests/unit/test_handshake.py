@@ -9,9 +9,9 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
-from gpushared.core.binding import bind_annotations
-from gpushared.core.handshake import Candidate, Unidentified, candidate, identify
-from gpushared.core.requests import pod_request
+from gpushared.core.node.handshake import Candidate, Unidentified, candidate, identify
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from tests.builders import container, inventory, on_gpus, pod
 
 INV = inventory(16, 16, 8)

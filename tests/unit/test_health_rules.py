@@ -1,11 +1,11 @@
-"""GPU health rules (``core.health.judge_event``) as a table, like NVIDIA's plugin's health checks: which
+"""GPU health rules (``core.node.health.judge_event``) as a table, like NVIDIA's plugin's health checks: which
 events take a GPU out, and for how long (issue #39, defect 7)."""
 
 from __future__ import annotations
 
 import pytest
 
-from gpushared.core.health import APPLICATION_XIDS, judge_event
+from gpushared.core.node.health import APPLICATION_XIDS, judge_event
 from gpushared.daemon.health import Health
 
 IGNORED = frozenset(APPLICATION_XIDS)

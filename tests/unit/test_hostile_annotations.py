@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit
-from gpushared.core.handshake import Candidate
-from gpushared.core.ledger import Ledger, holding_from_pod, inventory_from_node
-from gpushared.core.requests import pod_request, spec_request
+from gpushared.core.node.handshake import Candidate
+from gpushared.core.shared.ledger import Ledger, holding_from_pod, inventory_from_node
+from gpushared.core.shared.requests import pod_request, spec_request
 from gpushared.daemon.accounting import EVENT_UNREADABLE, Accounting
 from gpushared.daemon.metrics import Metrics
 from gpushared.extender.state import ClusterState

@@ -100,8 +100,9 @@ def test_the_extender_is_at_most_five_floors_deep_with_no_cycle() -> None:
 
 
 def test_no_module_of_gpushared_is_in_an_import_cycle() -> None:
-    """Issue #53: ``core/ledger.py`` and ``core/verdicts.py`` imported each other (the ledger's views name a
-    verdict, for type checking only); a circle of any kind means neither can be read without the other."""
+    """Issue #53: ``core/shared/ledger.py`` and ``core/shared/verdicts.py`` imported each other (the ledger's
+    views name a verdict, for type checking only); in a circle of any kind neither can be read without the
+    other."""
     floors(imports_within("gpushared", typing=True))  # raises on a cycle
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import MemoryUnit
-from gpushared.core.ledger import (
+from gpushared.core.shared.ledger import (
     GpuMode,
     Holding,
     Ledger,
@@ -218,8 +218,8 @@ def test_a_placed_pods_compute_is_its_bind_records(
 ) -> None:
     """Defect (issue #52, item 1): the books counted the larger of the bind record and the annotation, so an
     owner who raised a bound pod's compute request from 50 to 100 had a neighbour refused."""
-    from gpushared.core.binding import bind_annotations
-    from gpushared.core.requests import pod_request
+    from gpushared.core.placement.binding import bind_annotations
+    from gpushared.core.shared.requests import pod_request
 
     body = pod("a", 2, node=node, annotations={} if asked is None else {contract.POD_COMPUTE_REQUEST: asked})
     annotations = body["metadata"]["annotations"]

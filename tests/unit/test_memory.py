@@ -8,9 +8,8 @@ from hypothesis import strategies as st
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
-from gpushared.core.binding import bind_annotations
-from gpushared.core.cgroups import CgroupOwner
-from gpushared.core.memory import (
+from gpushared.core.node.cgroups import CgroupOwner
+from gpushared.core.node.memory import (
     Allowance,
     ContainerRef,
     Enforcement,
@@ -23,7 +22,8 @@ from gpushared.core.memory import (
     owner_ref,
     pod_enforcement,
 )
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.shared.requests import pod_request
 from tests.builders import inventory, pod
 
 A = ContainerRef("uid-a", "default", "a", "main")

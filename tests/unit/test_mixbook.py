@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpushared.contract import ContractError
-from gpushared.core.mixbook import (
+from gpushared.core.placement.mixbook import (
     EXPECTED_WEIGHT,
     MAX_EXPECTED_KINDS,
     ExpectedMix,

@@ -10,14 +10,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.bodies import gpu_models, slim_pod
-from gpushared.core.fragmentation import NodeClass, NodeRoom, RequestMix, hosts, hosts_now, node_room
-from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import BINPACK, BINPACK_PRESSURE, FGD, FGD_PRESSURE, NodeRank, Policy, node_scores
-from gpushared.core.pricing import NodeCpu, PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
-from gpushared.core.verdicts import judge
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.fragmentation import NodeClass, NodeRoom, RequestMix, hosts, hosts_now, node_room
+from gpushared.core.placement.policies import (
+    BINPACK,
+    BINPACK_PRESSURE,
+    FGD,
+    FGD_PRESSURE,
+    NodeRank,
+    Policy,
+    node_scores,
+)
+from gpushared.core.placement.pricing import NodeCpu, PricingContext
+from gpushared.core.shared.bodies import gpu_models, slim_pod
+from gpushared.core.shared.ledger import Holding, Ledger
+from gpushared.core.shared.requests import ContainerRequest, PodRequest, pod_request
+from gpushared.core.shared.verdicts import judge
 from gpushared.extender.cache import ClusterCache
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from gpushared import contract
-from gpushared.core.binding import bind_annotations
-from gpushared.core.policies import BINPACK
-from gpushared.core.requests import pod_request
-from gpushared.core.reservations import Action
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.policies import BINPACK
+from gpushared.core.placement.reservations import Action
+from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected, Reservation
 from gpushared.extender.http.wire import ExtenderArgs
 from gpushared.extender.inbox import OwnershipError

@@ -11,10 +11,9 @@ from hypothesis import strategies as st
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
-from gpushared.core.binding import bind_annotations
-from gpushared.core.fragmentation import NodeClass, RequestMix
-from gpushared.core.ledger import Holding, Ledger, holding_from_pod
-from gpushared.core.policies import (
+from gpushared.core.placement.binding import bind_annotations
+from gpushared.core.placement.fragmentation import NodeClass, RequestMix
+from gpushared.core.placement.policies import (
     BALANCED,
     BINPACK,
     EQUAL_PRICE,
@@ -28,9 +27,10 @@ from gpushared.core.policies import (
     node_scores,
     policy_named,
 )
-from gpushared.core.pricing import NodeCpu, PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest, pod_request
-from gpushared.core.verdicts import explain, fitting, idle_gpu_mib, judge, most_free, no_room
+from gpushared.core.placement.pricing import NodeCpu, PricingContext
+from gpushared.core.shared.ledger import Holding, Ledger, holding_from_pod
+from gpushared.core.shared.requests import ContainerRequest, PodRequest, pod_request
+from gpushared.core.shared.verdicts import explain, fitting, idle_gpu_mib, judge, most_free, no_room
 from tests.builders import inventory, on_gpus, pod
 
 
@@ -135,7 +135,7 @@ def test_best_nodes_are_the_ones_scored_highest(keys: list[NodeRank | None]) -> 
 
 def plain_scores(keys: list[NodeRank | None]) -> list[int]:
     """node_scores' rules as written in its docstring, one step at a time: what the one-pass version in
-    core/policies.py must always agree with."""
+    core/placement/policies.py must always agree with."""
     known = [k for k in keys if k is not None]
     if not known:
         return [0] * len(keys)

@@ -1,4 +1,4 @@
-"""The request mix kept as sums (core.prefixsums) answers as its table does (issue #52, item 2): property
+"""The request mix kept as sums (core.placement.prefixsums) answers as its table does (issue #52, item 2): property
 tests against brute force and against the table, and the build's cost growing as k log k, not k²."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushared.core import fragmentation
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.prefixsums import PrefixSums
+from gpushared.core.placement import fragmentation
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.prefixsums import PrefixSums
 
 items = st.lists(st.tuples(st.integers(0, 40), st.integers(1, 40), st.floats(0, 100, allow_nan=False)), max_size=60)
 

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 from gpushared import contract
-from gpushared.core.ledger import GpuVerdict
-from gpushared.core.policies import Policy, policy_named
-from gpushared.core.pricing import PricingContext
+from gpushared.core.placement.policies import Policy, policy_named
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import GpuVerdict
 from gpushared.extender import scheduler as scheduler_module
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import ExtenderArgs

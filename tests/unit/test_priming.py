@@ -12,9 +12,9 @@ from typing import Any, cast
 import pytest
 
 from gpushared import contract
-from gpushared.core.bodies import awaits_node
-from gpushared.core.policies import BINPACK, Policy
-from gpushared.core.requests import pod_request
+from gpushared.core.placement.policies import BINPACK, Policy
+from gpushared.core.shared.bodies import awaits_node
+from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.priming import BURST_SECONDS, SHARE, STALE_SECONDS, Primer, pacing
 from gpushared.extender.scheduler import Scheduler

@@ -17,15 +17,15 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
-from gpushared.core.binding import bind_annotations, holding_for
-from gpushared.core.bodies import slim_pod
-from gpushared.core.cpu import cpu_request
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.ledger import GpuMode, Ledger, holding_from_pod
-from gpushared.core.policies import POLICIES
-from gpushared.core.pricing import NodeCpu, PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
-from gpushared.core.verdicts import fitting, judge, most_free
+from gpushared.core.placement.binding import bind_annotations, holding_for
+from gpushared.core.placement.cpu import cpu_request
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.policies import POLICIES
+from gpushared.core.placement.pricing import NodeCpu, PricingContext
+from gpushared.core.shared.bodies import slim_pod
+from gpushared.core.shared.ledger import GpuMode, Ledger, holding_from_pod
+from gpushared.core.shared.requests import ContainerRequest, PodRequest, peak, pod_request
+from gpushared.core.shared.verdicts import fitting, judge, most_free
 from tests.builders import GPU_MEM, on_gpus, pod
 
 EXAMPLES = 300

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.mixbook import ExpectedMix
-from gpushared.core.policies import BINPACK, FGD
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.mixbook import ExpectedMix
+from gpushared.core.placement.policies import BINPACK, FGD
 from gpushared.replay.cluster import SimCluster
 from gpushared.replay.run import oracle_mix, replay, trace_kinds, tuned
 from gpushared.replay.trace import GPU_MIB, TraceNode, TracePod, read_nodes, read_pods
@@ -132,7 +132,7 @@ def test_fgd_keeps_cpu_beside_free_gpu_memory_where_binpack_cannot_tell() -> Non
 
 def test_the_counted_mix_knows_no_task_before_it_is_placed() -> None:
     """Issue #41: the causal replay's mix at every step holds only tasks placed before it, counted as the
-    extender's cache counts bound pods (``core.mixbook``), taken again every ROOMS_STEP of the capacity.
+    extender's cache counts bound pods (``core.placement.mixbook``), taken again every ROOMS_STEP of the capacity.
     Each task here is a kind of its own (its CPU), so any kind in the mix that no placed task has is a
     task from the future. The oracle mix, given from outside, fails the same check at the first step."""
     workload = [task(250 + 50 * (i % 10), cpu=1000 + i) for i in range(40)]

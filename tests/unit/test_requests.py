@@ -6,9 +6,9 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.cpu import allocatable_cpu, cpu_request
-from gpushared.core.quantity import parse_milli_quantity, parse_whole_quantity
-from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request
+from gpushared.core.placement.cpu import allocatable_cpu, cpu_request
+from gpushared.core.shared.quantity import parse_milli_quantity, parse_whole_quantity
+from gpushared.core.shared.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM, container, on_gpus, pod
 
 

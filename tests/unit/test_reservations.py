@@ -8,10 +8,9 @@ from typing import Any
 import pytest
 
 from gpushared import contract
-from gpushared.core import reservations
-from gpushared.core.policies import BINPACK
-from gpushared.core.requests import pod_request
-from gpushared.core.reservations import (
+from gpushared.core.placement import reservations
+from gpushared.core.placement.policies import BINPACK
+from gpushared.core.placement.reservations import (
     CONFIRM_SECONDS,
     LANDING_SECONDS,
     Action,
@@ -20,6 +19,7 @@ from gpushared.core.reservations import (
     ghost_uid,
     settle,
 )
+from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache, Rejected
 from tests.builders import inventory, pod
 from tests.extender_harness import gpu_node

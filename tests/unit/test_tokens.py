@@ -1,4 +1,4 @@
-"""core.tokens: which tokens are bound ServiceAccount tokens, and when the next one is asked for."""
+"""core.node.tokens: which tokens are bound ServiceAccount tokens, and when the next one is asked for."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.tokens import RENEW_AFTER_SECONDS, BoundToken, read_bound_token
+from gpushared.core.node.tokens import RENEW_AFTER_SECONDS, BoundToken, read_bound_token
 
 
 def jwt(claims: Any, *, parts: int = 3) -> str:

@@ -1,4 +1,4 @@
-"""Which N GPUs a container on N GPUs gets (core/topology.py), on the shipped layouts of real machines."""
+"""Which N GPUs a container on N GPUs gets (core/shared/topology.py), on the shipped layouts of real machines."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from hypothesis import strategies as st
 
 from gpushared import contract
 from gpushared.contract import GpuInventory, MemoryUnit
-from gpushared.core.ledger import Holding, Ledger
-from gpushared.core.policies import BINPACK, POLICIES, node_scores, policy_named
-from gpushared.core.pricing import PricingContext
-from gpushared.core.requests import ContainerRequest, PodRequest
-from gpushared.core.topology import (
+from gpushared.core.placement.policies import BINPACK, POLICIES, node_scores, policy_named
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import Holding, Ledger
+from gpushared.core.shared.requests import ContainerRequest, PodRequest
+from gpushared.core.shared.topology import (
     EXHAUSTIVE_LIMIT,
     Link,
     LinkKind,
@@ -26,7 +26,7 @@ from gpushared.core.topology import (
     set_score,
     topology_of,
 )
-from gpushared.core.verdicts import judge
+from gpushared.core.shared.verdicts import judge
 from tests.builders import inventory
 from tests.fakes.topologies import LAYOUTS, layout, layout_inventory
 

@@ -108,8 +108,8 @@ def test_the_extender_keeps_its_ledger_when_only_use_changed() -> None:
 
 
 def test_inspect_details_show_use_beside_allocation() -> None:
-    from gpushared.core.ledger import Holding
-    from gpushared.core.report import node_report
+    from gpushared.core.placement.report import node_report
+    from gpushared.core.shared.ledger import Holding
     from gpushared.inspect.view import render_details
 
     used = GpuInventory(unit=INV.unit, gpus=(dataclasses.replace(INV.gpus[0], used_mib=5120), INV.gpus[1]))

@@ -1,4 +1,4 @@
-"""core.x509: when a certificate expires, read from the certificate, as openssl reads it; anything else
+"""core.shared.x509: when a certificate expires, read from the certificate, as openssl reads it; anything else
 is a CertificateError naming where the reader stopped, never another exception."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpushared.core.x509 import CertificateError, not_after, pem_certificates, validity
+from gpushared.core.shared.x509 import CertificateError, not_after, pem_certificates, validity
 
 
 def make(tmp_path: Path, *args: str) -> bytes:

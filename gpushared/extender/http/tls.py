@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prometheus_client import Gauge
 
-from gpushared.core.x509 import CertificateError, not_after
+from gpushared.core.shared.x509 import CertificateError, not_after
 from gpushared.extender.http.config import ServerConfig
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import orjson
 
-from gpushared.core.bodies import NodeBody, PodBody, meta_of, pod_shape_problem
+from gpushared.core.shared.bodies import NodeBody, PodBody, meta_of, pod_shape_problem
 
 #: The most candidate nodes one request may name. kube-scheduler sends at most every node of the cluster
 #: (Kubernetes is tested to 5,000; some managed clusters run 15,000); more only holds the event loop.
@@ -140,7 +140,7 @@ def binding_result(error: str = "") -> dict[str, Any]:
     return {"Error": error}
 
 
-# --- the mutating admission webhook (core/admission.py decides) -------------------------------------------
+# --- the mutating admission webhook (core/placement/admission.py decides) -------------------------------------------
 
 #: The AdmissionReview versions the API server may send (``admissionReviewVersions``); the answer is in the
 #: version asked. 1.16+ send v1; v1beta1 is kept for configurations that still list it first.

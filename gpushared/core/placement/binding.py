@@ -1,7 +1,7 @@
 """The bind record: what a bind writes on the pod to say where its GPU memory is.
 
 The extender writes it in the Binding's annotations (docs/design.md §3, §6); the daemon, inspect and every
-ledger read it back through ``core.ledger.holding_from_pod``.
+ledger read it back through ``core.shared.ledger.holding_from_pod``.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from collections.abc import Collection, Sequence
 
 from gpushared import contract
 from gpushared.contract import Allocation, ContainerShares, GpuInfo, GpuShare
-from gpushared.core.ledger import Holding
-from gpushared.core.requests import PodRequest
+from gpushared.core.shared.ledger import Holding
+from gpushared.core.shared.requests import PodRequest
 
 
 def allocation_for(request: PodRequest, gpus: Sequence[GpuInfo], *, unit: contract.MemoryUnit) -> Allocation:

@@ -30,7 +30,7 @@ from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from gpushared.contract import GpuInventory
-from gpushared.core.prefixsums import PrefixSums
+from gpushared.core.placement.prefixsums import PrefixSums
 
 #: A kind of pod: (milli-CPU requested, GPU memory units on each of its GPUs, GPUs); (CPU, 0, 0) for a pod
 #: that uses no GPU.
@@ -40,7 +40,7 @@ Kind = tuple[int, int, int]
 ModelKind = tuple[int, int, int, frozenset[str] | None]
 #: Pods of each kind, with or without models (weighed counts may be fractions).
 Counts = Mapping[Kind, float] | Mapping[ModelKind, float] | Mapping[Kind | ModelKind, float]
-#: Past this many CPU rows times sizes, one-GPU kinds are kept as sums (``core.prefixsums``), not as a
+#: Past this many CPU rows times sizes, one-GPU kinds are kept as sums (``core.placement.prefixsums``), not as a
 #: table: a few hundred kinds (the Alibaba trace's 400) stay within it, and so compute exactly as before.
 TABLE_CELLS = 1 << 16
 #: Past this many (size, GPUs) groups of kinds on several GPUs, they are kept as sums too: each node's

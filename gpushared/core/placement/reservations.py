@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gpushared.core.bodies import PodBody, meta_of, node_of, uid_of
+from gpushared.core.shared.bodies import PodBody, meta_of, node_of, uid_of
 
 #: A bind the watch has not shown bound after this long is read back from the API server.
 CONFIRM_SECONDS = 5.0

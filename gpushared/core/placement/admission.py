@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import ResourceNames
-from gpushared.core.bodies import PodBody
+from gpushared.core.shared.bodies import PodBody
 
 #: What the API server writes into ``spec.schedulerName`` when a pod names none.
 DEFAULT_SCHEDULER = "default-scheduler"

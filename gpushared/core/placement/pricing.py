@@ -1,4 +1,4 @@
-"""What a policy may weigh beside the GPU it prices (``core.policies``): the node's pricing context.
+"""What a policy may weigh beside the GPU it prices (``core.placement.policies``): the node's pricing context.
 
 The request mix as the node sees it, the free memory of its healthy GPUs (and, where pods hold compute,
 how much of it their compute leaves usable), the node's CPU and the pod's; worked out on first use and,
@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from gpushared.core.fragmentation import RequestMix, node_class
-from gpushared.core.ledger import GpuVerdict, Ledger
-from gpushared.core.verdicts import by_free
+from gpushared.core.placement.fragmentation import RequestMix, node_class
+from gpushared.core.shared.ledger import GpuVerdict, Ledger
+from gpushared.core.shared.verdicts import by_free
 
 
 @dataclass(frozen=True)

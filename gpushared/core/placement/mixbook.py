@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from typing import Final
 
 from gpushared.contract import ContractError
-from gpushared.core.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix
-from gpushared.core.ledger import Holding
+from gpushared.core.placement.fragmentation import ModelKind, NodeClass, NodeRoom, RequestMix
+from gpushared.core.shared.ledger import Holding
 
 #: How many pods an expected mix counts as, unless its file says: beside it, the pods seen take over once
 #: there are some thousands of them. Chosen by scripts/tune_placement.py on its tuning set (docs/benchmarks.md).

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, dra
-from gpushared.core.ledger import Holding
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.shared.ledger import Holding
+from gpushared.core.shared.quantity import parse_whole_quantity
 
 
 @dataclass(frozen=True, order=True)

@@ -2,7 +2,7 @@
 
 Every caller goes through :func:`judge` (or a function a property test holds to it: :func:`fitting`,
 :func:`most_free`), so the extender's filter reasons, its bind and the trace replay cannot disagree about
-what fits. A policy (``core.policies``) only prices the GPUs that fit.
+what fits. A policy (``core.placement.policies``) only prices the GPUs that fit.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Final
 
 from gpushared import contract
 from gpushared.contract import GpuInfo
-from gpushared.core.ledger import GpuMode, GpuVerdict, Ledger
-from gpushared.core.requests import PodRequest
+from gpushared.core.shared.ledger import GpuMode, GpuVerdict, Ledger
+from gpushared.core.shared.requests import PodRequest
 
 #: Clients one MPS server takes on SM 7.0+ (16 before Volta). Each CUDA process is one client.
 MAX_MPS_CLIENTS: Final = 48

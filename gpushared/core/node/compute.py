@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from gpushared.core.memory import ContainerRef
+from gpushared.core.node.memory import ContainerRef
 
 #: Percentage points above its limit a container may be measured at before it is reported: NVML's samples
 #: are short windows, and a kernel launched at the edge of one reads high.

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, annotations_of, qualified_name
-from gpushared.core.ledger import holds_gpu_memory
-from gpushared.core.requests import PodRequest, pod_request
+from gpushared.core.shared.bodies import PodBody, annotations_of, qualified_name
+from gpushared.core.shared.ledger import holds_gpu_memory
+from gpushared.core.shared.requests import PodRequest, pod_request
 
 
 @dataclass(frozen=True)

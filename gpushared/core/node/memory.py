@@ -1,7 +1,7 @@
 """What the daemon does about containers that use more GPU memory than their pods asked for.
 
 The daemon polls NVML for every GPU's processes and their memory, and attributes each process to its pod and
-container (``core.cgroups``). This module decides, from one such reading, what each container uses beside
+container (``core.node.cgroups``). This module decides, from one such reading, what each container uses beside
 what it was allocated, and what to do: per pod, the node's enforcement (config ``memoryEnforcement``) made
 stricter, never looser, by the pod's ``gpushared.io/memory-enforcement`` annotation:
 
@@ -25,19 +25,17 @@ caller passes the time and the episodes it kept from the last decision.
 from __future__ import annotations
 
 import enum
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpushared import contract
 from gpushared.contract import ContractError, MemoryUnit, ResourceNames
-from gpushared.core.bodies import PodBody, annotations_of, key_of, uid_of
-from gpushared.core.cgroups import CgroupOwner, container_id_of
-from gpushared.core.claimusers import ClaimUse, claim_users, container_claims, sharers, uses_request
-from gpushared.core.devices import gpu_of
-from gpushared.core.handshake import slots_of
-from gpushared.core.prepare import PreparedClaim
-from gpushared.core.requests import pod_request
+from gpushared.core.node.cgroups import CgroupOwner, container_id_of
+from gpushared.core.node.devices import gpu_of
+from gpushared.core.node.handshake import slots_of
+from gpushared.core.shared.bodies import PodBody, annotations_of, key_of, uid_of
+from gpushared.core.shared.requests import pod_request
 
 
 class Enforcement(enum.IntEnum):
@@ -273,7 +271,7 @@ def allowances_of(
 ) -> dict[tuple[str, str], Allowance]:
     """What each container of ``pod`` may use on each GPU, keyed by (pod UID, container name).
 
-    From the pod's recorded GPU choice (``core.handshake.slots_of``: our allocation annotation, or Aliyun's
+    From the pod's recorded GPU choice (``core.node.handshake.slots_of``: our allocation annotation, or Aliyun's
     index): a container's share on each of its GPUs. A container that asks for no GPU memory may use none.
     Where the choice cannot be read, each container may use what it asks for on any of the node's ``gpus``:
     the daemon never acts on a pod by a record it cannot read."""
@@ -345,38 +343,3 @@ def owner_ref(owner: CgroupOwner | None, pods: Mapping[str, PodBody]) -> Contain
             namespace, name = key_of(pod)
             return ContainerRef(owner.pod_uid, namespace, name, container.get("name", ""))
     return None
-
-
-def claim_allowances(
-    pod: PodBody,
-    claims: Mapping[tuple[str, str], PreparedClaim],
-    *,
-    node: Enforcement,
-    users: Counter[ClaimUse] | None = None,
-) -> dict[tuple[str, str], Allowance]:
-    """What each container of a DRA pod may use, from the claims prepared on the node (``claims``: by
-    namespace and name). A container names the pod's claims it uses (``resources.claims``, optionally one
-    request of each); the pod maps each to a ResourceClaim (``core.claimusers``). The containers that share
-    a claim share its memory: each may use its part, the claim's memory on each GPU over the containers
-    that use it, counted when it was prepared or now among ``users`` (the containers of the node's pods),
-    whichever is more (a pod that joins a claim later is never prepared again)."""
-    uid = uid_of(pod)
-    enforcement = pod_enforcement(node, annotations_of(pod).get(contract.POD_MEMORY_ENFORCEMENT))
-    counted = users if users is not None else claim_users([pod])
-    allowances: dict[tuple[str, str], Allowance] = {}
-    for container, _, uses in container_claims(pod):
-        allocated: dict[int, int] = defaultdict(int)
-        mps = False
-        for use in uses:
-            claim = claims.get(use[:2])
-            if claim is None:
-                continue
-            for device in claim.devices:
-                if not uses_request(use, device.request):
-                    continue
-                parts = max(device.sharers, sharers(counted, use[0], use[1], device.request))
-                allocated[device.index] += device.memory_mib // parts
-                mps = mps or device.mps
-        if allocated:
-            allowances[(uid, str(container.get("name", "")))] = Allowance(dict(allocated), enforcement, mps)
-    return allowances

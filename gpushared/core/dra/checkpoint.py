@@ -14,10 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from gpushared.contract import ContractError, dra
-from gpushared.core.allocate import Mount
-from gpushared.core.claims import ClaimRef
-from gpushared.core.exposure import DeviceFile
-from gpushared.core.prepare import CdiDevice, PreparedClaim, PreparedDevice
+from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.prepare import CdiDevice, PreparedClaim, PreparedDevice
+from gpushared.core.node.allocate import Mount
+from gpushared.core.node.exposure import DeviceFile
 
 VERSION: Final = 1
 KEY: Final = "DRA checkpoint"

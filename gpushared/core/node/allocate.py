@@ -1,8 +1,8 @@
 """The daemon's answer to one Allocate call, decided from what the node knows at that moment.
 
-The handshake (``core.handshake``) names the container the kubelet asks for; ``decide`` checks that the
+The handshake (``core.node.handshake``) names the container the kubelet asks for; ``decide`` checks that the
 node can still give it the GPU its annotations name and says what the container gets: the Aliyun env, the
-GPU in the form the node's runtime reads (``core.exposure``), and for an MPS pod its daemon's pipe, thread
+GPU in the form the node's runtime reads (``core.node.exposure``), and for an MPS pod its daemon's pipe, thread
 share and memory ceiling. It is a pure function over gathered facts, so every refusal in docs/design.md §7
 is one row of a table test (tests/unit/test_allocate.py), the way NVIDIA's plugin tests its Allocate.
 The daemon's manager gathers the facts (the pod, the ledger, the daemons that answer, the device files
@@ -19,12 +19,12 @@ from typing import Final
 
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory
-from gpushared.core.bodies import PodBody, annotations_of, uid_of
-from gpushared.core.devices import gpu_of, natural
-from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
-from gpushared.core.handshake import Candidate, Slot
-from gpushared.core.ledger import Ledger, recorded_compute
-from gpushared.core.verdicts import MAX_MPS_CLIENTS
+from gpushared.core.node.devices import gpu_of, natural
+from gpushared.core.node.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
+from gpushared.core.node.handshake import Candidate, Slot
+from gpushared.core.shared.bodies import PodBody, annotations_of, uid_of
+from gpushared.core.shared.ledger import Ledger, recorded_compute
+from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 
 #: Where an MPS client container finds its GPU's control daemon: the pipe directory is mounted here, at MPS's
 #: own default, so a client whose env was cleared still reaches the daemon instead of running without limits.
@@ -45,7 +45,7 @@ class ContainerAllocation:
     envs: dict[str, str]
     mounts: Sequence[Mount] = field(default_factory=tuple)
     annotations: dict[str, str] = field(default_factory=dict)
-    #: device files the runtime creates in the container (core.exposure decides which)
+    #: device files the runtime creates in the container (core.node.exposure decides which)
     devices: Sequence[DeviceFile] = field(default_factory=tuple)
     #: fully qualified CDI device names; kubelets before 1.28 do not know the field and drop it.
     cdi_devices: Sequence[str] = field(default_factory=tuple)
@@ -78,7 +78,7 @@ class NodeFacts:
     exposure: ExposurePolicy = field(default_factory=ExposurePolicy)
     #: GPU UUID -> the minor number of its /dev/nvidia<minor>
     minors: Mapping[str, int | None] = field(default_factory=dict)
-    #: the device files (GPUs' and core.exposure.CONTROL_DEVICES) present on the node, as container paths
+    #: the device files (GPUs' and core.node.exposure.CONTROL_DEVICES) present on the node, as container paths
     #: (read only when deviceNodes is on)
     present_devices: Collection[str] = ()
     #: GPU UUID -> its MPS control daemon, for those that answer; None when the node runs no MPS daemons

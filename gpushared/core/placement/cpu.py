@@ -6,9 +6,9 @@ GPU memory on a node whose CPU is gone is stranded.
 from __future__ import annotations
 
 from gpushared.contract import ContractError
-from gpushared.core.bodies import NodeBody, PodBody
-from gpushared.core.quantity import parse_milli_quantity
-from gpushared.core.requests import ContainerRequest, peak
+from gpushared.core.shared.bodies import NodeBody, PodBody
+from gpushared.core.shared.quantity import parse_milli_quantity
+from gpushared.core.shared.requests import ContainerRequest, peak
 
 
 def cpu_request(pod: PodBody) -> int:

@@ -11,8 +11,8 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpushared.contract import GpuInventory
-from gpushared.core.ledger import Holding
-from gpushared.core.topology import topology_of
+from gpushared.core.shared.ledger import Holding
+from gpushared.core.shared.topology import topology_of
 
 
 def node_report(*, name: str, address: str, inventory: GpuInventory, holdings: Iterable[Holding]) -> dict[str, Any]:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.bodies import Container, PodBody, annotations_of
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.shared.bodies import Container, PodBody, annotations_of
+from gpushared.core.shared.quantity import parse_whole_quantity
 
 
 @dataclass(frozen=True)

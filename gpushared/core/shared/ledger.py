@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.bodies import NodeBody, PodBody, annotations_of, meta_of
-from gpushared.core.quantity import parse_whole_quantity
-from gpushared.core.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
+from gpushared.core.shared.bodies import NodeBody, PodBody, annotations_of, meta_of
+from gpushared.core.shared.quantity import parse_whole_quantity
+from gpushared.core.shared.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
 
 
 @dataclass(frozen=True)
 class GpuVerdict:
     """Whether one GPU can take the pod; ``reason`` says why not, in words a person acts on. Judged by
-    ``core.verdicts``; kept here, beside the book it reads, so that the book's derived views can name it
+    ``core.shared.verdicts``; kept here, beside the book it reads, so that the book's derived views can name it
     without the two modules importing each other."""
 
     gpu: GpuInfo
@@ -258,7 +258,7 @@ class Ledger:
     _views: LedgerViews | None = field(default=None, compare=False, repr=False)
 
     def views(self) -> LedgerViews:
-        """What pricing derives from the ledger as it is (core/verdicts.py, core/policies.py): new, and
+        """What pricing derives from the ledger as it is (core/shared/verdicts.py, core/placement/policies.py): new, and
         empty, whenever a holding came or went since they were derived."""
         views = self._views
         if views is None or views.version != self.version:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpushared.contract import ContractError
-from gpushared.core.quantity import parse_whole_quantity
+from gpushared.core.shared.quantity import parse_whole_quantity
 
 
 @dataclass(frozen=True)

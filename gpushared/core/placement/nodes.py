@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpushared.contract import GpuInventory, ResourceNames
-from gpushared.core.bodies import PodBody
-from gpushared.core.fragmentation import RequestMix
-from gpushared.core.ledger import Ledger
-from gpushared.core.pricing import NodeCpu
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.pricing import NodeCpu
+from gpushared.core.shared.bodies import PodBody
+from gpushared.core.shared.ledger import Ledger
 
 
 @dataclass(frozen=True)

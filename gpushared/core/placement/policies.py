@@ -1,6 +1,6 @@
 """Where on a node a pod goes, and how good the node is for it: the placement policies and their prices.
 
-A policy prices each GPU that fits (``core.verdicts``; lower is better) in the node's pricing context
+A policy prices each GPU that fits (``core.shared.verdicts``; lower is better) in the node's pricing context
 (:class:`PricingContext`: the request mix, the node's free GPU memory and CPU, the pod's CPU); a node's
 rank (:class:`NodeRank`) is, for a pod on several GPUs, how well the GPUs it would get there are linked,
 then their price, then how unbalanced its CPU and GPU memory would be left. :func:`node_scores` turns
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from typing import Final, NamedTuple
 
 from gpushared import contract
-from gpushared.core.ledger import GpuVerdict, Ledger
-from gpushared.core.pricing import PricingContext
-from gpushared.core.requests import PodRequest
-from gpushared.core.topology import choose_set, set_score, topology_of
-from gpushared.core.verdicts import MAX_MPS_CLIENTS, by_free, fitting
+from gpushared.core.placement.pricing import PricingContext
+from gpushared.core.shared.ledger import GpuVerdict, Ledger
+from gpushared.core.shared.requests import PodRequest
+from gpushared.core.shared.topology import choose_set, set_score, topology_of
+from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS, by_free, fitting
 
 #: kube-scheduler's MaxExtenderPriority: extender scores are 0..10, multiplied by the extender's weight.
 MAX_SCORE: Final = 10
@@ -48,7 +48,7 @@ class Policy:
     ``price`` prices putting ``need`` units on one fitting GPU (lower is better) in the node's pricing
     context; a node's price is its cheapest GPU's. Equal prices go to the GPU with less free memory, then
     the lower index, so choices are deterministic and, among equals, pack. A pod on several GPUs takes
-    the best-linked set of the fitting GPUs (``core.topology.choose_set``; among equally linked sets the one
+    the best-linked set of the fitting GPUs (``core.shared.topology.choose_set``; among equally linked sets the one
     priced lowest in all, then first in that order; on a node whose links are not known, the first), and
     the node's price is theirs together: ``price_of_several``, or the sum of their prices when a policy's
     prices add up.
@@ -141,7 +141,7 @@ class Policy:
             order, verdict = min(ordered, key=lambda pair: pair[0])
             return order[0], (verdict,)
         ordered.sort(key=lambda pair: pair[0])
-        # The best-linked set of the GPUs with room, the policy's order breaking ties (core/topology.py);
+        # The best-linked set of the GPUs with room, the policy's order breaking ties (core/shared/topology.py);
         # a node whose links are not known gets the policy's first GPUs.
         topology = topology_of(context.ledger.inventory)
         if topology.known:
@@ -342,7 +342,7 @@ BINPACK: Final = binpack()
 SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free), free_order=-1)
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
 #: memory, for the mix of pods seen (each kind weighed by how scarce the nodes that could host it are) and
-#: the CPU left, grows least (gpushared.core.fragmentation); among
+#: the CPU left, grows least (gpushared.core.placement.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
 #: fit among balanced nodes.
 FGD: Final = fgd()

@@ -5,8 +5,8 @@ The scheduler allocated the claim against the slice the daemon published; ``deci
 still give it (each device is a GPU of this node, healthy; the claims prepared here, this one counted once,
 stay within each GPU's memory and compute; an MPS claim has one GPU, a daemon that answers and room for a
 client) and says what each request's containers get: the GPU in the form the node's runtime reads
-(``core.exposure``, as for a device-plugin pod), Aliyun's env, and for MPS the daemon's pipe and limits
-(``core.allocate.mps_client``). Pure, a table test per refusal (tests/unit/test_dra_prepare.py); the
+(``core.node.exposure``, as for a device-plugin pod), Aliyun's env, and for MPS the daemon's pipe and limits
+(``core.node.allocate.mps_client``). Pure, a table test per refusal (tests/unit/test_dra_prepare.py); the
 daemon's driver gathers the facts, writes the CDI spec and the checkpoint, and answers the kubelet.
 """
 
@@ -21,11 +21,11 @@ from typing import Any, Final
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, dra
-from gpushared.core.allocate import Mount, MpsDaemon, mps_client, thread_percentage
-from gpushared.core.claims import AllocatedDevice, ClaimRef, allocated_devices
-from gpushared.core.claimusers import ClaimUse, sharers
-from gpushared.core.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
-from gpushared.core.verdicts import MAX_MPS_CLIENTS
+from gpushared.core.dra.claims import AllocatedDevice, ClaimRef, allocated_devices
+from gpushared.core.dra.claimusers import ClaimUse, sharers
+from gpushared.core.node.allocate import Mount, MpsDaemon, mps_client, thread_percentage
+from gpushared.core.node.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
+from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 
 #: The CDI spec version written: 0.5.0 has device nodes' host paths, and containerd 1.7 reads it.
 CDI_VERSION: Final = "0.5.0"
@@ -48,7 +48,7 @@ class PreparedDevice:
     #: the MPS thread percentage of its containers; None: not an MPS client
     mps_threads: int | None = None
     cdi_device_ids: tuple[str, ...] = ()
-    #: the containers that share its memory (``core.claimusers``): each is given and held to its part
+    #: the containers that share its memory (``core.dra.claimusers``): each is given and held to its part
     sharers: int = 1
 
     @property
@@ -97,7 +97,7 @@ def decide(
     ref: ClaimRef, claim: Mapping[str, Any], node: DraNode, *, users: Counter[ClaimUse] | None = None
 ) -> PreparedClaim | PrepareRefusal:
     """The claim as prepared on ``node``; or why not, in words for the pod's events. ``users``: the
-    containers of the pods it is reserved for (``core.claimusers.claim_users``), among which each request's
+    containers of the pods it is reserved for (``core.dra.claimusers.claim_users``), among which each request's
     memory is split (None: one container)."""
     uid = (claim.get("metadata") or {}).get("uid")
     if uid != ref.uid:

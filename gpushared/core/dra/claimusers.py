@@ -4,7 +4,7 @@ Every container that names a claim gets the same CDI device from the runtime, so
 given all of the claim's memory: two containers of a 2 GiB claim each got ``ALIYUN_COM_GPU_MEM_CONTAINER=2``,
 and under MPS each was capped at 2 GiB, 4 GiB between them. The containers of one claim share it: the
 driver splits each request's memory evenly among the containers that use it when it prepares the claim
-(``core.prepare``), and the memory watcher holds each to its part (``core.memory.claim_allowances``).
+(``core.dra.prepare``), and the memory watcher holds each to its part (``core.dra.allowances.claim_allowances``).
 
 Counted: a pod's app containers and its sidecars (init containers that keep running), which run at once;
 an init container that runs to completion runs before them, alone, and is held to the same part. A
@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from gpushared.core.bodies import PodBody, key_of
+from gpushared.core.shared.bodies import PodBody, key_of
 
 #: (namespace, ResourceClaim name, request or None for every request of the claim)
 ClaimUse = tuple[str, str, str | None]

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from gpushared.contract import GpuInfo, GpuInventory, dra
-from gpushared.core.topology import LinkKind, topology_of
+from gpushared.core.shared.topology import LinkKind, topology_of
 
 #: kube-apiserver's limit on a ResourceSlice's devices; a node with more GPUs needs more slices (none has).
 MAX_DEVICES: Final = 128
