@@ -18,8 +18,10 @@ from gpushared.core.shared.bodies import NodeBody, PodBody
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.config import Config
 from gpushared.daemon.credential import COMPONENT, TokenRenewer
-from gpushared.daemon.dra import DraDriver, DraLink, SlicePublisher, withdraw_stale
-from gpushared.daemon.drabook import ClaimBook, DriverLock
+from gpushared.daemon.dra.book import ClaimBook, DriverLock
+from gpushared.daemon.dra.driver import DraDriver, DraLink
+from gpushared.daemon.dra.kubelet import DraPluginServer
+from gpushared.daemon.dra.slices import SlicePublisher, withdraw_stale
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
@@ -28,7 +30,6 @@ from gpushared.daemon.memory import ClaimsView, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
-from gpushared.deviceplugin.draplugin import DraPluginServer
 from gpushared.deviceplugin.podresources.client import list_pod_devices
 from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError

@@ -1,4 +1,4 @@
-"""The DRA driver's books and calls against a broken world (daemon.drabook, daemon.dra.DraDriver): damaged
+"""The DRA driver's books and calls against a broken world (daemon.dra.book, daemon.dra.DraDriver): damaged
 checkpoint files, hostile UIDs, a second driver on the node, a hanging API server, and unprepare by a UID
 under another name. Real files in a temporary directory; the API server is a stand-in that hangs or fails
 on cue."""
@@ -19,9 +19,9 @@ from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.prepare import PreparedClaim, decide
 from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.shared.ledger import Ledger
-from gpushared.daemon import dra as dra_module
-from gpushared.daemon.dra import DraDriver
-from gpushared.daemon.drabook import CDI_PREFIX, MAX_RECORD_BYTES, ClaimBook, DriverLock
+from gpushared.daemon.dra import driver as dra_module
+from gpushared.daemon.dra.book import CDI_PREFIX, MAX_RECORD_BYTES, ClaimBook, DriverLock
+from gpushared.daemon.dra.driver import DraDriver
 from gpushared.kube.errors import KubeError, NotFound
 from tests.unit.test_dra_prepare import G0, G1, NODE, claim, result
 

@@ -6,7 +6,7 @@ Two parts, both fed by the manager's GPU inventory:
   changing the pool's generation only when the devices change;
 - :class:`DraDriver` answers the kubelet's NodePrepareResources / NodeUnprepareResources: it reads each
   claim's allocation from the API server, lets ``core.dra.prepare.decide`` check it against the claims already
-  prepared here, records the claim (CDI spec, then checkpoint: ``daemon.drabook``) and answers with the CDI
+  prepared here, records the claim (CDI spec, then checkpoint: ``daemon.dra.book``) and answers with the CDI
   devices. Both calls are idempotent: a claim already prepared gets the same answer without another read,
   and unpreparing a claim that is not prepared succeeds.
 """
@@ -23,18 +23,18 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
-from gpushared.contract import GpuInventory, dra
+from gpushared.contract import GpuInventory
 from gpushared.core.dra.claims import ClaimRef, reserved_pods
 from gpushared.core.dra.claimusers import ClaimUse, claim_users
 from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
-from gpushared.core.dra.slices import pool_generation, slice_body, slice_devices, slice_name
 from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.shared.bodies import PodBody, uid_of
 from gpushared.daemon.devfiles import CharLinks
-from gpushared.daemon.drabook import BookFull, ClaimBook, ClaimMismatch, DriverLock
+from gpushared.daemon.dra.book import BookFull, ClaimBook, ClaimMismatch, DriverLock
+from gpushared.daemon.dra.kubelet import DraPluginServer
+from gpushared.daemon.dra.slices import SlicePublisher
 from gpushared.daemon.metrics import PodShare
-from gpushared.deviceplugin.draplugin import DraPluginServer
-from gpushared.kube.errors import Conflict, KubeError, NotFound
+from gpushared.kube.errors import KubeError, NotFound
 from gpushared.kube.resources import ResourceApi
 
 log = logging.getLogger(__name__)
@@ -48,82 +48,6 @@ CLAIM_READ_SECONDS = 10.0
 RETRY_PAUSE_SECONDS = 0.5
 #: Claims of one call read at once: a pod names a few; one slow read does not hold back the others.
 READERS = 8
-#: After a failed publication, the next try waits this long (the loop ticks every second).
-RETRY_SECONDS = 5.0
-#: How often the published slice is looked at (and written again if it is gone or not ours any more).
-VERIFY_SECONDS = 30.0
-
-
-class SlicePublisher:
-    """The node's one ResourceSlice, kept equal to its healthy GPUs."""
-
-    def __init__(
-        self, api: ResourceApi, *, node: str, node_uid: Callable[[], str | None], driver: str = dra.DRIVER
-    ) -> None:
-        self.api = api
-        self.node = node
-        self.node_uid = node_uid
-        self.driver = driver
-        self._published: list[dict[str, Any]] | None = None
-        self._retry_at = 0.0
-        self._verify_at = 0.0
-        self._inventory: GpuInventory | None = None
-        self._devices: list[dict[str, Any]] = []
-        self.generation = 0
-
-    @property
-    def published(self) -> bool:
-        return self._published is not None
-
-    def verify_soon(self) -> None:
-        """Look at the slice at the next publish: the kubelet deletes the slices of a driver it has no plugin
-        for (on its restart, or a while after a plugin's socket went away), and registers the plugin again."""
-        self._verify_at = 0.0
-
-    def publish(self, inventory: GpuInventory) -> None:
-        """Write the slice when the devices differ from what was last written, and look at it every
-        ``VERIFY_SECONDS`` (one list call) to write it again where someone deleted or changed it; errors
-        are retried later."""
-        if inventory != self._inventory:  # the devices are worked out again only when the GPUs changed
-            self._inventory, self._devices = inventory, slice_devices(inventory)
-        devices = self._devices
-        now = time.monotonic()
-        if (devices == self._published and now < self._verify_at) or now < self._retry_at:
-            return
-        try:
-            self._write(devices)
-        except KubeError as exc:
-            self._retry_at = time.monotonic() + RETRY_SECONDS
-            log.warning("ResourceSlice of node %s not published (%s); trying again", self.node, exc)
-            return
-        self._published = devices
-        self._verify_at = now + VERIFY_SECONDS
-
-    def _write(self, devices: list[dict[str, Any]]) -> None:
-        existing = self.api.list_slices(node=self.node, driver=self.driver)
-        generation, changed = pool_generation(existing, devices)
-        name = slice_name(self.node, self.driver)
-        if changed:
-            body = slice_body(
-                node=self.node, node_uid=self.node_uid(), generation=generation, devices=devices, driver=self.driver
-            )
-            mine = next((s for s in existing if s["metadata"]["name"] == name), None)
-            if mine is None:
-                self.api.create_slice(body)
-            else:
-                body["metadata"]["resourceVersion"] = mine["metadata"].get("resourceVersion")
-                try:
-                    self.api.replace_slice(body)
-                except (Conflict, NotFound):
-                    self._published = None
-                    raise
-            log.info("published ResourceSlice %s: %d GPUs, pool generation %d", name, len(devices), generation)
-        # Slices of this node and driver under other names are from an older layout: the pool is one slice.
-        for other in existing:
-            if other["metadata"]["name"] != name:
-                self.api.delete_slice(other["metadata"]["name"])
-        self.generation = generation
-
 
 #: A claim as read, and the containers of the pods it is reserved for (None: not read, one container).
 Read = tuple[Mapping[str, Any], "Counter[ClaimUse] | None"]
@@ -133,21 +57,8 @@ def _other_claim(ref: ClaimRef, done: PreparedClaim) -> str:
     return f"claim UID {ref.uid} is prepared here as {done.ref.key}, not as {ref.key}"
 
 
-def withdraw_stale(api: ResourceApi, *, node: str, driver: str) -> None:
-    """A node in device-plugin mode deletes the slice it published in DRA mode, if any: a slice left behind
-    would have the scheduler allocate claims that nothing on the node prepares. Best effort, once at start:
-    clusters without DRA (404) and identities without its RBAC (403) have none to delete."""
-    try:
-        stale = api.list_slices(node=node, driver=driver)
-        for body in stale:
-            api.delete_slice(body["metadata"]["name"])
-            log.warning("deleted ResourceSlice %s: this node is in device-plugin mode now", body["metadata"]["name"])
-    except KubeError as exc:
-        log.debug("no stale ResourceSlice looked for: %s", exc)
-
-
 class DraDriver:
-    """The kubelet plugin's decisions, for ``deviceplugin.draplugin``.
+    """The kubelet plugin's decisions, for ``daemon.dra.kubelet``.
 
     No lock is held across API I/O: a call reads its claims first, in parallel and within one deadline,
     then decides each under a short lock (the claims prepared and those being written count, so two calls
