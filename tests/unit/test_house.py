@@ -1,5 +1,6 @@
 """The house a newcomer walks (issue #40): no module over 500 lines and no class over 300 outside generated
-code, and the extender's modules at most five floors deep, every import pointing down, none in a cycle."""
+code, in gpushared/ and (issue #53) in scripts/ and tests/, but for named exceptions; the extender's modules
+at most five floors deep, every import pointing down; no import cycle anywhere in gpushared/."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "gpushared"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "gpushared"
 MAX_MODULE_LINES = 500
 MAX_CLASS_LINES = 300
 MAX_FLOORS = 5
@@ -37,6 +39,54 @@ def test_no_class_is_over_300_lines() -> None:
             if lines > MAX_CLASS_LINES:
                 long[f"{path.relative_to(PACKAGE)}:{node.name}"] = lines  # type: ignore[attr-defined]
     assert long == {}
+
+
+#: Modules of scripts/ and tests/ past the house rule, by name, each with the most lines or class lines it may
+#: keep and why (issue #53): a ratchet, so that none grows and no other joins them. The fault suite was the
+#: largest (1,412 lines) and is a package now (scripts/faultsuite/); these are split as they are next worked on.
+PAST_THE_RULE: dict[str, tuple[int, str]] = {
+    "scripts/gpu-check": (739, "one run on a lent GPU machine, its checks sharing one daemon and MPS setup"),
+    "tests/integration/test_daemon.py": (737, "predates the rule: the daemon's process tests, to split by theme"),
+    "tests/integration/test_extender.py": (660, "predates the rule: the extender's process tests, to split"),
+    "tests/fakes/apiserver.py": (642, "predates the rule: the fake API server, one handler for every path"),
+    "scripts/bench_extender.py": (581, "predates the rule: the extender benchmark, to split"),
+    "tests/unit/test_placement.py": (573, "predates the rule: placement's tables, to split by policy"),
+    "scripts/bench_scheduler.py": (566, "predates the rule: the kube-scheduler benchmark, to split"),
+    "tests/unit/test_allocate.py": (547, "predates the rule: Allocate's table, one refusal a row"),
+    "tests/e2e/cluster.py:LocalCluster": (306, "predates the rule: the local cluster's processes, to split"),
+}
+
+
+def house_sources() -> list[Path]:
+    """What the rule covers beyond gpushared/: every Python module of scripts/ and tests/ (scripts without a
+    suffix included), generated stubs aside."""
+    found = [*REPO.glob("scripts/**/*.py"), *REPO.glob("tests/**/*.py")]
+    found += [p for p in (REPO / "scripts").iterdir() if p.is_file() and not p.suffix and _is_python(p)]
+    return sorted(p for p in found if not p.stem.endswith(("_pb2", "_pb2_grpc")))
+
+
+def _is_python(path: Path) -> bool:
+    """A script without a suffix whose first line runs Python."""
+    with path.open("rb") as stream:
+        first = stream.readline()
+    return first.startswith(b"#!") and b"python" in first
+
+
+def test_scripts_and_tests_keep_the_house_rule_or_a_named_exception() -> None:
+    found: dict[str, int] = {}
+    for path in house_sources():
+        text = path.read_text()
+        name = str(path.relative_to(REPO))
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            found[name] = n
+        for node in ast.walk(ast.parse(text)):
+            lines = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) and node.end_lineno else 0
+            if lines > MAX_CLASS_LINES:
+                found[f"{name}:{node.name}"] = lines  # type: ignore[attr-defined]
+    grown = {name: (n, PAST_THE_RULE[name][0]) for name, n in found.items() if name in PAST_THE_RULE}
+    assert not {name: n for name, n in found.items() if name not in PAST_THE_RULE}, "split it, or name it here"
+    assert all(n <= cap for n, cap in grown.values()), grown
+    assert set(PAST_THE_RULE) <= set(found), "back under the rule: take it off the list"
 
 
 def imports_within(package: str, root: Path = PACKAGE.parent, *, typing: bool = False) -> dict[str, set[str]]:
