@@ -1,8 +1,11 @@
 """Reading what tenants may write: errors that name the key, the value (shown safely) and the reason, and
 the bounds every reader holds an annotation's text to before it parses it (docs/design.md §10).
 
-Part of the contract (``gpushared.contract`` re-exports what is public here); here so that the contract's
-shapes and the way their text is read can each be read on their own.
+Part of the contract, with a public API of its own for the contract's other parts: ``parse_int``,
+``parse_bool``, ``format_bool``, ``load_json`` (bounded size and depth, integers and floats held to their
+bounds), ``versioned_object`` (a record's JSON object, refused when newer), and ``require_int``,
+``require_str``, ``require_bool`` (a field of it, typed). ``gpushared.contract`` re-exports the errors, the
+bounds and the scalar readers; no part reaches for another's underscore names.
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ def _json_float(text: str) -> float:
     return float(text)
 
 
-def _load_json(key: str, text: str) -> Any:
+def load_json(key: str, text: str) -> Any:
     """``text`` as JSON, within the bounds above; every way it can fail is a :class:`ContractError`."""
     if not isinstance(text, str):
         raise ContractError(key=key, value=text, reason="expected a JSON text")
@@ -157,8 +160,8 @@ def _nesting(text: str) -> int:
 _BRACKETS: Final = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
 
 
-def _versioned_object(key: str, text: str) -> dict[str, Any]:
-    body = _load_json(key, text)
+def versioned_object(key: str, text: str) -> dict[str, Any]:
+    body = load_json(key, text)
     if not isinstance(body, dict):
         raise ContractError(key=key, value=text, reason="expected a JSON object")
     version = body.get("version")
@@ -173,19 +176,19 @@ def _versioned_object(key: str, text: str) -> dict[str, Any]:
     return body
 
 
-def _require_int(key: str, where: str, value: object) -> int:
+def require_int(key: str, where: str, value: object) -> int:
     if type(value) is not int or value < 0:
         raise ContractError(key=key, value=value, reason=f"{where} must be a non-negative integer")
     return value
 
 
-def _require_str(key: str, where: str, value: object) -> str:
+def require_str(key: str, where: str, value: object) -> str:
     if not isinstance(value, str):
         raise ContractError(key=key, value=value, reason=f"{where} must be a string")
     return value
 
 
-def _require_bool(key: str, where: str, value: object) -> bool:
+def require_bool(key: str, where: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ContractError(key=key, value=value, reason=f"{where} must be true or false")
     return value

@@ -156,6 +156,20 @@ def test_no_module_of_gpushared_is_in_an_import_cycle() -> None:
     floors(imports_within("gpushared", typing=True))  # raises on a cycle
 
 
+def test_no_module_imports_another_modules_underscore_names() -> None:
+    """Issue #53: ``contract/__init__.py`` imported ``reading``'s private helpers; what one module offers
+    another is public, by name."""
+    reached = [
+        f"{path.relative_to(PACKAGE)}: {node.module}.{alias.name}"
+        for path in sources()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gpushared")
+        for alias in node.names
+        if alias.name.startswith("_") and not alias.name.startswith("__")
+    ]
+    assert reached == []
+
+
 def test_floors_find_cycles_and_depth() -> None:
     assert floors({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
     with pytest.raises(AssertionError, match="import cycle"):
