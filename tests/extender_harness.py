@@ -17,6 +17,7 @@ import yaml
 
 from gpushared import contract
 from gpushared.contract import GpuInventory
+from gpushared.extender.cache import ClusterCache
 from tests.builders import inventory
 from tests.fakes.apiserver import FakeApiServer
 from tests.harness import free_port, wait_until
@@ -45,6 +46,13 @@ def gpu_node(
     if cpu is not None:
         node["status"]["allocatable"] = {"cpu": cpu}
     return node
+
+
+def fed_by_hand(**options: Any) -> ClusterCache:
+    """A cache whose informers never list: the tests call their handlers with the objects themselves."""
+    return ClusterCache(
+        list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES, **options
+    )
 
 
 def lease_holder(api: FakeApiServer, namespace: str = "default") -> str:

@@ -22,22 +22,15 @@ from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.requests import pod_request
 from gpushared.core.shared.verdicts import judge, no_room
 from gpushared.extender import index as index_module
-from gpushared.extender.cache import ClusterCache, Rejected
+from gpushared.extender.cache import Rejected
 from gpushared.extender.index import STALE, Rooms
 from gpushared.extender.state import MIX_SECONDS
 from tests.builders import inventory, on_gpus, pod
-from tests.extender_harness import gpu_node
+from tests.extender_harness import fed_by_hand, gpu_node
 
 NODES = ("n1", "n2", "n3")
 UIDS = tuple(f"u{i}" for i in range(5))  # u0-u3 ask for 1-4 GiB, u4 for no GPU
 INVENTORY = inventory(16, 16)
-
-
-def fed_by_hand(**options: Any) -> ClusterCache:
-    """A cache whose informers never list: the tests call their handlers with the objects themselves."""
-    return ClusterCache(
-        list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES, **options
-    )
 
 
 def cpu_milli(uid: str) -> int:

@@ -22,14 +22,14 @@ from gpushared.extender.http.wire import ExtenderArgs
 from gpushared.extender.index import PRICES_PER_TURN
 from gpushared.extender.scheduler import Scheduler
 from tests.builders import inventory, pod
-from tests.extender_harness import gpu_node
+from tests.extender_harness import fed_by_hand, gpu_node
 
 NODES = 3 * PRICES_PER_TURN + 7
 
 
 def a_cluster(seed: int) -> ClusterCache:
     rng = random.Random(seed)
-    cache = ClusterCache(list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES)
+    cache = fed_by_hand()
     for i in range(NODES):
         sizes = [rng.choice((8, 16, 24)) for _ in range(rng.choice((1, 2, 4)))]
         cache.on_node(None, gpu_node(f"n{i:03}", inv=inventory(*sizes), cpu=str(rng.choice((8, 32)))))

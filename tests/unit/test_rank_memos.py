@@ -5,28 +5,18 @@ given ``cold``, a call prices a turn's worth and names the rest (issue #52)."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
-from gpushared import contract
 from gpushared.core.placement.binding import bind_annotations
 from gpushared.core.placement.policies import BINPACK, Policy
 from gpushared.core.placement.pricing import NodeCpu, PricingContext
 from gpushared.core.shared.ledger import GpuVerdict
 from gpushared.core.shared.requests import pod_request
 from gpushared.extender import index as index_module
-from gpushared.extender.cache import ClusterCache
 from gpushared.extender.state import MIX_SECONDS
 from tests.builders import inventory, pod
-from tests.extender_harness import gpu_node
+from tests.extender_harness import fed_by_hand, gpu_node
 
 INVENTORY = inventory(16, 16)
-
-
-def fed_by_hand(**options: Any) -> ClusterCache:
-    """A cache whose informers never list: the tests call their handlers with the objects themselves."""
-    return ClusterCache(
-        list_nodes=lambda **_: None, list_pods=lambda **_: None, resources=contract.DEFAULT_RESOURCES, **options
-    )
 
 
 def test_prices_that_do_not_read_the_mix_outlive_a_new_mix() -> None:
