@@ -261,3 +261,20 @@ def node_body(name: str = NODE) -> dict[str, Any]:
 
 def uuids(allocations: Iterable[ContainerAllocation]) -> list[str]:
     return [a.response.envs["NVIDIA_VISIBLE_DEVICES"] for a in allocations]
+
+
+TOTAL_UNITS = 16 + 12 + 24 + 8  # the default fake node's four GPUs, in GiB
+
+
+def started(daemon: Daemon) -> Daemon:
+    """Start the daemon and wait until it is ready, advertised to the kubelet, and its inventory published."""
+    daemon.start()
+    daemon.notify.wait_for("READY=1")
+    daemon.kubelet.wait_for(GPU_MEM, capacity=TOTAL_UNITS)
+    wait_until(
+        lambda: (
+            contract.NODE_INVENTORY in (daemon.api.get("nodes", NODE) or {}).get("metadata", {}).get("annotations", {})
+        ),
+        message="inventory",
+    )
+    return daemon

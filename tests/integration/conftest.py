@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.extender_harness import Extender
+from tests.extender_harness import Extender, gpushared_cluster
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kubelet import FakeKubelet
 from tests.fakes.nvml import FakeNvml
@@ -29,6 +29,14 @@ def daemon(kubelet_root: Path, plugin_dir: Path, fake_nvml_library: Path, tmp_pa
         if world.process is not None and world.process.poll() is None:
             world.stop()
         notify.close()
+
+
+@pytest.fixture
+def api() -> Iterator[FakeApiServer]:
+    """A fake API server holding gpushared's cluster (the extender's world); a module may define its own."""
+    with FakeApiServer() as server:
+        gpushared_cluster(server)
+        yield server
 
 
 @pytest.fixture

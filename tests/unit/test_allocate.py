@@ -3,17 +3,14 @@
 Each row runs what the manager runs between gathering and answering — the handshake names the container
 (``core.node.handshake``), ``core.node.allocate.decide`` answers for it — over plain data. Every refusal of
 docs/design.md §7 is a row here; the two that depend on I/O (the API server or PodResources unreachable)
-are rows of the second table, through ``daemon.candidates`` with fakes that fail.
+are rows of test_allocate_candidates.py, through ``daemon.candidates`` with fakes that fail.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -27,43 +24,8 @@ from gpushared.core.placement.binding import bind_annotations
 from gpushared.core.shared.ledger import Ledger, holding_from_pod
 from gpushared.core.shared.requests import pod_request
 from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
-from gpushared.daemon.candidates import Candidates
-from gpushared.deviceplugin.server import AllocationRefused
-from gpushared.kube.api import KubeError, NotFound
-from tests.builders import inventory, on_gpus, pod
-
-INV = inventory(16, 16, 8)
-MPS_INV = inventory(16, 16, 8, mps=True)
-BIG = inventory(64, mps=True)  # room for more MPS clients than a server takes
-UUID = [gpu.uuid for gpu in INV.gpus]
-MPS_DIRS = {uuid: MpsDaemon(pipe=f"/run/mps/{uuid}/pipe", shm=f"/run/mps/{uuid}/shm") for uuid in UUID}
-
-
-def ids(gpu: int, count: int, start: int = 0) -> list[str]:
-    """``count`` of the kubelet's device IDs on GPU ``gpu``."""
-    return [f"{gpu}-{j}" for j in range(start, start + count)]
-
-
-def placed(
-    name: str,
-    *amounts: int,
-    gpus: tuple[int, ...] = (0,),
-    at: int = 1,
-    mps: bool = False,
-    assigned: bool = False,
-    inv: GpuInventory = INV,
-    **extra: Any,
-) -> dict[str, Any]:
-    """A pod bound to n1 and placed by the extender on ``gpus`` (one container on all of them when several)."""
-    body = pod(name, *amounts, node="n1", annotations={contract.POD_MPS: "true"} if mps else {}, **extra)
-    if len(gpus) > 1:
-        on_gpus(body, len(gpus))
-    annotations = bind_annotations(pod_request(body), [inv.gpus[i] for i in gpus], unit=inv.unit, now_ns=at)
-    body["metadata"]["annotations"].update(annotations)
-    if assigned:
-        body["metadata"]["annotations"][contract.ALIYUN_GPU_MEM_ASSIGNED] = "true"
-        body["status"]["phase"] = "Running"
-    return body
+from tests.allocating import BIG, INV, MPS_DIRS, MPS_INV, UUID, ids, placed
+from tests.builders import inventory, pod
 
 
 def bound_with_limit(name: str, amount: int, *, gpu: int, limit: str) -> dict[str, Any]:
@@ -457,91 +419,3 @@ def test_the_preferred_devices_are_the_slots_share_of_each_gpu(
     found = candidate(body, listed={"c0": []}, served=set(), unit=MemoryUnit.GIB, resources=DEFAULT_RESOURCES)
     assert found is not None and found.next is not None
     assert preferred_devices(found.next, available, must) == expected
-
-
-# --- the rows that need I/O: the API server and the kubelet's PodResources --------------------------------
-
-
-class _Pods:
-    """The node's pod watch, as far as Candidates reads it."""
-
-    def __init__(self, *bodies: dict[str, Any]) -> None:
-        self.bodies = list(bodies)
-
-    def pods(self) -> list[dict[str, Any]]:
-        return self.bodies
-
-    def find(self, namespace: str, name: str) -> dict[str, Any] | None:
-        return next((b for b in self.bodies if b["metadata"]["name"] == name), None)
-
-    def remember(self, body: dict[str, Any]) -> None:
-        self.bodies.append(body)
-
-
-class _Api:
-    def __init__(self, get_pod: Callable[..., dict[str, Any]]) -> None:
-        self.get_pod = get_pod
-
-    def without_retries(self) -> _Api:
-        return self
-
-
-def _unreachable(namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
-    raise KubeError(f"get pod {namespace}/{name}: API server unreachable (timed out)")
-
-
-def _gone(namespace: str, name: str, *, timeout: float) -> dict[str, Any]:
-    raise NotFound(f"get pod {namespace}/{name}: 404 not found", status=404)
-
-
-def candidates_with(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, listing: Any, api: Any, pods: _Pods
-) -> Candidates:
-    from gpushared.daemon import candidates as module
-
-    monkeypatch.setattr(module, "list_pod_devices", listing)
-    slept: list[float] = []
-    return Candidates(
-        node="n1",
-        unit=MemoryUnit.GIB,
-        resources=DEFAULT_RESOURCES,
-        api=api,
-        pods=pods,
-        pod_resources_socket=tmp_path,
-        sleep=slept.append,  # the retries' pauses: none of the wall clock
-    )
-
-
-def _listing(*names: str) -> Callable[..., list[Any]]:
-    from gpushared.deviceplugin.podresources.client import PodDevices
-
-    return lambda socket, *, resource: [PodDevices("default", name, {"c0": []}) for name in names]
-
-
-def _no_kubelet(socket: Path, *, resource: str) -> list[Any]:
-    from gpushared.deviceplugin.podresources.client import PodResourcesUnavailable
-
-    raise PodResourcesUnavailable("StatusCode.UNAVAILABLE failed to connect")
-
-
-def test_a_pod_the_watch_lacks_and_the_api_server_cannot_give_is_unavailable_not_refused(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    found = candidates_with(tmp_path, monkeypatch, listing=_listing("new"), api=_Api(_unreachable), pods=_Pods())
-    with pytest.raises(AllocationRefused, match="cannot read pod default/new to find its GPU") as info:
-        found.identify(4, served=lambda uid: (), deadline=time.monotonic() + 2)
-    assert info.value.retryable  # UNAVAILABLE: the kubelet tries the pod again
-
-
-def test_a_pod_deleted_meanwhile_is_no_candidate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    found = candidates_with(tmp_path, monkeypatch, listing=_listing("gone"), api=_Api(_gone), pods=_Pods())
-    with pytest.raises(Unidentified, match="no pod on node n1 is waiting for 4 GiB"):
-        found.identify(4, served=lambda uid: (), deadline=time.monotonic() + 2)
-
-
-def test_without_pod_resources_the_watch_alone_names_the_pod(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    waiting = placed("w", 4, gpus=(1,))
-    found = candidates_with(tmp_path, monkeypatch, listing=_no_kubelet, api=None, pods=_Pods(waiting))
-    decision = found.identify(4, served=lambda uid: (), deadline=0.0)
-    assert decision.chosen.key == "default/w"
-    assert decision.chosen.next is not None and decision.chosen.next.indices == [1]
