@@ -33,7 +33,8 @@ from typing import Any
 import psutil
 import yaml
 
-from tests.e2e import host, versions
+from tests.e2e import host
+from tests.e2e.controlplane import apiserver_command, controller_manager_command, etcd_command
 from tests.e2e.gpus import SimulatedGpus
 from tests.e2e.images import build_binary_image, build_busybox_image, build_pause_image
 from tests.e2e.layout import (
@@ -236,49 +237,11 @@ class LocalCluster:
         write_kubeconfig(path, server=self.server, ca=self.state / "pki" / "ca.crt", user=user, token=self.tokens[user])
 
     def _start_etcd(self) -> None:
-        p = self.ports
-        self.processes.spawn(
-            "etcd",
-            [
-                self.bin / "etcd",
-                "--name", "gpushared",
-                "--data-dir", self.state / "etcd",
-                "--listen-client-urls", f"http://127.0.0.1:{p.etcd}",
-                "--advertise-client-urls", f"http://127.0.0.1:{p.etcd}",
-                "--listen-peer-urls", f"http://127.0.0.1:{p.etcd_peer}",
-                "--initial-advertise-peer-urls", f"http://127.0.0.1:{p.etcd_peer}",
-                "--initial-cluster", f"gpushared=http://127.0.0.1:{p.etcd_peer}",
-            ],
-        )  # fmt: skip
+        self.processes.spawn("etcd", etcd_command(self.bin, self.state, self.ports))
 
     def _start_apiserver(self) -> None:
-        pki = self.state / "pki"
-        self.processes.spawn(
-            "kube-apiserver",
-            [
-                self.bin / "kube-apiserver",
-                "--etcd-servers", f"http://127.0.0.1:{self.ports.etcd}",
-                "--bind-address", "127.0.0.1",
-                "--advertise-address", "127.0.0.1",
-                "--secure-port", self.ports.apiserver,
-                *versions.apiserver_flags(self.version("kube-apiserver")),
-                *versions.feature_gate_flags(self.version("kube-apiserver")),
-                "--tls-cert-file", pki / "apiserver.crt",
-                "--tls-private-key-file", pki / "apiserver.key",
-                "--client-ca-file", pki / "ca.crt",
-                "--token-auth-file", pki / "tokens.csv",
-                "--authorization-mode", "RBAC",
-                "--service-account-key-file", pki / "sa.pub",
-                "--service-account-signing-key-file", pki / "sa.key",
-                "--service-account-issuer", "https://kubernetes.default.svc",
-                "--service-cluster-ip-range", "10.96.0.0/16",
-                # The kubernetes Service's endpoints cannot be a loopback address; nothing here needs them.
-                "--endpoint-reconciler-type", "none",
-                "--kubelet-preferred-address-types", "InternalIP",
-                "--allow-privileged",
-                "--profiling=false",
-            ],
-        )  # fmt: skip
+        version = self.version("kube-apiserver")
+        self.processes.spawn("kube-apiserver", apiserver_command(self.bin, self.state / "pki", self.ports, version))
         wait_for(lambda: self._get("/readyz") == 200, timeout=60, what="kube-apiserver /readyz")
 
     def _get(self, path: str) -> int:
@@ -304,24 +267,9 @@ class LocalCluster:
         self.kubectl("apply", "-f", "-", input=yaml.safe_dump_all(rbac))
 
     def _start_controller_manager(self) -> None:
-        pki = self.state / "pki"
-        self.processes.spawn(
-            "kube-controller-manager",
-            [
-                self.bin / "kube-controller-manager",
-                "--kubeconfig", self.kubeconfig_for("admin"),
-                "--bind-address", "127.0.0.1",
-                "--secure-port", self.ports.controller_manager,
-                *versions.insecure_port_flags(self.version("kube-controller-manager")),
-                *versions.feature_gate_flags(self.version("kube-controller-manager")),
-                "--leader-elect=false",
-                "--service-account-private-key-file", pki / "sa.key",
-                "--root-ca-file", pki / "ca.crt",
-                "--use-service-account-credentials=false",
-                "--authentication-skip-lookup",
-                "--node-monitor-grace-period", "20s",
-            ],
-        )  # fmt: skip
+        version, admin = self.version("kube-controller-manager"), self.kubeconfig_for("admin")
+        command = controller_manager_command(self.bin, self.state / "pki", self.ports, version, admin)
+        self.processes.spawn("kube-controller-manager", command)
 
     def inspect_json(self) -> dict[str, Any]:
         """``kubectl inspect gpushare -o json``, as an administrator runs it."""
