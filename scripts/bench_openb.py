@@ -20,6 +20,11 @@ extender's ``--expected-mix``); ``counted`` the tasks placed alone (a fresh exte
 ``oracle`` every task of the shuffled workload before the first is placed, as the figures before issue #41
 were (no extender can know that). Files are named ``openb`` (expected), ``openb-counted``, ``openb-oracle``.
 
+``--policies kube-scheduler-dra`` (issue #54) replays what kube-scheduler 1.36 does with DRA claims by itself,
+no gpushared policy asked: nodes by its default scores over its rotating window, devices first fit
+(``gpushared.replay.kubescheduler``, which cites the scheduler's sources); it reads no mix, so ``--mix``
+changes nothing for it.
+
 ``--compute`` (issue #43): every GPU task also asks for its GPU share as a compute request, rounded up to a
 whole percent, so each GPU is full when its memory or its compute is; the files get ``-compute``.
 """
@@ -45,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix
 from gpushared.core.placement.policies import POLICIES
+from gpushared.replay.kubescheduler import NAME as KUBE_DRA
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
 from gpushared.replay.trace import read_nodes, read_pods
 
@@ -56,6 +62,8 @@ POD_LIST = "openb_pod_list_{}.csv"
 CURVE_POINTS = tuple(range(50, round(RATIO * 100) + 1, 10))
 #: Each policy of ours, the paper's policy it is held against, and how far below it may end (issue #25).
 GOALS = {"binpack": ("05-BestFit", 0.1), "fgd": ("06-FGD", 0.1)}
+#: Every placement a replay can run: the extender's policies, then kube-scheduler's own DRA placement.
+PLACEMENTS = (*POLICIES, KUBE_DRA)
 #: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
 PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}
 
@@ -135,7 +143,7 @@ def summarize(results: Iterable[tuple[str, Replay]]) -> tuple[dict[str, Any], di
     details: dict[str, Any] = {}
     for trace in sorted(by):
         summary[trace], details[trace] = {}, {}
-        for policy in sorted(by[trace], key=list(POLICIES).index):
+        for policy in sorted(by[trace], key=list(PLACEMENTS).index):
             runs = sorted(by[trace][policy], key=lambda r: r.seed)
             curve = [statistics.fmean(column) for column in zip(*(r.allocation for r in runs), strict=True)]
             summary[trace][policy] = {
@@ -180,6 +188,7 @@ COLOURS = {
     "06-FGD": "tab:green",
     "spread": "tab:red",
     "01-Random": "tab:gray",
+    KUBE_DRA: "tab:purple",
 }
 #: Drawn wide and pale, so that a policy drawn over it with the same numbers still shows.
 UNDERLAY = {"binpack"}
@@ -202,7 +211,7 @@ def plot(trace: str, ours: dict[str, Any], paper: dict[str, list[float]], path: 
             linewidth=4 if wide else 1.8,
             alpha=0.45 if wide else 1.0,
             color=COLOURS.get(policy),
-            label=f"gpushared {policy}",
+            label="kube-scheduler 1.36, DRA first fit" if policy == KUBE_DRA else f"gpushared {policy}",
         )
     for name, curve in paper.items():
         axes.plot(arrived, curve, linestyle="--", linewidth=1.3, color=COLOURS.get(name), label=PAPER[name])
@@ -238,7 +247,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="the trace's directory")
     parser.add_argument("--traces", nargs="*", help="pod list suffixes (default: every one in --data)")
-    parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--policies", nargs="*", default=list(POLICIES), choices=list(PLACEMENTS))
     parser.add_argument("--seeds", nargs="*", type=int, default=list(SEEDS))
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -310,7 +319,7 @@ def _merged(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
     traces = {t: dict(before.get(t, {})) for t in sorted({*before, *now})}
     for trace, by in now.items():
         traces[trace].update(by)
-    order = list(POLICIES)
+    order = list(PLACEMENTS)
     return {
         t: {p: by[p] for p in sorted(by, key=lambda p: order.index(p) if p in order else len(order))}
         for t, by in traces.items()
@@ -320,11 +329,14 @@ def _merged(before: dict[str, Any], now: dict[str, Any]) -> dict[str, Any]:
 def table(summary: dict[str, Any], paper: dict[str, dict[str, list[float]]]) -> str:
     """Per trace: allocation at 100 / 130 % arrived and frag90 for each policy, and for binpack and fgd the
     worst point of the curve (every 10 % from 50 to 130) against the paper's BestFit and FGD, and fgd's
-    worst against our binpack: ``-0.42 @ 90`` is 0.42 points below, at 90 % arrived."""
-    policies = [p for p in POLICIES if any(p in by for by in summary.values())]
+    worst against our binpack, and kube-scheduler's DRA placement's worst against fgd and binpack: ``-0.42 @ 90``
+    is 0.42 points below, at 90 % arrived."""
+    policies = [p for p in PLACEMENTS if any(p in by for by in summary.values())]
     head = ["trace", *[f"{p} 100 / 130 / frag{FRAG_AT}" for p in policies]]
     head += [f"{p} worst vs {PAPER[theirs]}" for p, (theirs, _) in GOALS.items() if p in policies]
     head += ["fgd worst vs binpack"] if {"fgd", "binpack"} <= set(policies) else []
+    against = [p for p in ("fgd", "binpack") if {p, KUBE_DRA} <= set(policies)]
+    head += [f"{KUBE_DRA} worst vs {p}" for p in against]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for trace, by in summary.items():
         cells = [trace]
@@ -338,6 +350,7 @@ def table(summary: dict[str, Any], paper: dict[str, dict[str, list[float]]]) -> 
             cells.append(_worst(by.get(policy, {}).get("curve"), curve and {str(k): curve[k] for k in CURVE_POINTS}))
         if {"fgd", "binpack"} <= set(policies):
             cells.append(_worst(by.get("fgd", {}).get("curve"), by.get("binpack", {}).get("curve")))
+        cells += [_worst(by.get(KUBE_DRA, {}).get("curve"), by.get(p, {}).get("curve")) for p in against]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -127,7 +127,7 @@ class SimCluster:
         self,
         nodes: Sequence[TraceNode],
         *,
-        policy: Policy,
+        policy: Policy | None,
         mix: RequestMix | None,
         rng: random.Random,
         links: bool = False,
@@ -157,8 +157,8 @@ class SimCluster:
         self.mix = mix
         #: whether the mix is taken again as tasks are placed: always when it is counted, and for a given
         #: mix only to tell it what the nodes have left (a policy that weighs scarcity)
-        reads = policy.reads_mix or policy.reads_pressure or policy.reads_rooms
-        self._recounts = policy.reads_rooms or (self.book is not None and reads)
+        reads = policy is not None and (policy.reads_mix or policy.reads_pressure or policy.reads_rooms)
+        self._recounts = policy is not None and (policy.reads_rooms or (self.book is not None and reads))
         self.capacity_mib = sum(n.ledger.inventory.total for n in self.nodes)
         self.allocated_mib = 0
         #: GPU tasks not placed, and of them those that GPUs had room for, on a node that kube-scheduler's own
@@ -175,7 +175,7 @@ class SimCluster:
         read the mix, so they are all worked out again."""
         self._rooms_due += ROOMS_STEP * self.capacity_mib
         rooms = None
-        if self.policy.reads_rooms:
+        if self.policy is not None and self.policy.reads_rooms:
             rooms = Counter(
                 node_room(
                     (node.ledger.free(gpu) for gpu in node.ledger.inventory.gpus),
@@ -240,8 +240,11 @@ class SimCluster:
         return cheapest[self.rng.randrange(len(cheapest))]
 
     def _price(self, node: SimNode, request: PodRequest, pod: TracePod) -> tuple[NodeRank | None, tuple[int, ...]]:
+        policy = self.policy
+        if policy is None:
+            raise TypeError("a cluster placed without a policy prices nothing")
         need = request.total
-        pod_cpu = pod.cpu_milli if self.policy.reads_cpu else 0
+        pod_cpu = pod.cpu_milli if policy.reads_cpu else 0
         slot = (need, request.gpus, pod_cpu, bool(pod.models), request.compute_request)
         known = node.prices.get(slot)
         if known is not None and known[0] == node.version:
@@ -261,7 +264,7 @@ class SimCluster:
                 pinned=bool(pod.models),  # gpu_spec: the node affinity an extender reads (gpu_models)
                 pod_compute=request.compute_request,
             )
-            appraised = self.policy.appraise(node.ledger, request, context)
+            appraised = policy.appraise(node.ledger, request, context)
             key, indices = (None, ()) if appraised is None else (appraised[0], tuple(v.gpu.index for v in appraised[1]))
         node.prices[slot] = (node.version, key, indices)
         return key, indices

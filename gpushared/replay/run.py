@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from gpushared.core.placement.fragmentation import ModelKind, RequestMix, node_class
 from gpushared.core.placement.mixbook import ExpectedMix, request_kind
 from gpushared.core.placement.policies import Policy, policy_named
+from gpushared.replay import kubescheduler
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
 
@@ -92,8 +93,16 @@ def replay(
     capacity_milli = 1000 * sum(n.gpus for n in nodes)
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     mix = None if causal else oracle_mix(nodes, workload)
-    chosen = policy if isinstance(policy, Policy) else policy_named(policy)
-    cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
+    cluster: SimCluster
+    if policy == kubescheduler.NAME:  # kube-scheduler's own DRA placement: no policy of ours asked
+        name = kubescheduler.NAME
+        cluster = kubescheduler.FirstFitCluster(
+            nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute
+        )
+    else:
+        chosen = policy if isinstance(policy, Policy) else policy_named(policy)
+        name = chosen.name
+        cluster = SimCluster(nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
     typical = _typical(workload)
     allocation: list[float] = []
     frag_rate = 0.0
@@ -117,7 +126,7 @@ def replay(
         allocation.append(cluster.allocation)
     unallocated, stranded = cluster.leftovers([p for p in workload if p.num_gpu == 1])
     return Replay(
-        policy=chosen.name,
+        policy=name,
         seed=seed,
         allocation=allocation,
         frag_rate=frag_rate,
