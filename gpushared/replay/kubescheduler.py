@@ -44,7 +44,7 @@ from gpushared.core.placement.mixbook import ExpectedMix, kind_of
 from gpushared.core.shared.requests import ContainerRequest, PodRequest
 from gpushared.core.shared.verdicts import judge
 from gpushared.replay.cluster import SimCluster, SimNode
-from gpushared.replay.trace import TraceNode, TracePod
+from gpushared.replay.trace import MAX_PODS, TraceNode, TracePod
 
 #: What this placement is called in the replay's results, beside the extender's policies.
 NAME = "kube-scheduler-dra"
@@ -169,23 +169,13 @@ class FirstFitCluster(SimCluster):
         request = PodRequest(
             containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
         )
-        found: list[tuple[int, tuple[int, ...]]] = []
-        processed = 0
+        found, processed = self._search(pod, request)
         total = len(self.nodes)
-        while processed < total and len(found) < self.window:
-            index = (self.next_start + processed) % total
-            processed += 1
-            node = self.nodes[index]
-            if not node.admits(pod):
-                continue
-            devices = self._first_fit(index, request) if need else ()
-            if devices is not None:
-                found.append((index, devices))
         self.next_start = (self.next_start + processed) % total
         if not found:
             if need:
                 self.gpu_failed += 1
-                self.gpu_failed_with_room += any(first_fit(node, request) is not None for node in self.nodes)
+                self.gpu_failed_with_room += any(self._first_fit(i, request) is not None for i in range(total))
             return False
         if len(found) == 1:
             index, devices = found[0]
@@ -208,6 +198,38 @@ class FirstFitCluster(SimCluster):
         if self.book is not None:
             self.book.count(kind_of(pod.cpu_milli, holding, pod.models or None))
         return True
+
+    def _search(self, pod: TracePod, request: PodRequest) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+        """The feasible nodes of this cycle's window, with the devices first fit takes on each, and how many
+        nodes were processed: kube-scheduler's filters (NodeResourcesFit, node affinity, the DRA allocator)
+        from ``next_start`` until ``window`` are found. Written for speed: the hottest loop of the replay."""
+        nodes, fits, total, window = self.nodes, self.fits, len(self.nodes), self.window
+        cpu, memory, models, need = pod.cpu_milli, pod.memory_mib, pod.models, request.total
+        slot = (need, request.gpus, request.compute_request)
+        found: list[tuple[int, tuple[int, ...]]] = []
+        processed = 0
+        while processed < total and len(found) < window:
+            index = (self.next_start + processed) % total
+            processed += 1
+            node = nodes[index]
+            if cpu > node.cpu_free or memory > node.memory_free or node.pods >= MAX_PODS:
+                continue
+            if models and node.trace.model not in models:
+                continue
+            if not need:
+                found.append((index, ()))
+                continue
+            if node.gpu_free < need:
+                continue
+            known = fits[index].get(slot)
+            if known is not None and known[0] == node.version:
+                devices = known[1]
+            else:
+                devices = first_fit(node, request)
+                fits[index][slot] = (node.version, devices)
+            if devices is not None:
+                found.append((index, devices))
+        return found, processed
 
     def _first_fit(self, index: int, request: PodRequest) -> tuple[int, ...] | None:
         """:func:`first_fit` on the node, kept until the node changes."""
