@@ -338,6 +338,9 @@ class Store:
                 raise ApiError(409, "Conflict", f"pod {name} is being deleted, cannot be assigned to a host")
             if (pod.get("spec") or {}).get("nodeName"):
                 raise ApiError(409, "Conflict", f'pod {name} is already assigned to node "{pod["spec"]["nodeName"]}"')
+            if (pod.get("spec") or {}).get("schedulingGates"):
+                # BindingREST returns a plain error here, which the API server answers as an internal error.
+                raise ApiError(500, "InternalError", f"pod {name} has non-empty .spec.schedulingGates")
             bound = clone(pod)
             bound["spec"]["nodeName"] = target
             if meta.get("annotations"):
@@ -391,7 +394,19 @@ def _uid_conflict(wanted: str, actual: str) -> ApiError:
 
 
 def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
-    """kube-apiserver lets an update change only images, activeDeadlineSeconds and tolerations of a pod."""
+    """kube-apiserver lets an update change only images, activeDeadlineSeconds and tolerations of a pod, and
+    remove scheduling gates, never add one (``validateSchedulingGates``: gates are set when a pod is created)."""
+    names = [gate.get("name") for gate in old.get("schedulingGates") or []]
+    for gate in new.get("schedulingGates") or []:
+        if gate.get("name") not in names:
+            raise ApiError(
+                422,
+                "Invalid",
+                "Pod is invalid: spec.schedulingGates: Forbidden: only deletion is allowed, "
+                f"but found new scheduling gate '{gate.get('name')}'",
+            )
+    old = {k: v for k, v in old.items() if k != "schedulingGates"}
+    new = {k: v for k, v in new.items() if k != "schedulingGates"}
     comparable_old = clone(old)
     for field_name in ("containers", "initContainers"):
         for old_c, new_c in zip(comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False):
