@@ -23,7 +23,8 @@ were (no extender can know that). Files are named ``openb`` (expected), ``openb-
 ``--policies kube-scheduler-dra`` (issue #54) replays what kube-scheduler 1.36 does with DRA claims by itself,
 no gpushared policy asked: nodes by its default scores over its rotating window, devices first fit
 (``gpushared.replay.kubescheduler``, which cites the scheduler's sources); it reads no mix, so ``--mix``
-changes nothing for it.
+changes nothing for it. ``kube-scheduler-dra-best-fit`` chooses the same way but each node's devices best fit:
+what tells the loss of kube-scheduler's node choice from that of its device choice.
 
 ``--compute`` (issue #43): every GPU task also asks for its GPU share as a compute request, rounded up to a
 whole percent, so each GPU is full when its memory or its compute is; the files get ``-compute``.
@@ -50,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix
 from gpushared.core.placement.policies import POLICIES
+from gpushared.replay.kubescheduler import BEST_FIT_NAME as KUBE_DRA_BEST_FIT
 from gpushared.replay.kubescheduler import NAME as KUBE_DRA
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
 from gpushared.replay.trace import read_nodes, read_pods
@@ -63,7 +65,7 @@ CURVE_POINTS = tuple(range(50, round(RATIO * 100) + 1, 10))
 #: Each policy of ours, the paper's policy it is held against, and how far below it may end (issue #25).
 GOALS = {"binpack": ("05-BestFit", 0.1), "fgd": ("06-FGD", 0.1)}
 #: Every placement a replay can run: the extender's policies, then kube-scheduler's own DRA placement.
-PLACEMENTS = (*POLICIES, KUBE_DRA)
+PLACEMENTS = (*POLICIES, KUBE_DRA, KUBE_DRA_BEST_FIT)
 #: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
 PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}
 
@@ -189,6 +191,7 @@ COLOURS = {
     "spread": "tab:red",
     "01-Random": "tab:gray",
     KUBE_DRA: "tab:purple",
+    KUBE_DRA_BEST_FIT: "tab:pink",
 }
 #: Drawn wide and pale, so that a policy drawn over it with the same numbers still shows.
 UNDERLAY = {"binpack"}
@@ -211,7 +214,9 @@ def plot(trace: str, ours: dict[str, Any], paper: dict[str, list[float]], path: 
             linewidth=4 if wide else 1.8,
             alpha=0.45 if wide else 1.0,
             color=COLOURS.get(policy),
-            label="kube-scheduler 1.36, DRA first fit" if policy == KUBE_DRA else f"gpushared {policy}",
+            label=f"kube-scheduler 1.36, DRA {'first' if policy == KUBE_DRA else 'best'} fit"
+            if policy.startswith(KUBE_DRA)
+            else f"gpushared {policy}",
         )
     for name, curve in paper.items():
         axes.plot(arrived, curve, linestyle="--", linewidth=1.3, color=COLOURS.get(name), label=PAPER[name])

@@ -34,13 +34,15 @@ What is *not* modelled: preemption, and anything the trace does not carry (taint
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gpushared.contract import ComputeShare
 from gpushared.core.placement.binding import holding_for
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix, kind_of
+from gpushared.core.placement.policies import BINPACK
+from gpushared.core.placement.pricing import PricingContext
 from gpushared.core.shared.requests import ContainerRequest, PodRequest
 from gpushared.core.shared.verdicts import judge
 from gpushared.replay.cluster import SimCluster, SimNode
@@ -48,6 +50,9 @@ from gpushared.replay.trace import MAX_PODS, TraceNode, TracePod
 
 #: What this placement is called in the replay's results, beside the extender's policies.
 NAME = "kube-scheduler-dra"
+#: The same nodes, with each node's devices chosen best fit (Aliyun's, binpack's GPU choice) instead of first
+#: fit: not what kube-scheduler does, but what tells the loss of its node choice from its device choice.
+BEST_FIT_NAME = "kube-scheduler-dra-best-fit"
 #: ``schedule_one.go``: the fewest nodes a search stops at, and the smallest adaptive percentage.
 MIN_FEASIBLE_NODES = 100
 MIN_FEASIBLE_PERCENTAGE = 5
@@ -140,6 +145,12 @@ def first_fit(node: SimNode, request: PodRequest) -> tuple[int, ...] | None:
     return tuple(fitting[: request.gpus]) if len(fitting) >= request.gpus else None
 
 
+def best_fit(node: SimNode, request: PodRequest) -> tuple[int, ...] | None:
+    """The GPUs binpack would give the request on ``node`` (the tightest with room); None when too few."""
+    chosen = BINPACK.choose(judge(node.ledger, request), request, PricingContext(node.ledger))
+    return None if chosen is None else tuple(verdict.gpu.index for verdict in chosen)
+
+
 class FirstFitCluster(SimCluster):
     """The trace's cluster scheduled as kube-scheduler 1.36 schedules pods whose GPUs are DRA claims:
     nodes by the default scores over a rotating window, devices first fit. No gpushared policy is asked."""
@@ -153,8 +164,11 @@ class FirstFitCluster(SimCluster):
         links: bool = False,
         expected: ExpectedMix | None = None,
         compute: bool = False,
+        devices: Callable[[SimNode, PodRequest], tuple[int, ...] | None] = first_fit,
     ) -> None:
+        """``devices``: how a node's devices are chosen (:func:`first_fit`, as kube-scheduler does)."""
         super().__init__(nodes, policy=None, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
+        self.devices = devices
         self.requests = [Requests() for _ in self.nodes]
         #: per node, (CPU, memory) of a pod -> (node version scored at, the score)
         self.scores: list[dict[tuple[int, int], tuple[int, int]]] = [{} for _ in self.nodes]
@@ -225,7 +239,7 @@ class FirstFitCluster(SimCluster):
             if known is not None and known[0] == node.version:
                 devices = known[1]
             else:
-                devices = first_fit(node, request)
+                devices = self.devices(node, request)
                 fits[index][slot] = (node.version, devices)
             if devices is not None:
                 found.append((index, devices))
@@ -240,7 +254,7 @@ class FirstFitCluster(SimCluster):
         known = self.fits[index].get(slot)
         if known is not None and known[0] == node.version:
             return known[1]
-        devices = first_fit(node, request)
+        devices = self.devices(node, request)
         self.fits[index][slot] = (node.version, devices)
         return devices
 

@@ -94,10 +94,11 @@ def replay(
     workload = tuned(pods, capacity_milli=capacity_milli, ratio=RATIO, rng=rng)
     mix = None if causal else oracle_mix(nodes, workload)
     cluster: SimCluster
-    if policy == kubescheduler.NAME:  # kube-scheduler's own DRA placement: no policy of ours asked
-        name = kubescheduler.NAME
+    if policy in (kubescheduler.NAME, kubescheduler.BEST_FIT_NAME):  # kube-scheduler's own DRA placement
+        name = str(policy)
+        devices = kubescheduler.first_fit if policy == kubescheduler.NAME else kubescheduler.best_fit
         cluster = kubescheduler.FirstFitCluster(
-            nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute
+            nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute, devices=devices
         )
     else:
         chosen = policy if isinstance(policy, Policy) else policy_named(policy)

@@ -17,6 +17,7 @@ from gpushared.replay.kubescheduler import (
     FirstFitCluster,
     Requests,
     balanced,
+    best_fit,
     first_fit,
     heap_top,
     least_allocated,
@@ -112,6 +113,14 @@ def test_devices_are_taken_first_fit_in_slice_order() -> None:
     assert first_fit(sim, request(GPU_MIB // 2)) == (1,)
     assert first_fit(sim, request(GPU_MIB, gpus=2)) == (1, 2)
     assert first_fit(sim, request(GPU_MIB, gpus=4)) is None
+
+
+def test_best_fit_takes_the_tightest_gpu_where_first_fit_takes_the_first() -> None:
+    cluster = FirstFitCluster([node(gpus=2)], mix=None, rng=random.Random(0))
+    assert cluster.place(task("half", milli=500)) and cluster.place(task("three quarters", milli=750))
+    sim = cluster.nodes[0]  # GPU 0 has a half left, GPU 1 a quarter
+    assert first_fit(sim, request(GPU_MIB // 4)) == (0,)
+    assert best_fit(sim, request(GPU_MIB // 4)) == (1,)
 
 
 def test_the_score_counts_an_unrequested_resource_as_kube_scheduler_does() -> None:
