@@ -60,3 +60,60 @@ def scheduler_route(pod: PodBody, *, scheduler: str, resources: ResourceNames) -
     operation = "replace" if "schedulerName" in spec else "add"
     patch = ({"op": operation, "path": "/spec/schedulerName", "value": scheduler},)
     return SchedulerRoute(patch, f"asks for {resources.gpu_mem}: sent to {scheduler}")
+
+
+#: The scheduling gate the claim allocator removes once it has allocated a pod's claims (issue #54).
+CLAIM_GATE = "gpushared.io/claim-allocator"
+#: The most claim references a pod may have (the API server allows 32 ``resourceClaims``).
+MAX_POD_CLAIMS = 32
+
+
+@dataclass(frozen=True)
+class ClaimRef:
+    """One of a pod's ``spec.resourceClaims``: a claim by name, or the template a claim is made from."""
+
+    template: bool
+    name: str
+
+
+def pod_claims(pod: PodBody) -> list[ClaimRef]:
+    """The claims and claim templates a pod references, at most :data:`MAX_POD_CLAIMS`; entries that name
+    neither are skipped (the API server refuses them)."""
+    found = []
+    for entry in ((pod.get("spec") or {}).get("resourceClaims") or [])[:MAX_POD_CLAIMS]:
+        if not isinstance(entry, dict):
+            continue
+        for key, template in (("resourceClaimName", False), ("resourceClaimTemplateName", True)):
+            name = entry.get(key)
+            if isinstance(name, str) and name:
+                found.append(ClaimRef(template=template, name=name))
+                break
+    return found
+
+
+def claim_gate(pod: PodBody, *, ours: dict[ClaimRef, bool | None]) -> SchedulerRoute:
+    """Hold a new pod back from kube-scheduler while the claim allocator places its claims: a scheduling
+    gate, added at creation (the only time one can be), when a claim or template it references asks for
+    this driver's DeviceClass. ``ours`` says so for each reference: True, False, or None where the
+    allocator's view does not hold it yet (a claim created after its pod). Only a reference known to be
+    ours gates: a pod of other drivers is never held by gpushared, and one let through unknown is still
+    never put past capacity (kube-scheduler allocates it first fit, the driver checks at prepare) and is
+    counted by the allocator."""
+    refs = pod_claims(pod)
+    mine = [ref for ref in refs if ours.get(ref)]
+    if not mine:
+        unknown = [ref.name for ref in refs if ours.get(ref) is None]
+        return SchedulerRoute(
+            (), f"claims {', '.join(unknown)} not known yet: not gated" if unknown else "no claim of ours"
+        )
+    gates = (pod.get("spec") or {}).get("schedulingGates")
+    if isinstance(gates, list) and any(isinstance(g, dict) and g.get("name") == CLAIM_GATE for g in gates):
+        return SchedulerRoute((), "gated already")
+    gate = {"name": CLAIM_GATE}
+    patch = (
+        {"op": "add", "path": "/spec/schedulingGates/-", "value": gate}
+        if isinstance(gates, list)
+        else {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
+    )
+    kind = "template" if mine[0].template else "claim"
+    return SchedulerRoute((patch,), f"{kind} {mine[0].name} asks for gpushared's GPUs: gated for the claim allocator")

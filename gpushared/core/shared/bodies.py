@@ -41,6 +41,10 @@ class PodSpec(TypedDict, total=False):
     initContainers: list[Container]
     overhead: dict[str, str | int]
     schedulerName: str
+    #: ``{name, resourceClaimName | resourceClaimTemplateName}``: the DRA claims the pod uses
+    resourceClaims: list[dict[str, object]]
+    #: ``{name}``: what holds the pod back from scheduling (set at creation, only ever removed)
+    schedulingGates: list[dict[str, object]]
 
 
 class ContainerStateTerminated(TypedDict, total=False):
