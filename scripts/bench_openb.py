@@ -26,6 +26,11 @@ no gpushared policy asked: nodes by its default scores over its rotating window,
 changes nothing for it. ``kube-scheduler-dra-best-fit`` chooses the same way but each node's devices best fit:
 what tells the loss of kube-scheduler's node choice from that of its device choice.
 
+``--window`` (issue #54): kube-scheduler sends the extender only the nodes its adaptive
+``percentageOfNodesToScore`` lets it find (497 of the trace's 1,213 nodes, from where its previous search
+stopped), as on a cluster whose scheduler configuration leaves that option unset; files ``*-window*``.
+Without it every node is priced, as the figures before issue #54 were.
+
 ``--compute`` (issue #43): every GPU task also asks for its GPU share as a compute request, rounded up to a
 whole percent, so each GPU is full when its memory or its compute is; the files get ``-compute``.
 """
@@ -100,12 +105,19 @@ def inputs(data: str, trace: str) -> tuple[Any, Any]:
     return read_nodes(Path(data) / NODE_LIST), read_pods(Path(data) / POD_LIST.format(trace))
 
 
-def _run(job: tuple[str, str, str, int, str, bool]) -> tuple[str, Replay]:
-    data, trace, policy, seed, mix, compute = job
+def _run(job: tuple[str, str, str, int, str, bool, bool]) -> tuple[str, Replay]:
+    data, trace, policy, seed, mix, compute, window = job
     nodes, pods = inputs(data, trace)
     expected = expected_for(data, trace) if mix == "expected" else None
     return trace, replay(
-        nodes, pods, policy=policy, seed=seed, causal=mix != "oracle", expected=expected, compute=compute
+        nodes,
+        pods,
+        policy=policy,
+        seed=seed,
+        causal=mix != "oracle",
+        expected=expected,
+        compute=compute,
+        window=window,
     )
 
 
@@ -274,8 +286,14 @@ def main() -> None:
         action="store_true",
         help="each GPU task also asks for its GPU share as a compute request (issue #43); files *-compute*",
     )
+    parser.add_argument(
+        "--window",
+        action="store_true",
+        help="kube-scheduler sends the extender only the nodes its adaptive percentageOfNodesToScore finds; "
+        "files *-window*",
+    )
     args = parser.parse_args()
-    name = MIXES[args.mix] + ("-compute" if args.compute else "")
+    name = MIXES[args.mix] + ("-compute" if args.compute else "") + ("-window" if args.window else "")
     if args.table:
         print(table(json.loads((args.out / f"{name}.json").read_text()), paper_curves(args.data)))
         return
@@ -287,7 +305,10 @@ def main() -> None:
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
     traces = args.traces or traces_in(args.data)
     jobs = [
-        (str(args.data), t, p, s, args.mix, args.compute) for t in traces for p in args.policies for s in args.seeds
+        (str(args.data), t, p, s, args.mix, args.compute, args.window)
+        for t in traces
+        for p in args.policies
+        for s in args.seeds
     ]
     started = time.monotonic()
     results = run_all(_run, jobs, workers=args.jobs)
@@ -298,6 +319,7 @@ def main() -> None:
         "seconds": round(time.monotonic() - started),
         "mix": args.mix,
         "compute": args.compute,
+        "window": args.window,
         **(
             {"expectedMixFrom": {t: MEMORY_FROM.get(t, MEMORY_FROM["*"]) for t in traces}}
             if args.mix == "expected"

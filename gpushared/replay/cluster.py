@@ -133,17 +133,22 @@ class SimCluster:
         links: bool = False,
         expected: ExpectedMix | None = None,
         compute: bool = False,
+        window: int = 0,
     ) -> None:
         """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
         the first task); None: the mix is counted as the extender counts it (``core.placement.mixbook``), from the
         tasks placed so far, a new one every ROOMS_STEP of the capacity, beside the operator's ``expected``
         mix where there is one (the extender's ``--expected-mix``). ``compute``: each GPU task also asks for
-        its GPU share as a compute request (``TracePod.compute_request``), the ledger's second dimension."""
+        its GPU share as a compute request (``TracePod.compute_request``), the ledger's second dimension.
+        ``policy`` None: a subclass places without one (``replay.kubescheduler``); the mix is still counted.
+        ``window``: how many of the nodes kube-scheduler's filters pass it sends the extender (0: all)."""
         self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
         #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
         self.links = LinkTally()
         self.policy = policy
         self.rng = rng
+        self.window = window
+        self.next_start = 0
         self.compute = compute
         #: the cluster's nodes by class, as the extender counts them from the Nodes it watches
         self.classes = Counter(
@@ -201,9 +206,7 @@ class SimCluster:
             containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
         )
         ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []
-        for node in self.nodes:
-            if node.gpu_free < need or not node.admits(pod):
-                continue
+        for node in self._candidates(pod, need):
             key, gpu = self._price(node, request, pod)
             if key is not None:
                 ranked.append((key, node, gpu))
@@ -230,6 +233,22 @@ class SimCluster:
         if self.book is not None:  # as the extender's cache counts a pod its watch shows bound
             self.book.count(kind_of(pod.cpu_milli, holding, pod.models or None))
         return True
+
+    def _candidates(self, pod: TracePod, need: int) -> list[SimNode]:
+        """The nodes kube-scheduler sends the extender: every node its own filters pass (NodeResourcesFit with
+        the gpu-mem resource, node affinity), or with a ``window``, the first that many of them from where
+        the previous search stopped, as ``percentageOfNodesToScore`` has it (``replay.kubescheduler``)."""
+        if not self.window:
+            return [node for node in self.nodes if node.gpu_free >= need and node.admits(pod)]
+        found: list[SimNode] = []
+        processed, total = 0, len(self.nodes)
+        while processed < total and len(found) < self.window:
+            node = self.nodes[(self.next_start + processed) % total]
+            processed += 1
+            if node.gpu_free >= need and node.admits(pod):
+                found.append(node)
+        self.next_start = (self.next_start + processed) % total
+        return found
 
     def _pick(self, cheapest: list[tuple[SimNode, tuple[int, ...]]], pod: TracePod) -> tuple[SimNode, tuple[int, ...]]:
         """Among the extender's cheapest: the best in-tree score, then at random."""

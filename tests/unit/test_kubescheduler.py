@@ -156,3 +156,16 @@ def test_the_search_moves_on_from_where_the_last_one_stopped() -> None:
     assert [n.pods for n in cluster.nodes[:1]] == [1]  # all equal: the first of the window
     assert cluster.place(task("b"))
     assert cluster.next_start == 0 and cluster.nodes[100].pods == 1
+
+
+def test_with_a_window_the_extender_prices_only_the_nodes_kube_scheduler_found() -> None:
+    """binpack would put the second task beside the first; kube-scheduler's window sends it the next 100
+    nodes instead, where no node has a task yet."""
+    nodes = [node(f"n{i:03}") for i in range(200)]
+    everything = SimCluster(nodes, policy=BINPACK, mix=None, rng=random.Random(0))
+    windowed = SimCluster(nodes, policy=BINPACK, mix=None, rng=random.Random(0), window=100)
+    for cluster in (everything, windowed):
+        assert cluster.place(task("a")) and cluster.place(task("b"))
+    assert sorted(n.pods for n in everything.nodes if n.pods) == [2]
+    first, second = (i for i, n in enumerate(windowed.nodes) if n.pods)
+    assert first < 100 <= second and windowed.next_start == 0
