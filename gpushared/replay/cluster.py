@@ -200,11 +200,8 @@ class SimCluster:
         """Schedule one pod; whether it was bound. A multi-GPU task asks gpu-count for its GPUs."""
         if self.allocated_mib >= self._rooms_due and self._recounts:
             self._count_mix()
-        need = pod.memory_request
-        share = ComputeShare(request=pod.compute_request) if self.compute and need else None
-        request = PodRequest(
-            containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
-        )
+        request = self._request(pod)
+        need = request.total
         ranked: list[tuple[NodeRank, SimNode, tuple[int, ...]]] = []
         for node in self._candidates(pod, need):
             key, gpu = self._price(node, request, pod)
@@ -219,8 +216,23 @@ class SimCluster:
                 )
             return False
         node, indices = self._pick([(node, gpus) for key, node, gpus in ranked if ties(key, best)], pod)
+        self._bind(node, pod, request, indices)
+        return True
+
+    def _request(self, pod: TracePod) -> PodRequest:
+        """The task as a pod's request: its GPU memory on all its GPUs (gpu-count for a multi-GPU task), and
+        with ``compute`` its share as a compute request."""
+        need = pod.memory_request
+        share = ComputeShare(request=pod.compute_request) if self.compute and need else None
+        return PodRequest(
+            containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
+        )
+
+    def _bind(self, node: SimNode, pod: TracePod, request: PodRequest, indices: Sequence[int]) -> None:
+        """Put ``pod`` on ``node``'s GPUs ``indices``: its CPU and memory counted, its GPUs held."""
         self._count(node, pod)
         holding = None
+        need = request.total
         if need:
             self._serial += 1
             chosen = [node.ledger.inventory.gpus[index] for index in indices]
@@ -232,7 +244,6 @@ class SimCluster:
             self.allocated_mib += need
         if self.book is not None:  # as the extender's cache counts a pod its watch shows bound
             self.book.count(kind_of(pod.cpu_milli, holding, pod.models or None))
-        return True
 
     def _candidates(self, pod: TracePod, need: int) -> list[SimNode]:
         """The nodes kube-scheduler sends the extender: every node its own filters pass (NodeResourcesFit with

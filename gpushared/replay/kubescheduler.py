@@ -37,13 +37,11 @@ import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from gpushared.contract import ComputeShare
-from gpushared.core.placement.binding import holding_for
 from gpushared.core.placement.fragmentation import RequestMix
-from gpushared.core.placement.mixbook import ExpectedMix, kind_of
+from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.placement.pricing import PricingContext
-from gpushared.core.shared.requests import ContainerRequest, PodRequest
+from gpushared.core.shared.requests import PodRequest
 from gpushared.core.shared.verdicts import judge
 from gpushared.replay.cluster import SimCluster, SimNode
 from gpushared.replay.trace import MAX_PODS, TraceNode, TracePod
@@ -178,11 +176,8 @@ class FirstFitCluster(SimCluster):
         self.window = nodes_to_find(len(self.nodes))
 
     def place(self, pod: TracePod) -> bool:
-        need = pod.memory_request
-        share = ComputeShare(request=pod.compute_request) if self.compute and need else None
-        request = PodRequest(
-            containers=(ContainerRequest(name="main", amount=need, gpus=max(pod.num_gpu, 1)),), compute=share
-        )
+        request = self._request(pod)
+        need = request.total
         found, processed = self._search(pod, request)
         total = len(self.nodes)
         self.next_start = (self.next_start + processed) % total
@@ -196,21 +191,8 @@ class FirstFitCluster(SimCluster):
         else:
             scores = [self._score(i, pod) for i, _ in found]
             index, devices = found[heap_top(scores)]
-        node = self.nodes[index]
-        self._count(node, pod)
         self.requests[index].add(pod)
-        holding = None
-        if need:
-            self._serial += 1
-            chosen = [node.ledger.inventory.gpus[i] for i in devices]
-            if len(devices) > 1:
-                self.links.add(node.trace, devices)
-            holding = holding_for(request, chosen, uid=f"pod-{self._serial}", namespace="replay", name=pod.name)
-            node.ledger.add(holding)
-            node.gpu_free -= need
-            self.allocated_mib += need
-        if self.book is not None:
-            self.book.count(kind_of(pod.cpu_milli, holding, pod.models or None))
+        self._bind(self.nodes[index], pod, request, devices)
         return True
 
     def _search(self, pod: TracePod, request: PodRequest) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
