@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpucheck.cuda import SPIN_CLIENT, SPIN_PTX, whole_gpu_sms
+from gpucheck.mps import supervising
 from gpucheck.report import finish
 
 
@@ -21,9 +22,7 @@ def check_compute(args: argparse.Namespace) -> int:
     then, without MPS, the compute watcher's reading of the same clients' SM use."""
     from gpushared import contract
     from gpushared.core.node.allocate import mps_client, thread_percentage
-    from gpushared.daemon.health import Health
-    from gpushared.daemon.metrics import Metrics
-    from gpushared.daemon.mps import MpsSettings, MpsSupervisor, stop_daemon
+    from gpushared.daemon.mps import stop_daemon
     from gpushared.nvml.backend import NvmlBackend
 
     report: dict[str, Any] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -38,11 +37,7 @@ def check_compute(args: argparse.Namespace) -> int:
     limit = 30  # the pod's gpushared.io/gpu-compute-limit, read as the contract reads it
     share = contract.parse_compute({contract.POD_COMPUTE_LIMIT: str(limit)}) or contract.ComputeShare()
     root = Path(tempfile.mkdtemp(prefix="gpushared-check-"))
-    settings = MpsSettings(root=root, binary=args.binary, exclusive_process=False, shm_size="25%", probe_seconds=5)
-    supervisor = MpsSupervisor(
-        settings=settings, health=Health(ignored_xids=(), recover_after=1), metrics=Metrics(), backend=backend
-    )
-    supervisor.sync([gpu])
+    supervisor = supervising(root, args.binary, backend, gpu)
     try:
         supervisor.check()
         [daemon] = supervisor.status()
@@ -70,7 +65,7 @@ def check_compute(args: argparse.Namespace) -> int:
             report["verdict"] = f"CLIENTS FAILED TO RUN: {report['mps']['error']}"
             return finish(report, passed="compute capped")
     finally:
-        report["stop"] = stop_daemon(settings, gpu.uuid, backend=backend)
+        report["stop"] = stop_daemon(supervisor.settings, gpu.uuid, backend=backend)
     report["without_mps"] = _sm_readings(backend, gpu.uuid, base)
     backend.stop()
     held = report["mps"]["occupancy_held"] and report["mps"]["capped_slower_alone"]

@@ -86,20 +86,14 @@ def unit_properties(*files: Path) -> list[str]:
 
 def serve_mps(args: argparse.Namespace) -> int:
     """Inside the sandbox: start the GPU's MPS daemon, say where it is, wait until the outside is done."""
-    from gpushared.daemon.health import Health
-    from gpushared.daemon.metrics import Metrics
-    from gpushared.daemon.mps import MpsSettings, MpsSupervisor, stop_daemon
+    from gpushared.daemon.mps import stop_daemon
     from gpushared.nvml.backend import NvmlBackend
 
     root = Path(args.serve_mps)
     backend = NvmlBackend()
     backend.start()
     gpu = next(g for g in backend.devices()[0] if g.index == args.gpu)
-    settings = MpsSettings(root=root, binary=args.binary, exclusive_process=False, shm_size="25%", probe_seconds=5)
-    supervisor = MpsSupervisor(
-        settings=settings, health=Health(ignored_xids=(), recover_after=1), metrics=Metrics(), backend=backend
-    )
-    supervisor.sync([gpu])
+    supervisor = supervising(root, args.binary, backend, gpu)
     try:
         supervisor.check()
         (root / "daemon.json").write_text(json.dumps(supervisor.status()[0], default=str))
@@ -109,7 +103,7 @@ def serve_mps(args: argparse.Namespace) -> int:
             supervisor.check()
         (root / "daemon-after.json").write_text(json.dumps(supervisor.status()[0], default=str))
     finally:
-        stop_daemon(settings, gpu.uuid, backend=backend)
+        stop_daemon(supervisor.settings, gpu.uuid, backend=backend)
         backend.stop()
     return 0
 
@@ -118,9 +112,7 @@ def check_in_process(args: argparse.Namespace) -> int:
     """The MPS supervisor in this process, two clients with different limits."""
 
     from gpushared.core.node.allocate import mps_client, thread_percentage
-    from gpushared.daemon.health import Health
-    from gpushared.daemon.metrics import Metrics
-    from gpushared.daemon.mps import MpsSettings, MpsSupervisor, stop_daemon
+    from gpushared.daemon.mps import stop_daemon
     from gpushared.nvml.backend import NvmlBackend
 
     report: dict[str, object] = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
@@ -133,10 +125,7 @@ def check_in_process(args: argparse.Namespace) -> int:
     gpu_sms = whole_gpu_sms(gpu.uuid)
     report["gpu"]["sms"] = gpu_sms  # type: ignore[index]
     root = Path(tempfile.mkdtemp(prefix="gpushared-check-"))
-    settings = MpsSettings(root=root, binary=args.binary, exclusive_process=False, shm_size="25%", probe_seconds=5)
-    health = Health(ignored_xids=(), recover_after=1)
-    supervisor = MpsSupervisor(settings=settings, health=health, metrics=Metrics(), backend=backend)
-    supervisor.sync([gpu])
+    supervisor = supervising(root, args.binary, backend, gpu)
     try:
         supervisor.check()
         [daemon] = supervisor.status()
@@ -169,7 +158,7 @@ def check_in_process(args: argparse.Namespace) -> int:
         else:
             report["verdict"] = "limits held" if held else "LIMITS NOT HELD: see clients"
     finally:
-        report["stop"] = stop_daemon(settings, gpu.uuid, backend=backend)
+        report["stop"] = stop_daemon(supervisor.settings, gpu.uuid, backend=backend)
         backend.stop()
     return finish(report)
 
@@ -253,3 +242,16 @@ def check_in_unit(args: argparse.Namespace) -> int:
         if service.poll() is None:
             subprocess.run(["systemctl", "stop", "gpushared-check"], check=False)
     return finish(report)
+
+
+def supervising(root: Path, binary: str, backend: Any, gpu: Any) -> Any:
+    """gpushared's MPS supervisor for one GPU, built as the daemon builds it (its own code), synced to it."""
+    from gpushared.daemon.health import Health
+    from gpushared.daemon.metrics import Metrics
+    from gpushared.daemon.mps import MpsSettings, MpsSupervisor
+
+    settings = MpsSettings(root=root, binary=binary, exclusive_process=False, shm_size="25%", probe_seconds=5)
+    health = Health(ignored_xids=(), recover_after=1)
+    supervisor = MpsSupervisor(settings=settings, health=health, metrics=Metrics(), backend=backend)
+    supervisor.sync([gpu])
+    return supervisor
