@@ -42,6 +42,8 @@ class Plugin:
     endpoint: str
     service: str
     channel: grpc.Channel
+    #: the registration socket's inode when it registered: a restarted plugin makes a new one
+    inode: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class FakeDraKubelet:
         self.plugins: dict[str, Plugin] = {}
         #: (driver or socket, error) of each registration refused
         self.refusals: list[tuple[str, str]] = []
+        #: driver -> how many times it registered (a restarted plugin registers again)
+        self.registrations: dict[str, int] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -96,14 +100,17 @@ class FakeDraKubelet:
 
     def _watch(self) -> None:
         while not self._stop.is_set():
-            present = {p for p in self.registry.glob("*.sock") if p.is_socket()}
+            present = {p: _inode(p) for p in self.registry.glob("*.sock") if p.is_socket()}
             with self._lock:
-                known = {p.registration_socket: name for name, p in self.plugins.items()}
-            for path, name in known.items():
-                if path not in present:
+                known = {p.registration_socket: (name, p.inode) for name, p in self.plugins.items()}
+            registered = set()
+            for path, (name, inode) in known.items():
+                if present.get(path) == inode:
+                    registered.add(path)
+                else:  # gone, or made again by a restarted plugin (inotify tells the real watcher either)
                     with self._lock:
                         self.plugins.pop(name).channel.close()
-            for path in present - set(known):
+            for path in set(present) - registered:
                 self._register(path)
             self._stop.wait(0.1)
 
@@ -123,22 +130,24 @@ class FakeDraKubelet:
                         registration.RegistrationStatus(plugin_registered=False, error=error), timeout=5
                     )
                     return
-                plugin = Plugin(
-                    info.name, path, info.endpoint, service, grpc.insecure_channel(f"unix://{info.endpoint}")
-                )
+                channel_to = grpc.insecure_channel(f"unix://{info.endpoint}")
+                plugin = Plugin(info.name, path, info.endpoint, service, channel_to, inode=_inode(path))
                 with self._lock:
                     self.plugins[info.name] = plugin
+                    self.registrations[info.name] = self.registrations.get(info.name, 0) + 1
                 stub.NotifyRegistrationStatus(registration.RegistrationStatus(plugin_registered=True), timeout=5)
         except grpc.RpcError as exc:
             self.refusals.append((str(path), f"{exc.code()}: {exc.details()}"))
             time.sleep(0.2)  # the real watcher retries on the next event; this one on its next look
 
-    def wait_for(self, driver: str, *, timeout: float = 10) -> Plugin:
+    def wait_for(self, driver: str, *, timeout: float = 10, times: int = 1) -> Plugin:
+        """The driver's plugin once it has registered ``times`` times in all (a restarted one registers again)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
                 plugin = self.plugins.get(driver)
-            if plugin is not None:
+                enough = self.registrations.get(driver, 0) >= times
+            if plugin is not None and enough:
                 return plugin
             time.sleep(0.05)
         raise AssertionError(f"DRA driver {driver} did not register; refusals: {self.refusals}")
@@ -162,3 +171,12 @@ class FakeDraKubelet:
         )
         answer = stub(plugin.channel).NodeUnprepareResources(request, timeout=timeout)
         return {uid: entry.error for uid, entry in answer.claims.items()}
+
+
+def _inode(path: Path) -> tuple[int, int]:
+    """Which file is at ``path`` now: its inode and change time (a socket made again is another file)."""
+    try:
+        found = path.stat()
+    except FileNotFoundError:
+        return (-1, -1)
+    return (found.st_ino, found.st_ctime_ns)

@@ -222,7 +222,7 @@ def test_a_killed_daemon_comes_back_with_its_claims(world: tuple[Daemon, FakeDra
     daemon.notify.wait_for("READY=1")
     wait_until(lambda: not orphan.exists(), message="the spec no claim names removed")
     assert cdi_spec(daemon, kept.uid)["devices"][0]["name"] == f"{kept.uid}-gpu", "rewritten from the checkpoint"
-    kubelet.wait_for(dra.DRIVER)
+    kubelet.wait_for(dra.DRIVER, times=2)  # the restarted daemon's registration, not the first one's
     daemon.api.inject(Fault(method="GET", path="/resourceclaims/", status=503, times=None))
     assert kubelet.prepare(dra.DRIVER, kept)[kept.uid] == answers[kept.uid], "answered without the API server"
     wait_until(lambda: daemon.api.objects("resourceslices"), message="slice")
