@@ -25,6 +25,10 @@ no gpushared policy asked: nodes by its default scores over its rotating window,
 (``gpushared.replay.kubescheduler``, which cites the scheduler's sources); it reads no mix, so ``--mix``
 changes nothing for it. ``kube-scheduler-dra-best-fit`` chooses the same way but each node's devices best fit:
 what tells the loss of kube-scheduler's node choice from that of its device choice.
+``dra-allocator-<policy>`` places the same claims with gpushared's claim allocator and that policy
+(``gpushared.replay.allocator``), CPU-only pods by the extender's prioritize: the "after", held within 0.1
+of the extender's own policy; ``dra-allocator-only-<policy>`` the allocator without the extender's verbs
+(managed clusters), CPU-only pods by kube-scheduler's default scores.
 
 ``--window`` (issue #54): kube-scheduler sends the extender only the nodes its adaptive
 ``percentageOfNodesToScore`` lets it find (497 of the trace's 1,213 nodes, from where its previous search
@@ -56,6 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix
 from gpushared.core.placement.policies import POLICIES
+from gpushared.replay.allocator import ALONE as ALLOCATOR_ALONE
+from gpushared.replay.allocator import PREFIX as ALLOCATOR
 from gpushared.replay.kubescheduler import BEST_FIT_NAME as KUBE_DRA_BEST_FIT
 from gpushared.replay.kubescheduler import NAME as KUBE_DRA
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
@@ -70,7 +76,12 @@ CURVE_POINTS = tuple(range(50, round(RATIO * 100) + 1, 10))
 #: Each policy of ours, the paper's policy it is held against, and how far below it may end (issue #25).
 GOALS = {"binpack": ("05-BestFit", 0.1), "fgd": ("06-FGD", 0.1)}
 #: Every placement a replay can run: the extender's policies, then kube-scheduler's own DRA placement.
-PLACEMENTS = (*POLICIES, KUBE_DRA, KUBE_DRA_BEST_FIT)
+PLACEMENTS = (
+    *POLICIES,
+    KUBE_DRA,
+    KUBE_DRA_BEST_FIT,
+    *(f"{prefix}{policy}" for prefix in (ALLOCATOR, ALLOCATOR_ALONE) for policy in POLICIES),
+)
 #: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
 PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}
 
@@ -204,6 +215,9 @@ COLOURS = {
     "01-Random": "tab:gray",
     KUBE_DRA: "tab:purple",
     KUBE_DRA_BEST_FIT: "tab:pink",
+    f"{ALLOCATOR}fgd": "tab:olive",
+    f"{ALLOCATOR}binpack": "tab:cyan",
+    f"{ALLOCATOR_ALONE}fgd": "tab:brown",
 }
 #: Drawn wide and pale, so that a policy drawn over it with the same numbers still shows.
 UNDERLAY = {"binpack"}
@@ -228,6 +242,10 @@ def plot(trace: str, ours: dict[str, Any], paper: dict[str, list[float]], path: 
             color=COLOURS.get(policy),
             label=f"kube-scheduler 1.36, DRA {'first' if policy == KUBE_DRA else 'best'} fit"
             if policy.startswith(KUBE_DRA)
+            else f"gpushared claim allocator alone, {policy.removeprefix(ALLOCATOR_ALONE)} (DRA, no extender)"
+            if policy.startswith(ALLOCATOR_ALONE)
+            else f"gpushared claim allocator, {policy.removeprefix(ALLOCATOR)} (DRA)"
+            if policy.startswith(ALLOCATOR)
             else f"gpushared {policy}",
         )
     for name, curve in paper.items():

@@ -21,7 +21,7 @@ from typing import Protocol
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.placement.cpu import allocatable_cpu, cpu_of, holds_cpu
+from gpushared.core.placement.cpu import allocatable_cpu, allocatable_memory, cpu_of, holds_cpu, memory_request
 from gpushared.core.placement.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.placement.mixbook import ExpectedMix, MixBook, built_mix, kind_of
 from gpushared.core.placement.nodes import NodeState, Rejected, usable
@@ -183,6 +183,7 @@ class ClusterState:
         if model != state.model:
             state.model = model  # fgd's ranks read the mix as this model sees it: the index keeps them per model
             self._shapes += 1
+        state.memory_allocatable = allocatable_memory(new)
         cpu = allocatable_cpu(new)
         if cpu != state.cpu_allocatable:
             state.cpu_allocatable = cpu
@@ -272,6 +273,8 @@ class ClusterState:
         known = state.pods.get(uid)
         if known is None or holds_cpu(known) != holds_cpu(pod) or cpu_of(known) != cpu_of(pod):
             return False
+        if memory_request(known) != memory_request(pod):
+            return False
         if state.ledger is None or not holds_cpu(pod):
             return True
         return state.ledger.holding(uid) == self._holding(pod, state)
@@ -282,6 +285,7 @@ class ClusterState:
             return
         cpu = cpu_of(pod)
         state.cpu_requested += cpu
+        state.memory_requested += memory_request(pod)
         state.cpu_version += 1
         if state.ledger is not None:
             self.changed(state.name)
@@ -299,6 +303,7 @@ class ClusterState:
             return
         cpu = cpu_of(pod)
         state.cpu_requested -= cpu
+        state.memory_requested -= memory_request(pod)
         state.cpu_version += 1
         self.unreadable.discard(uid)
         if state.ledger is not None:

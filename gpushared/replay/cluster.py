@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.binding import holding_for
+from gpushared.core.placement.claimchoice import Resources, preference
 from gpushared.core.placement.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.placement.mixbook import ExpectedMix, MixBook, kind_of
 from gpushared.core.placement.policies import NodeRank, Policy, best_rank, ties
@@ -55,8 +56,6 @@ class SimNode:
     gpu_free: int = 0  # the gpu-mem extended resource left, as NodeResourcesFit counts it
     pods: int = 0
     version: int = 0
-    #: (request size, GPUs, CPU if the policy reads it) -> (version priced at, rank or None when too few GPUs
-    #: fit, chosen GPU indices)
     #: (need, GPUs, CPU, pinned to models, compute request) -> (version priced at, rank, GPUs chosen)
     prices: dict[tuple[int, int, int, bool, int], tuple[int, NodeRank | None, tuple[int, ...]]] = field(
         default_factory=dict
@@ -65,6 +64,11 @@ class SimNode:
     def __post_init__(self) -> None:
         self.cpu_free, self.memory_free = self.trace.cpu_milli, self.trace.memory_mib
         self.gpu_free = self.ledger.inventory.total
+
+    @property
+    def resources(self) -> Resources:
+        cpu, memory = self.trace.cpu_milli, self.trace.memory_mib
+        return Resources(cpu, cpu - self.cpu_free, memory, memory - self.memory_free)
 
     def admits(self, pod: TracePod) -> bool:
         """kube-scheduler's own filters: NodeResourcesFit (CPU, memory, pods) and node affinity."""
@@ -302,9 +306,7 @@ class SimCluster:
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated
         plus NodeResourcesBalancedAllocation, weight 1 each."""
-        cpu = 1 - (node.cpu_free - pod.cpu_milli) / node.trace.cpu_milli
-        memory = 1 - (node.memory_free - pod.memory_mib) / node.trace.memory_mib
-        return int((1 - (cpu + memory) / 2) * 100) + int((1 - abs(cpu - memory)) * 100)
+        return int(preference(node.resources, pod_cpu=pod.cpu_milli, pod_memory=pod.memory_mib))
 
     def _count(self, node: SimNode, pod: TracePod) -> None:
         node.cpu_free -= pod.cpu_milli

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
-from gpushared.core.placement.policies import BINPACK
+from gpushared.core.placement.policies import BINPACK, Policy
 from gpushared.core.placement.pricing import PricingContext
 from gpushared.core.shared.requests import PodRequest
 from gpushared.core.shared.verdicts import judge
@@ -163,9 +163,11 @@ class FirstFitCluster(SimCluster):
         expected: ExpectedMix | None = None,
         compute: bool = False,
         devices: Callable[[SimNode, PodRequest], tuple[int, ...] | None] = first_fit,
+        policy: Policy | None = None,
     ) -> None:
-        """``devices``: how a node's devices are chosen (:func:`first_fit`, as kube-scheduler does)."""
-        super().__init__(nodes, policy=None, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
+        """``devices``: how a node's devices are chosen (:func:`first_fit`, as kube-scheduler does).
+        ``policy``: the claim allocator's, where a subclass places claims with one (``replay.allocator``)."""
+        super().__init__(nodes, policy=policy, mix=mix, rng=rng, links=links, expected=expected, compute=compute)
         self.devices = devices
         self.requests = [Requests() for _ in self.nodes]
         #: per node, (CPU, memory) of a pod -> (node version scored at, the score)

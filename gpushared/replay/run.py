@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gpushared.core.placement.fragmentation import ModelKind, RequestMix, node_class
 from gpushared.core.placement.mixbook import ExpectedMix, request_kind
 from gpushared.core.placement.policies import Policy, policy_named
-from gpushared.replay import kubescheduler
+from gpushared.replay import allocator, kubescheduler
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
 from gpushared.replay.trace import TraceNode, TracePod
 
@@ -104,6 +104,19 @@ def replay(
         devices = kubescheduler.first_fit if policy == kubescheduler.NAME else kubescheduler.best_fit
         cluster = kubescheduler.FirstFitCluster(
             nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute, devices=devices
+        )
+    elif isinstance(policy, str) and policy.startswith(allocator.PREFIX):  # DRA with the claim allocator
+        name = policy
+        named, alone = allocator.policy_of(policy)
+        cluster = allocator.AllocatorCluster(
+            nodes,
+            policy=policy_named(named),
+            alone=alone,
+            mix=mix,
+            rng=rng,
+            links=links,
+            expected=expected,
+            compute=compute,
         )
     else:
         chosen = policy if isinstance(policy, Policy) else policy_named(policy)

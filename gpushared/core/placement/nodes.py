@@ -42,6 +42,10 @@ class NodeState:
     cpu_requested: int = 0
     #: counts changes of the two: ranks that read CPU are kept per (ledger version, CPU version)
     cpu_version: int = 0
+    #: bytes of memory pods may request here (None: the node does not say) and that the pods bound here
+    #: request: the claim allocator's tie-break (``core.placement.claimchoice.preference``)
+    memory_allocatable: int | None = None
+    memory_requested: int = 0
 
     @property
     def cpu(self) -> NodeCpu | None:

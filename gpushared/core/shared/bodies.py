@@ -174,6 +174,7 @@ _SMALL_VALUES = frozenset(
 _GPU_RESOURCES = ("/gpu-mem", "/gpu-count")
 #: And the one other resource it weighs (fgd): the CPU request.
 _CPU_REQUEST = ("requests", "cpu")
+_MEMORY_REQUEST = ("requests", "memory")
 
 
 def _ours(key: str) -> bool:
@@ -181,13 +182,18 @@ def _ours(key: str) -> bool:
 
 
 def _slim_container(container: dict[str, Any]) -> dict[str, Any]:
-    """Name, restart policy, GPU resources and CPU request only (the fgd policy weighs nodes' CPU). A
+    """Name, restart policy, GPU resources, CPU and memory requests only (the fgd policy weighs nodes' CPU;
+    the claim allocator breaks ties with kube-scheduler's scores of CPU and memory). A
     container without them stays, as its name alone, so that positions in error messages
     (``spec.containers[2]``) stay those of the pod."""
     slim: dict[str, Any] = {"name": sys.intern(container.get("name", ""))}
     resources = container.get("resources") or {}
     kept = {
-        kind: {sys.intern(k): v for k, v in amounts.items() if k.endswith(_GPU_RESOURCES) or (kind, k) == _CPU_REQUEST}
+        kind: {
+            sys.intern(k): v
+            for k, v in amounts.items()
+            if k.endswith(_GPU_RESOURCES) or (kind, k) in (_CPU_REQUEST, _MEMORY_REQUEST)
+        }
         for kind, amounts in resources.items()
         if kind in ("limits", "requests") and amounts
     }
@@ -260,9 +266,9 @@ def slim_pod(pod: PodBody) -> PodBody:
     for part in ("initContainers", "containers"):
         if spec.get(part):
             slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
-    overhead = (spec.get("overhead") or {}).get("cpu")
+    overhead = {k: v for k, v in (spec.get("overhead") or {}).items() if k in ("cpu", "memory")} or None
     if overhead is not None:
-        slim_spec["overhead"] = {"cpu": overhead}
+        slim_spec["overhead"] = overhead
     # Where the pod may run: the GPU models its kind may use in the request mix (gpu_models)
     selector = spec.get("nodeSelector")
     required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
@@ -279,7 +285,7 @@ def slim_pod(pod: PodBody) -> PodBody:
         slim_spec.get("nodeName"),
         id(slim_spec.get("initContainers")),
         id(slim_spec.get("containers")),
-        overhead,
+        tuple(sorted(overhead.items())) if overhead else None,
         slim_spec.get("schedulerName"),
     )
     if selector or required:  # pods that choose nodes keep a spec of their own

@@ -1,0 +1,158 @@
+"""The trace's cluster on DRA with gpushared's claim allocator (issue #54): the "after" beside
+``replay.kubescheduler``'s "before".
+
+Each GPU task is a pod with one claim, written as a user writes it (one request of this driver's DeviceClass,
+``count`` its GPUs, ``capacity.requests.memory`` its memory on each) and read as the allocator reads it
+(``core.placement.claims.read_pending``). The allocator places it with the policy over every node
+kube-scheduler's filters pass (CPU, memory, pods, GPU model): ``core.placement.claimchoice`` on each node
+and its choice among them, kube-scheduler's own resource scores of the node breaking the policy's ties
+(``claimchoice.preference``, over the CPU and memory the allocator counts on each node as the extender's
+cache does), then a draw, as kube-scheduler draws among equal scores. kube-scheduler then binds the pod
+to that node (the allocation's node selector).
+
+A task without GPUs has no claim and no gate. Two deployments differ there:
+
+- ``dra-allocator-<policy>``: the allocator runs in the extender's process and kube-scheduler calls the
+  extender, whose prioritize keeps CPU-only pods off nodes with idle GPUs (a self-managed cluster);
+- ``dra-allocator-only-<policy>``: the allocator alone, no extender verbs (a managed cluster, whose
+  kube-scheduler calls no extender): kube-scheduler places CPU-only pods by its default scores
+  (``FirstFitCluster``), spreading them over GPU nodes too.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+from gpushared.contract import dra
+from gpushared.core.placement.claimchoice import Candidate, ClaimChoice, Setting, best_of, place_on
+from gpushared.core.placement.claims import ClaimAsk, read_pending
+from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.mixbook import ExpectedMix
+from gpushared.core.placement.policies import Policy
+from gpushared.core.placement.pricing import NodeCpu
+from gpushared.replay.cluster import SimCluster, SimNode
+from gpushared.replay.kubescheduler import FirstFitCluster
+from gpushared.replay.trace import TraceNode, TracePod
+
+#: What this placement is called in the replay's results: ``dra-allocator-<policy>``, and without the
+#: extender's verbs ``dra-allocator-only-<policy>``.
+PREFIX = "dra-allocator-"
+ALONE = "dra-allocator-only-"
+
+
+def policy_of(placement: str) -> tuple[str, bool]:
+    """(the policy's name, whether the allocator runs without the extender's verbs) of a placement's name."""
+    if placement.startswith(ALONE):
+        return placement.removeprefix(ALONE), True
+    return placement.removeprefix(PREFIX), False
+
+
+def claim_of(pod: TracePod, *, unit_bytes: int, compute: bool = False) -> dict[str, Any]:
+    """The task's claim as a user writes it: its GPUs, each with its memory (and with ``compute`` its share
+    as a compute request)."""
+    wanted = {dra.CAPACITY_MEMORY: str(pod.memory_per_gpu * unit_bytes)}
+    if compute:
+        wanted[dra.CAPACITY_COMPUTE] = str(pod.compute_request)
+    return {
+        "metadata": {"namespace": "replay", "name": pod.name, "uid": pod.name, "resourceVersion": "1"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": dra.DEVICE_CLASS,
+                            "count": pod.num_gpu,
+                            "capacity": {"requests": wanted},
+                        },
+                    }
+                ]
+            }
+        },
+    }
+
+
+class AllocatorCluster(FirstFitCluster):
+    """GPU tasks' claims placed by the claim allocator with ``policy``; other tasks by kube-scheduler."""
+
+    def __init__(
+        self,
+        nodes: Sequence[TraceNode],
+        *,
+        policy: Policy,
+        mix: RequestMix | None,
+        rng: random.Random,
+        links: bool = False,
+        expected: ExpectedMix | None = None,
+        compute: bool = False,
+        alone: bool = False,
+    ) -> None:
+        """``alone``: no extender verbs, CPU-only pods placed by kube-scheduler's default scores."""
+        super().__init__(nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute, policy=policy)
+        self.chosen_policy = policy
+        self.alone = alone
+        if not alone:  # the extender is sent every node kube-scheduler's filters pass, as the published figures
+            self.window = 0
+        self.index_of = {node.trace.name: i for i, node in enumerate(self.nodes)}
+        self.unit_bytes = self.nodes[0].ledger.unit.to_bytes(1) if self.nodes else 1
+        #: per node, (need, GPUs, pod CPU, pinned, compute) -> (node version placed at, the placement or None)
+        self.placed: list[dict[tuple[int, int, int, bool, int], tuple[int, ClaimChoice | None]]] = [
+            {} for _ in self.nodes
+        ]
+        #: claims the allocator read as something to hand over, or could not read: none should be
+        self.handed_over = 0
+
+    def place(self, pod: TracePod) -> bool:
+        if not pod.num_gpu:  # no claim: kube-scheduler's own scores, or the extender's prioritize
+            return super().place(pod) if self.alone else SimCluster.place(self, pod)
+        if self.allocated_mib >= self._rooms_due and self._recounts:
+            self._count_mix()
+        ask = read_pending(claim_of(pod, unit_bytes=self.unit_bytes, compute=self.compute))
+        if not isinstance(ask, ClaimAsk):
+            self.handed_over += 1
+            return False
+        request = self._request(pod)
+        need = request.total
+        found = [
+            (self._place_on(index, node, ask, pod), float(self._in_tree(node, pod)))
+            for index, node in enumerate(self.nodes)
+            if node.gpu_free >= need and node.admits(pod)
+        ]
+        result = best_of([ask], found, pick=lambda tied: tied[self.rng.randrange(len(tied))])
+        if not isinstance(result, ClaimChoice):
+            self.gpu_failed += 1
+            self.gpu_failed_with_room += any(self._first_fit(i, request) is not None for i in range(len(self.nodes)))
+            return False
+        index = self.index_of[result.node]
+        self.requests[index].add(pod)
+        self._bind(self.nodes[index], pod, request, [p.index for p in result.picks])
+        return True
+
+    def _count_mix(self) -> None:
+        """A new mix: every node's placements read it, so they are all worked out again."""
+        super()._count_mix()
+        for known in self.placed:
+            known.clear()
+
+    @staticmethod
+    def _cpu(node: SimNode) -> NodeCpu:
+        return NodeCpu(allocatable=node.trace.cpu_milli, requested=node.trace.cpu_milli - node.cpu_free)
+
+    def _place_on(self, index: int, node: SimNode, ask: ClaimAsk, pod: TracePod) -> ClaimChoice | None:
+        """:func:`place_on` for the task's claim on the node, kept until the node or the mix changes."""
+        policy = self.chosen_policy
+        compute = pod.compute_request if self.compute else 0
+        slot = (pod.memory_request, pod.num_gpu, pod.cpu_milli if policy.reads_cpu else 0, bool(pod.models), compute)
+        known = self.placed[index].get(slot)
+        if known is not None and known[0] == node.version:
+            return known[1]
+        setting = Setting(
+            mix=self.mix, cpu=self._cpu(node), pod_cpu=pod.cpu_milli, model=node.trace.model, pinned=bool(pod.models)
+        )
+        devices = {gpu.index: dra.device_name(gpu.uuid) for gpu in node.ledger.inventory.gpus}
+        candidate = Candidate(name=node.trace.name, ledger=node.ledger, devices=devices, setting=setting)
+        placed = place_on([ask], candidate, policy)
+        self.placed[index][slot] = (node.version, placed)
+        return placed
