@@ -20,7 +20,7 @@ from gpushared.core.shared.bodies import PodBody
 from gpushared.kube import jsonio
 from gpushared.kube.credentials import Credentials, Identity
 from gpushared.kube.errors import KubeError, error_for, status_message
-from gpushared.kube.rest import REQUEST_TIMEOUT, pod_path, request_headers
+from gpushared.kube.rest import REQUEST_TIMEOUT, pod_path, quoted, request_headers
 
 
 class AsyncApi:
@@ -77,8 +77,38 @@ class AsyncApi:
             timeout=deadline + 1.0,
         )
 
+    async def put_claim_status(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Write a ResourceClaim's status as ``body`` has it. Its ``metadata.resourceVersion`` guards the
+        write: a claim changed since it was read (another allocator's write) fails with 409."""
+        meta = body.get("metadata") or {}
+        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        path = f"/apis/resource.k8s.io/v1/namespaces/{quoted(namespace)}/resourceclaims/{quoted(name)}/status"
+        return cast(
+            dict[str, Any], await self._call(f"write the status of claim {namespace}/{name}", "PUT", path, body)
+        )
+
+    async def json_patch_pod(self, namespace: str, name: str, operations: list[dict[str, Any]]) -> PodBody:
+        """Apply a JSON Patch (RFC 6902) to a pod: its ``test`` operations make it all or nothing."""
+        return cast(
+            PodBody,
+            await self._call(
+                f"patch pod {namespace}/{name}",
+                "PATCH",
+                pod_path(namespace, name),
+                operations,
+                content_type="application/json-patch+json",
+            ),
+        )
+
     async def _call(
-        self, what: str, method: str, path: str, body: dict[str, Any] | None = None, *, timeout: float | None = None
+        self,
+        what: str,
+        method: str,
+        path: str,
+        body: dict[str, Any] | list[dict[str, Any]] | None = None,
+        *,
+        timeout: float | None = None,
+        content_type: str = "application/json",
     ) -> Any:
         credential = self.credentials.credential
         try:
@@ -87,7 +117,7 @@ class AsyncApi:
         except KubeError as exc:
             raise KubeError(f"{what}: {exc}", status=exc.status) from exc
         session = await self._session_for(identity)
-        headers = request_headers(authorization, content_type=None if body is None else "application/json")
+        headers = request_headers(authorization, content_type=None if body is None else content_type)
         try:
             async with session.request(
                 method,

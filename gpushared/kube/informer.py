@@ -34,7 +34,7 @@ from gpushared.kube.rest import REQUEST_TIMEOUT, Lister
 log = logging.getLogger(__name__)
 
 #: The kinds of object an informer mirrors, typed once here at the boundary (core.shared.bodies).
-B = TypeVar("B", PodBody, NodeBody)
+B = TypeVar("B", PodBody, NodeBody, dict[str, Any])
 #: Called with (old, new): new None is a deletion, old None an addition. Runs on the informer's thread.
 Handler = Callable[[B | None, B | None], None]
 

@@ -66,6 +66,8 @@ class ContainerStatus(TypedDict, total=False):
 
 class PodStatus(TypedDict, total=False):
     phase: str
+    #: ``{name, resourceClaimName}``: the claim made from each template the pod names (DRA)
+    resourceClaimStatuses: list[dict[str, object]]
     containerStatuses: list[ContainerStatus]
     initContainerStatuses: list[ContainerStatus]
 
@@ -93,7 +95,9 @@ class NodeBody(TypedDict, total=False):
 
 
 #: A Kubernetes object as the core reads it.
-Body = PodBody | NodeBody
+#: Any other object a watch mirrors (DRA's ResourceClaims and ResourceSlices), read where it is used.
+ObjectBody = dict[str, Any]
+Body = PodBody | NodeBody | ObjectBody
 #: (namespace, name): namespace "" for cluster-scoped objects
 Key = tuple[str, str]
 
@@ -276,6 +280,12 @@ def slim_pod(pod: PodBody) -> PodBody:
     )
     if selector:
         slim_spec["nodeSelector"] = selector
+    # The DRA claims a pod uses and its scheduling gates: what the claim allocator reads (rare; kept whole)
+    claims, gates = spec.get("resourceClaims"), spec.get("schedulingGates")
+    if claims:
+        slim_spec["resourceClaims"] = claims
+    if gates:
+        slim_spec["schedulingGates"] = gates
     if required:
         slim_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": required}}
     # The containers are shared already, so their identity stands for their content (and stays alive with
@@ -288,13 +298,15 @@ def slim_pod(pod: PodBody) -> PodBody:
         tuple(sorted(overhead.items())) if overhead else None,
         slim_spec.get("schedulerName"),
     )
-    if selector or required:  # pods that choose nodes keep a spec of their own
+    if selector or required or claims or gates:  # pods that choose nodes or use claims keep a spec of their own
         slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}
     else:
         slim = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
     slim_status: dict[str, Any] = {}
     if "phase" in status:
         slim_status["phase"] = sys.intern(status["phase"])
+    if status.get("resourceClaimStatuses"):
+        slim_status["resourceClaimStatuses"] = status["resourceClaimStatuses"]
     if meta.get("deletionTimestamp") and status.get("containerStatuses"):
         slim_status["containerStatuses"] = [
             {"name": c.get("name", ""), "state": {"terminated": (c.get("state") or {}).get("terminated")}}

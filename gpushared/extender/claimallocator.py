@@ -1,0 +1,480 @@
+"""The claim allocator (issue #54): gpushared's policies for DRA claims, in front of kube-scheduler.
+
+kube-scheduler by itself allocates a claim first fit on a node its default scores chose. gpushared's
+webhook holds every new pod that uses a claim of gpushared's DeviceClass back with a scheduling gate
+(``core.placement.admission.CLAIM_GATE``); the leader's allocator, on the extender's event loop:
+
+1. reads each gated pod's claims from its book (``claimbook.ClaimBook``; ``core.placement.claims.read_pod``);
+2. chooses the node and devices with the extender's policy over the same ledgers
+   (``core.placement.claimchoice``), and counts the choice at once (assume), before any write;
+3. writes each claim's ``status.allocation`` (``core.dra.allocation``), guarded by the resourceVersion it
+   read: a claim changed meanwhile, or written by a second allocator, fails with 409 and nothing is taken;
+4. removes the gate, with a JSON Patch that tests the pod's UID and the gate's place: kube-scheduler then
+   keeps the pod to the allocation's node (its PreFilter), reserves the claims and binds it.
+
+Fail closed: a pod stays gated while no node has room, or while the allocator is down or not leading. The
+opt-in ``handover_after`` removes the gate of a pod gated that long, with no allocation, leaving it to
+kube-scheduler's first fit (counted, logged and told in an Event). A pod whose claims the allocator does not
+place (another driver's pending claim, CEL selectors, ...) is handed over at once, saying why. A pod
+deleted after its claims were written and before its gate went has them released (the allocation removed,
+resourceVersion-guarded), unless a pod has reserved them meanwhile.
+
+Nothing here holds a lock, and nothing it owns is touched off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpushared.contract import dra
+from gpushared.core.dra.allocation import GivenDevice, allocation_body
+from gpushared.core.dra.slices import nvlink_domains
+from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claimchoice import (
+    Candidate,
+    ClaimChoice,
+    NoRoom,
+    Resources,
+    Setting,
+    choose,
+    holdings_of,
+    preference,
+)
+from gpushared.core.placement.claims import ClaimAsk, read_pod
+from gpushared.core.placement.cpu import cpu_of, memory_request
+from gpushared.core.placement.policies import Policy
+from gpushared.core.shared.bodies import Key, PodBody, gpu_models, key_of, meta_of, uid_of
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.claimbook import Body, ClaimBook
+from gpushared.kube.aioapi import AsyncApi
+from gpushared.kube.errors import KubeError
+
+log = logging.getLogger(__name__)
+
+#: How often the leader looks at the gated pods.
+TICK_SECONDS = 0.1
+#: How long after the allocator's last write a pod is handed over to kube-scheduler: kube-scheduler's claim
+#: informer must show every allocation of the allocator before it allocates a claim of the same driver itself.
+QUIET_SECONDS = 2.0
+#: How long after a pod with pending claims of this driver reached kube-scheduler (handed over, or never
+#: gated) the allocator writes nothing: kube-scheduler tries a pod within moments of its gate going. Past it
+#: (a pod that fits nowhere, tried again later), the driver's check at prepare is what stops a GPU going past
+#: its capacity, so one unschedulable pod never stops the allocator for good.
+KUBE_WINDOW_SECONDS = 10.0
+#: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
+#: long enough for the watch to show a pod that reserved it.
+RELEASE_GRACE_SECONDS = 5.0
+
+
+@dataclass(frozen=True)
+class AllocatorSettings:
+    policy: Policy
+    driver: str = dra.DRIVER
+    device_class: str = dra.DEVICE_CLASS
+    #: seconds a pod may stay gated before its gate is removed with no allocation (None: never, fail closed)
+    handover_after: float | None = None
+    #: the DeviceClass's ``spec.config``, copied into each allocation (source FromClass)
+    class_config: tuple[dict[str, Any], ...] = ()
+    #: the node label naming GPU models, as the extender's (""; models not weighed)
+    model_label: str = ""
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Ungate:
+    reason: str
+    #: why: "allocated" (nothing left to allocate), "handover" (left to kube-scheduler), "timeout"
+    outcome: str
+
+
+@dataclass(frozen=True)
+class Allocate:
+    choice: ClaimChoice
+    asks: tuple[ClaimAsk, ...]
+
+
+Event = Callable[[PodBody, str, str], Awaitable[None]]
+
+
+async def _no_event(pod: PodBody, reason: str, message: str) -> None:
+    return None
+
+
+class ClaimAllocator:
+    def __init__(
+        self,
+        cache: ClusterCache,
+        book: ClaimBook,
+        api: AsyncApi,
+        settings: AllocatorSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        event: Event = _no_event,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.cache, self.book, self.api, self.settings = cache, book, api, settings
+        self.clock, self.event = clock, event
+        self.rng = rng or random.Random()
+        #: pods whose claims are being written or whose gate is being removed: not decided again meanwhile
+        self.inflight: set[Key] = set()
+        #: pod UID -> when the allocator first saw it gated (its latency, and the opt-in timeout)
+        self.first_seen: dict[str, float] = {}
+        #: pod UID -> why it waits, as last told (a reason changes: told again)
+        self.told: dict[str, str] = {}
+        #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
+        self.written_for: dict[str, tuple[Key, str, float]] = {}
+        #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated
+        self.counts: Counter[str] = Counter()
+        #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
+        self.latencies: list[float] = []
+        #: UIDs of ungated pods seen with pending claims of this driver (the webhook was skipped): counted once
+        self.not_gated: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: when the allocator last wrote an allocation (the quiet period before a hand-over)
+        self.last_write = float("-inf")
+        #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending): while
+        #: there are any, the allocator writes nothing, so that the two never take one GPU between them
+        self.kube_allocating: set[Key] = set()
+        #: pod UID -> when it reached kube-scheduler with pending claims of this driver
+        self.handed_at: dict[str, float] = {}
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        """Step while this replica leads and its cache is ready; every step is bounded (the gated pods)."""
+        while True:
+            if leading() and ready():
+                self.step()
+            await asyncio.sleep(TICK_SECONDS)
+
+    def step(self) -> int:
+        """Decide every gated pod not in flight, start what must be written, release what is left over.
+        Returns how many pods it started writing for."""
+        self.cache.owner.check("the claim allocator's step")
+        self.cache.inbox.drain()
+        self.book.drain()
+        started = 0
+        now = self.clock()
+        gated = []
+        self.kube_allocating.clear()
+        for key, pod in list(self.cache.pending.items()):
+            if key in self.inflight:
+                continue
+            if _gated(pod):
+                gated.append((key, pod))
+            elif self._kube_allocates(pod, now):
+                self.kube_allocating.add(key)
+        for key, pod in gated:
+            self.first_seen.setdefault(uid_of(pod), now)
+            decision = self.decide(pod, now)
+            if isinstance(decision, Allocate) and self.kube_allocating:
+                decision = Wait(
+                    f"kube-scheduler is allocating the claims of {len(self.kube_allocating)} pod(s) it was given; "
+                    "the allocator waits so that the two never take one GPU between them"
+                )
+            elif isinstance(decision, Ungate) and decision.outcome != "allocated" and not self._quiet(now):
+                decision = Wait("handed over to kube-scheduler once the allocator's last writes are seen")
+            if isinstance(decision, Wait):
+                self._tell(pod, decision.reason)
+                continue
+            self.inflight.add(key)
+            started += 1
+            if isinstance(decision, Allocate):
+                self._assume(decision)
+                self._spawn(self._allocate(pod, decision))
+            else:
+                self._spawn(self._ungate(pod, decision))
+        self._release_left_over(now)
+        self._forget_gone()
+        return started
+
+    def _forget_gone(self) -> None:
+        """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
+        kept = len(self.first_seen) + len(self.handed_at) + len(self.told)
+        if kept <= 3 * len(self.cache.pending) + 100:
+            return
+        waiting = {uid_of(pod) for pod in self.cache.pending.values()}
+        for book in (self.first_seen, self.handed_at, self.told):
+            for uid in [uid for uid in book if uid not in waiting]:
+                del book[uid]
+
+    def _quiet(self, now: float) -> bool:
+        """No allocation of the allocator in flight, and none written in the last QUIET_SECONDS."""
+        writing = any(key in self.inflight for key in self.cache.pending) or bool(self.book.assumed)
+        return not writing and now - self.last_write >= QUIET_SECONDS
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def settle(self) -> None:
+        """Wait for every write started (tests; a clean stop)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    # --- deciding (no I/O) ---------------------------------------------------------------------------------
+
+    def decide(self, pod: PodBody, now: float) -> Wait | Ungate | Allocate:
+        namespace = key_of(pod)[0]
+        read = read_pod(pod, self.book.claims.get(namespace, {}), device_class=self.settings.device_class)
+        if read.handover is not None:
+            return Ungate(f"handed over to kube-scheduler: {read.handover.reason}", "handover")
+        if read.waiting is None and not read.asks:
+            return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
+        if read.waiting is not None:
+            return self._timed_out(pod, now, read.waiting)
+        choice = choose(read.asks, self.candidates(pod, read.node), self.settings.policy, pick=self._draw)
+        if isinstance(choice, NoRoom):
+            return self._timed_out(pod, now, choice.reason)
+        return Allocate(choice, read.asks)
+
+    def _draw(self, tied: Any) -> ClaimChoice:
+        return tied[self.rng.randrange(len(tied))]  # type: ignore[no-any-return]
+
+    def _timed_out(self, pod: PodBody, now: float, reason: str) -> Wait | Ungate:
+        after = self.settings.handover_after
+        if after is not None and now - self.first_seen.get(uid_of(pod), now) >= after:
+            return Ungate(f"gated {after:g} s and still {reason}: left to kube-scheduler's first fit", "timeout")
+        return Wait(reason)
+
+    def candidates(self, pod: PodBody, fixed: str | None) -> list[Candidate]:
+        """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far
+        as the extender counts them (CPU, memory, GPU model), each with its ledger of claims."""
+        pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
+        label = self.settings.model_label
+        models = gpu_models(pod, label)
+        mix = self.cache.state.request_mix() if self.settings.policy.reads_mix else None
+        found = []
+        for name, devices in self.book.published().items():
+            node = self.cache.state.nodes.get(name)
+            if (fixed is not None and name != fixed) or node is None or node.inventory is None or node.problem:
+                continue
+            cpu = node.cpu
+            if cpu is not None and cpu.requested + pod_cpu > cpu.allocatable:
+                continue
+            memory = node.memory_allocatable
+            if memory is not None and node.memory_requested + pod_memory > memory:
+                continue
+            if models is not None and node.model not in models:
+                continue
+            inventory = node.inventory
+            given = {gpu.index: dra.device_name(gpu.uuid) for gpu in inventory.gpus}
+            resources = None
+            if cpu is not None and memory is not None:
+                resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
+            found.append(
+                Candidate(
+                    name=name,
+                    ledger=self.book.ledger(name, inventory),
+                    devices={index: device for index, device in given.items() if device in devices},
+                    domains=nvlink_domains(inventory),
+                    setting=Setting(mix=mix, cpu=cpu, pod_cpu=pod_cpu, model=node.model, pinned=models is not None),
+                    preference=preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory),
+                )
+            )
+        return found
+
+    def _assume(self, decision: Allocate) -> None:
+        """Count the choice in the book now: the next pod decided, before any write returns, sees it."""
+        holdings = holdings_of(decision.choice, decision.asks)
+        for ask in decision.asks:
+            mine = [h for h in holdings if h.uid.startswith(f"{ask.uid}/")]
+            self.book.assume(ask.uid, decision.choice.node, mine)
+
+    # --- acting (the API calls) ----------------------------------------------------------------------------
+
+    async def _allocate(self, pod: PodBody, decision: Allocate) -> None:
+        key = key_of(pod)
+        try:
+            for number, ask in enumerate(decision.asks):
+                body = self._allocated_body(ask, number, decision.choice)
+                if body is None:
+                    self._forget(decision.asks[number:])
+                    return
+                try:
+                    written = await self.api.put_claim_status(body)
+                except KubeError as exc:
+                    self.counts["conflict"] += 1
+                    log.info("claim %s/%s not allocated (tried again): %s", ask.namespace, ask.name, exc)
+                    self._forget(decision.asks[number:])
+                    return
+                self.book.written(written)
+                self.last_write = self.clock()
+                self.written_for[ask.uid] = (key, uid_of(pod), self.last_write)
+            await self._ungate(pod, Ungate(f"allocated on node {decision.choice.node}", "allocated"), inflight=False)
+        finally:
+            self.inflight.discard(key)
+
+    def _allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> Body | None:
+        """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
+        claim = self.book.claim(ask.namespace, ask.name)
+        if claim is None or str((claim.get("metadata") or {}).get("uid")) != ask.uid:
+            return None  # deleted, or made again, since it was decided
+        node = self.cache.state.nodes.get(choice.node)
+        if node is None or node.inventory is None:
+            return None
+        unit_bytes = node.inventory.unit.to_bytes(1)
+        devices = [
+            GivenDevice(p.request, p.device, p.units * unit_bytes, p.compute, str(uuid.uuid4()))
+            for p in choice.picks
+            if p.claim == number
+        ]
+        claim_config = ((claim.get("spec") or {}).get("devices") or {}).get("config") or []
+        allocation = allocation_body(
+            node=choice.node,
+            devices=devices,
+            class_config=self.settings.class_config,
+            claim_config=claim_config,
+            driver=self.settings.driver,
+        )
+        meta = {**(claim.get("metadata") or {}), "resourceVersion": ask.resource_version}
+        return {**claim, "metadata": meta, "status": {**(claim.get("status") or {}), "allocation": allocation}}
+
+    def _forget(self, asks: tuple[ClaimAsk, ...] | list[ClaimAsk]) -> None:
+        for ask in asks:
+            self.book.forget(ask.uid)
+
+    async def _ungate(self, pod: PodBody, decision: Ungate, *, inflight: bool = True) -> None:
+        key = key_of(pod)
+        try:
+            gone = not await self._remove_gate(pod)
+            if gone:
+                return
+            self.counts[decision.outcome] += 1
+            started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
+            if decision.outcome == "allocated":
+                started = self.first_seen.pop(uid_of(pod), None)
+            if decision.outcome == "allocated" and started is not None:
+                self.latencies.append(self.clock() - started)
+                del self.latencies[:-10_000]
+            self.told.pop(uid_of(pod), None)
+            if decision.outcome != "allocated":
+                self.handed_at[uid_of(pod)] = self.clock()
+                log.warning("pod %s/%s: %s", *key, decision.reason)
+                await self.event(pod, "ClaimsHandedOver", decision.reason)
+        finally:
+            if inflight:
+                self.inflight.discard(key)
+
+    async def _remove_gate(self, pod: PodBody) -> bool:
+        """Remove the allocator's gate from the pod, testing its UID and the gate's place: whether the pod
+        is still there. A pod whose gates moved meanwhile is read again and tried once more."""
+        namespace, name = key_of(pod)
+        uid = uid_of(pod)
+        for _ in range(2):
+            gates = (pod.get("spec") or {}).get("schedulingGates") or []
+            at = next((i for i, g in enumerate(gates) if isinstance(g, dict) and g.get("name") == CLAIM_GATE), None)
+            if at is None:
+                return True
+            operations = [
+                {"op": "test", "path": "/metadata/uid", "value": uid},
+                {"op": "test", "path": f"/spec/schedulingGates/{at}/name", "value": CLAIM_GATE},
+                {"op": "remove", "path": f"/spec/schedulingGates/{at}"},
+            ]
+            try:
+                await self.api.json_patch_pod(namespace, name, operations)
+                return True
+            except KubeError as exc:
+                if exc.status == 404:
+                    return False
+                if exc.status not in (409, 422):
+                    log.warning("pod %s/%s: its gate was not removed (tried again): %s", namespace, name, exc)
+                    return True
+            try:
+                pod = await self.api.get_pod(namespace, name)
+            except KubeError as exc:
+                return exc.status != 404
+            if uid_of(pod) != uid:
+                return False  # deleted and made again: not the pod decided
+        return True
+
+    def _release_left_over(self, now: float) -> None:
+        """Release claims written for a pod that is gone, if no pod reserved them (``written_for``)."""
+        for claim_uid, (pod_key, pod_uid, when) in list(self.written_for.items()):
+            if now - when < RELEASE_GRACE_SECONDS:
+                continue
+            pending = self.cache.pending.get(pod_key)
+            if pending is not None and uid_of(pending) == pod_uid:
+                continue  # still waiting: kube-scheduler reserves it when it binds
+            del self.written_for[claim_uid]
+            claim = next(
+                (c for named in self.book.claims.values() for c in named.values() if _uid_of(c) == claim_uid), None
+            )
+            status = (claim or {}).get("status") or {}
+            if claim is None or not status.get("allocation") or status.get("reservedFor"):
+                continue
+            if self.cache.state.node_of.get(pod_uid) is not None:
+                continue  # bound meanwhile: the kubelet reserves it
+            self._spawn(self._release(claim))
+
+    async def _release(self, claim: Body) -> None:
+        status = {k: v for k, v in (claim.get("status") or {}).items() if k not in ("allocation", "devices")}
+        try:
+            written = await self.api.put_claim_status({**claim, "status": status})
+        except KubeError as exc:
+            log.info("claim %s not released (changed since): %s", meta_of(claim).get("name"), exc)
+            return
+        self.book.written(written)
+        self.counts["released"] += 1
+
+    # --- telling -------------------------------------------------------------------------------------------
+
+    def _tell(self, pod: PodBody, reason: str) -> None:
+        uid = uid_of(pod)
+        if self.told.get(uid) == reason:
+            return
+        self.told[uid] = reason
+        log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
+        self._spawn(self.event(pod, "WaitingForClaimAllocator", reason))
+
+    def _kube_allocates(self, pod: PodBody, now: float) -> bool:
+        """Whether kube-scheduler may be allocating claims of this driver for the ungated pod: it has pending
+        ones. One that reached kube-scheduler ungated without the allocator having handed it over (the webhook
+        was skipped, or down) is counted once and told in an Event, never refused: kube-scheduler allocates
+        it first fit, and the driver checks at prepare."""
+        if not (pod.get("spec") or {}).get("resourceClaims"):
+            return False
+        namespace = key_of(pod)[0]
+        read = read_pod(pod, self.book.claims.get(namespace, {}), device_class=self.settings.device_class)
+        if not read.asks:
+            return False
+        uid = uid_of(pod)
+        if uid not in self.not_gated and uid not in self.first_seen:
+            self._count_not_gated(pod)
+        return now - self.handed_at.setdefault(uid, now) < KUBE_WINDOW_SECONDS
+
+    def _count_not_gated(self, pod: PodBody) -> None:
+        uid = uid_of(pod)
+        self.not_gated.add(uid)
+        del_oldest(self.not_gated)
+        self.counts["not_gated"] += 1
+        message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"
+        self._spawn(self.event(pod, "ClaimsNotGated", message))
+
+
+def _gated(pod: PodBody) -> bool:
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return any(isinstance(g, dict) and g.get("name") == CLAIM_GATE for g in gates)
+
+
+def _uid_of(body: Body) -> str:
+    return str((body.get("metadata") or {}).get("uid") or "")
+
+
+def del_oldest(seen: set[str], most: int = 100_000) -> None:
+    """Keep a set of UIDs bounded: past ``most``, it is emptied (a UID seen again is counted again)."""
+    if len(seen) > most:
+        seen.clear()

@@ -1,0 +1,202 @@
+"""The claim allocator's book (issue #54): every ResourceClaim, the devices each node publishes for this
+driver, and each DRA node's ledger of the claims allocated there, with the allocations written and not yet
+shown by the watch (assumed).
+
+Owned like the extender's cache (``cache.ClusterCache``): the claim and slice informers' threads only put
+their changes in an inbox, and the event loop applies them (``apply``) between the allocator's steps; the
+allocator reads the book and assumes what it writes, on the loop too. No lock guards any of it, and none is
+held across a call to the API server.
+
+A node's ledger is the same ``Ledger`` the extender places gpu-mem pods with, built from the node's GPU
+inventory (its Node annotation, in the cache) and the claims allocated there (``core.dra.claims``, one
+holding per device), and kept until one of them changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from gpushared.contract import GpuInventory, dra
+from gpushared.core.dra.claims import claim_holdings
+from gpushared.core.placement.claims import allocated_node
+from gpushared.core.shared.bodies import Key
+from gpushared.core.shared.ledger import Holding, Ledger
+from gpushared.extender.inbox import Inbox, Owner
+from gpushared.kube.informer import Informer
+from gpushared.kube.rest import Rest
+
+log = logging.getLogger(__name__)
+
+Body = dict[str, Any]
+
+
+def _key(body: Body) -> Key:
+    meta = body.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
+
+
+def _uid(body: Body) -> str:
+    return str((body.get("metadata") or {}).get("uid") or "")
+
+
+class ClaimBook:
+    def __init__(self, *, driver: str = dra.DRIVER) -> None:
+        self.driver = driver
+        self.inbox: Inbox | None = None
+        self.informers: list[Informer[Body]] = []
+        #: namespace -> name -> the claim as last seen (watched, or as a write of ours returned it)
+        self.claims: dict[str, dict[str, Body]] = {}
+        #: slice name -> (its node, the device names it publishes for this driver)
+        self._slices: dict[str, tuple[str, frozenset[str]]] = {}
+        #: node -> claims allocated there
+        self._on_node: dict[str, set[Key]] = {}
+        #: claim UID -> (node, holdings): allocations written that the book does not show yet
+        self.assumed: dict[str, tuple[str, list[Holding]]] = {}
+        #: node -> changes to its claims; a ledger is kept per (inventory, change count)
+        self._changes: dict[str, int] = {}
+        self._ledgers: dict[str, tuple[GpuInventory, int, Ledger]] = {}
+        #: claims whose allocation could not be read: counted, and named in the log once
+        self.problems: set[str] = set()
+
+    # --- the informers -------------------------------------------------------------------------------
+
+    def watch(self, rest: Rest, owner: Owner, *, watch_seconds: int = 60) -> None:
+        """Mirror the cluster's ResourceClaims and ResourceSlices into an inbox the owner drains."""
+        self.inbox = inbox = Inbox(self._apply, owner)
+        self.informers = [
+            Informer(
+                rest.lister(f"/apis/{dra.API_GROUP}/{dra.API_VERSION}/{plural}", what=plural),
+                name=plural,
+                handler=inbox.handler(plural),
+                watch_seconds=watch_seconds,
+            )
+            for plural in ("resourceclaims", "resourceslices")
+        ]
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.inbox is not None:
+            self.inbox.attach(loop)
+        for informer in self.informers:
+            informer.start()
+
+    def stop(self) -> None:
+        for informer in self.informers:
+            informer.stop()
+
+    def listed(self) -> bool:
+        return all(informer.synced for informer in self.informers)
+
+    def drain(self) -> None:
+        if self.inbox is not None:
+            self.inbox.drain()
+
+    def _apply(self, kind: str, old: Any, new: Any) -> None:
+        if kind == "resourceclaims":
+            self.on_claim(old, new)
+        else:
+            self.on_slice(old, new)
+
+    # --- what the informers show ----------------------------------------------------------------------
+
+    def on_claim(self, old: Body | None, new: Body | None) -> None:
+        if old is not None:
+            namespace, name = _key(old)
+            known = self.claims.get(namespace, {}).get(name)
+            if known is not None and (new is None or _uid(known) != _uid(new)):
+                self._drop(known)
+        if new is None:
+            return
+        namespace, name = _key(new)
+        self._drop(self.claims.get(namespace, {}).get(name))
+        self.claims.setdefault(namespace, {})[name] = new
+        node = allocated_node((new.get("status") or {}).get("allocation"))
+        if node is not None:
+            self._on_node.setdefault(node, set()).add((namespace, name))
+            self._changed(node)
+        assumed = self.assumed.get(_uid(new))
+        if assumed is not None and node is not None:
+            self.assumed.pop(_uid(new))  # shown: counted from the claim itself now
+            self._changed(assumed[0])
+
+    def _drop(self, body: Body | None) -> None:
+        if body is None:
+            return
+        namespace, name = _key(body)
+        if self.claims.get(namespace, {}).get(name) is body:
+            del self.claims[namespace][name]
+            if not self.claims[namespace]:
+                del self.claims[namespace]
+        node = allocated_node((body.get("status") or {}).get("allocation"))
+        if node is not None:
+            self._on_node.get(node, set()).discard((namespace, name))
+            self._changed(node)
+
+    def on_slice(self, old: Body | None, new: Body | None) -> None:
+        if old is not None:
+            self._slices.pop(str((old.get("metadata") or {}).get("name")), None)
+        if new is None:
+            return
+        spec = new.get("spec") or {}
+        node = spec.get("nodeName")
+        if spec.get("driver") != self.driver or not isinstance(node, str) or not node:
+            return
+        names = frozenset(
+            str(device.get("name")) for device in (spec.get("devices") or [])[:128] if isinstance(device, dict)
+        )
+        self._slices[str((new.get("metadata") or {}).get("name"))] = (node, names)
+
+    def published(self) -> dict[str, frozenset[str]]:
+        """Node -> the devices its slices of this driver publish: the nodes claims may be allocated on."""
+        found: dict[str, frozenset[str]] = {}
+        for node, names in self._slices.values():
+            found[node] = found.get(node, frozenset()) | names
+        return found
+
+    # --- what the allocator writes --------------------------------------------------------------------
+
+    def assume(self, uid: str, node: str, holdings: Iterable[Holding]) -> None:
+        """Count an allocation being written before the watch shows it (kube-scheduler's AssumePod)."""
+        self.assumed[uid] = (node, list(holdings))
+        self._changed(node)
+
+    def forget(self, uid: str) -> None:
+        """An allocation the API server refused: it never lands."""
+        known = self.assumed.pop(uid, None)
+        if known is not None:
+            self._changed(known[0])
+
+    def written(self, body: Body) -> None:
+        """A claim as a write of ours returned it: what the API server stored, applied at once."""
+        namespace, name = _key(body)
+        self.on_claim(self.claims.get(namespace, {}).get(name), body)
+
+    # --- what the allocator reads ---------------------------------------------------------------------
+
+    def claim(self, namespace: str, name: str) -> Body | None:
+        return self.claims.get(namespace, {}).get(name)
+
+    def ledger(self, node: str, inventory: GpuInventory) -> Ledger:
+        """The node's GPUs with the claims allocated there and those assumed, kept until one changes."""
+        changes = self._changes.get(node, 0)
+        known = self._ledgers.get(node)
+        if known is not None and known[0] == inventory and known[1] == changes:
+            return known[2]
+        claims = [self.claims[ns][name] for ns, name in self._on_node.get(node, ()) if name in self.claims.get(ns, {})]
+        holdings, problems = claim_holdings(claims, node=node, inventory=inventory, driver=self.driver)
+        for problem in problems:
+            if problem not in self.problems:
+                self.problems.add(problem)
+                log.warning("claim allocator: %s", problem)
+        shown = {_uid(claim) for claim in claims}
+        for uid, (where, assumed) in self.assumed.items():
+            if where == node and uid not in shown:
+                holdings.extend(assumed)
+        ledger = Ledger.build(inventory, holdings)
+        self._ledgers[node] = (inventory, changes, ledger)
+        return ledger
+
+    def _changed(self, node: str) -> None:
+        self._changes[node] = self._changes.get(node, 0) + 1

@@ -1,0 +1,214 @@
+"""The claim allocator against the fake API server: nodes that publish their GPUs as ResourceSlices, claims,
+gated pods, and the extender's cache and the allocator's book fed by real informers, on one event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpushared import contract
+from gpushared.contract import dra
+from gpushared.core.dra.slices import slice_body, slice_devices
+from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.policies import BINPACK
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.claimallocator import AllocatorSettings, ClaimAllocator
+from gpushared.extender.claimbook import ClaimBook
+from gpushared.kube.aioapi import AsyncApi
+from tests.builders import inventory
+from tests.extender_harness import gpu_node
+from tests.fakes.apiserver import FakeApiServer
+
+GI = 2**30
+CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
+
+
+def dra_node(api: FakeApiServer, name: str, *sizes: int, cpu: str = "64", memory: str = "256Gi") -> None:
+    """A node whose daemon runs in DRA mode: its inventory annotation and its ResourceSlice."""
+    inv = inventory(*sizes)
+    body = gpu_node(name, *sizes, inv=inv)
+    body["status"]["allocatable"] = {"cpu": cpu, "memory": memory}
+    api.create(body)
+    api.create(slice_body(node=name, node_uid=None, generation=1, devices=slice_devices(inv)))
+
+
+def claim(name: str, *, memory: str | None = "4Gi", count: int = 1, **exactly: Any) -> dict[str, Any]:
+    wanted = {"requests": {"memory": memory}} if memory is not None else {}
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "devices": {
+                "requests": [
+                    {
+                        "name": "gpu",
+                        "exactly": {
+                            "deviceClassName": dra.DEVICE_CLASS,
+                            "count": count,
+                            **({"capacity": wanted} if wanted else {}),
+                            **exactly,
+                        },
+                    }
+                ]
+            }
+        },
+    }
+
+
+def gated_pod(name: str, *claims: str, gated: bool = True, template: str | None = None) -> dict[str, Any]:
+    refs: list[dict[str, Any]] = [{"name": f"c{n}", "resourceClaimName": c} for n, c in enumerate(claims)]
+    if template is not None:
+        refs.append({"name": "t", "resourceClaimTemplateName": template})
+    spec: dict[str, Any] = {
+        "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}],
+        "resourceClaims": refs,
+    }
+    if gated:
+        spec["schedulingGates"] = [{"name": CLAIM_GATE}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+def allocation(api: FakeApiServer, name: str) -> list[tuple[str, str, str]]:
+    """(node, device, memory consumed) of each device of the claim's allocation, as stored."""
+    body = api.get("resourceclaims", name, "default") or {}
+    results = ((body.get("status") or {}).get("allocation") or {}).get("devices", {}).get("results") or []
+    return [(r["pool"], r["device"], r.get("consumedCapacity", {}).get("memory", "")) for r in results]
+
+
+def gates(api: FakeApiServer, pod: str) -> list[str]:
+    body = api.get("pods", pod, "default") or {}
+    return [g["name"] for g in (body.get("spec") or {}).get("schedulingGates") or []]
+
+
+def device(index: int) -> str:
+    return dra.device_name(f"GPU-{index:08x}-0000-0000-0000-000000000000")
+
+
+@dataclass
+class ClaimWorld:
+    """One allocator (a replica) with its own cache and book, on the caller's loop."""
+
+    api: FakeApiServer
+    settings: AllocatorSettings = field(default_factory=lambda: AllocatorSettings(policy=BINPACK))
+    clock: Callable[[], float] = time.monotonic
+
+    async def start(self) -> ClaimAllocator:
+        loop = asyncio.get_running_loop()
+        rest = self.api.rest()
+        self.cache = cache = ClusterCache(
+            list_nodes=rest.lister("/api/v1/nodes", what="nodes"),
+            list_pods=rest.lister("/api/v1/pods", what="pods"),
+            resources=contract.DEFAULT_RESOURCES,
+            watch_seconds=5,
+        )
+        cache.owner.claim()
+        cache.inbox.attach(loop)
+        self.book = book = ClaimBook()
+        book.watch(rest, cache.owner, watch_seconds=5)
+        cache.start()
+        book.start(loop)
+        while not (cache.listed() and book.listed()):
+            await asyncio.sleep(0.01)
+        cache.prepare()
+        self.aio = AsyncApi(self.api.credentials())
+        self.allocator = ClaimAllocator(cache, book, self.aio, self.settings, clock=self.clock)
+        return self.allocator
+
+    async def until(self, done: Callable[[], bool], *, within: float = 10.0) -> None:
+        """Step the allocator until ``done``; fail after ``within`` seconds (a hang is a failure)."""
+        deadline = time.monotonic() + within
+        while not done():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not done within {within} s: {self.allocator.counts}, {self.allocator.told}")
+            self.allocator.step()
+            await self.allocator.settle()
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        await self.allocator.settle()
+        self.cache.stop()
+        self.book.stop()
+        await self.aio.close()
+
+
+class FirstFitScheduler:
+    """kube-scheduler's own DRA allocation, as far as the invariant needs it: for each pod that has no gate
+    and pending claims of this driver, each claim is allocated first fit over the slices' devices with
+    kube-scheduler's consumable-capacity arithmetic (``core.dra.capacity``), counting every allocation the
+    API server holds, read afresh each round; its status writes are resourceVersion-guarded, as the
+    scheduler's are."""
+
+    def __init__(self, api: FakeApiServer) -> None:
+        self.rest = api.rest()
+        self.allocated = 0
+
+    def round(self) -> None:
+        claims = self.rest.request("list", "GET", "/apis/resource.k8s.io/v1/resourceclaims")["items"]
+        slices = self.rest.request("list", "GET", "/apis/resource.k8s.io/v1/resourceslices")["items"]
+        pods = self.rest.request("list", "GET", "/api/v1/pods")["items"]
+        by_name = {c["metadata"]["name"]: c for c in claims}
+        used = consumed_per_device(claims)
+        for pod in pods:
+            if pod["spec"].get("schedulingGates") or pod["spec"].get("nodeName"):
+                continue
+            for ref in pod["spec"].get("resourceClaims") or []:
+                body = by_name.get(ref.get("resourceClaimName"))
+                if body is None or (body.get("status") or {}).get("allocation"):
+                    continue
+                self._first_fit(body, slices, used)
+
+    def _first_fit(self, body: dict[str, Any], slices: list[dict[str, Any]], used: dict[Any, dict[str, int]]) -> None:
+        from gpushared.core.dra import capacity
+
+        request = body["spec"]["devices"]["requests"][0]
+        wanted = {k: parse(v) for k, v in ((request["exactly"].get("capacity") or {}).get("requests") or {}).items()}
+        for published in slices:
+            node = published["spec"]["nodeName"]
+            for entry in published["spec"]["devices"]:
+                model = capacity.model_device(entry)
+                taken = capacity.fits(model, used.get((node, model.name), {}), wanted)
+                if taken is None:
+                    continue
+                result = {
+                    "request": "gpu",
+                    "driver": dra.DRIVER,
+                    "pool": node,
+                    "device": model.name,
+                    "shareID": "00000000-0000-4000-8000-000000000001",
+                    "consumedCapacity": {k: str(v) for k, v in taken.items()},
+                }
+                selector = {
+                    "nodeSelectorTerms": [
+                        {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+                    ]
+                }
+                status = {"allocation": {"devices": {"results": [result]}, "nodeSelector": selector}}
+                path = f"{CLAIMS}/{body['metadata']['name']}/status"
+                try:
+                    self.rest.request("allocate", "PUT", path, body={**body, "status": status})
+                except Exception:
+                    return
+                self.allocated += 1
+                return
+
+
+def parse(value: object) -> int:
+    from gpushared.core.shared.quantity import parse_whole_quantity
+
+    return parse_whole_quantity("capacity", value)
+
+
+def consumed_per_device(claims: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, int]]:
+    """(node, device) -> what the claims the API server holds consume of each capacity."""
+    used: dict[tuple[str, str], dict[str, int]] = {}
+    for body in claims:
+        allocation_ = (body.get("status") or {}).get("allocation") or {}
+        for result in (allocation_.get("devices") or {}).get("results") or []:
+            counted = used.setdefault((result["pool"], result["device"]), {})
+            for name, amount in (result.get("consumedCapacity") or {}).items():
+                counted[name] = counted.get(name, 0) + parse(amount)
+    return used
