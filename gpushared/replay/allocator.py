@@ -116,11 +116,16 @@ class AllocatorCluster(FirstFitCluster):
         request = self._request(pod)
         need = request.total
         found = [
-            (self._place_on(index, node, ask, pod), float(self._in_tree(node, pod)))
+            self._place_on(index, node, ask, pod)
             for index, node in enumerate(self.nodes)
             if node.gpu_free >= need and node.admits(pod)
         ]
-        result = best_of([ask], found, pick=lambda tied: tied[self.rng.randrange(len(tied))])
+        result = best_of(
+            [ask],
+            found,
+            preference=lambda choice: float(self._in_tree(self.nodes[self.index_of[choice.node]], pod)),
+            pick=lambda tied: tied[self.rng.randrange(len(tied))],
+        )
         if not isinstance(result, ClaimChoice):
             self.gpu_failed += 1
             self.gpu_failed_with_room += any(self._first_fit(i, request) is not None for i in range(len(self.nodes)))

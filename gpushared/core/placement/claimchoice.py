@@ -171,28 +171,34 @@ def choose(
         return NoRoom("the pod has no pending claim of this driver")
     if not candidates:
         return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
-    return best_of(asks, ((place_on(asks, c, policy), c.preference) for c in candidates), pick=pick)
+    by_name = {c.name: c for c in candidates}
+    placed = (place_on(asks, c, policy) for c in candidates)
+    return best_of(asks, placed, preference=lambda choice: by_name[choice.node].preference, pick=pick)
 
 
 def best_of(
     asks: Sequence[ClaimAsk],
-    placed: Iterable[tuple[ClaimChoice | None, float]],
+    placed: Iterable[ClaimChoice | None],
     *,
+    preference: Callable[[ClaimChoice], float],
     pick: Callable[[Sequence[ClaimChoice]], ClaimChoice] = first,
 ) -> ClaimChoice | NoRoom:
-    """The best of the nodes' placements (None: the claims do not fit there), each with kube-scheduler's
-    preference for its node: the best rank as ``policies.best_rank`` has it (the best-linked, then the lowest
-    price, then among prices that ``policies.ties`` calls equal the lowest tie-break), then the highest
-    preference; ``pick`` chooses among what is still equal (kube-scheduler draws at random among equal
-    scores; tests and the default take the first name)."""
-    found = [(choice, preference) for choice, preference in placed if choice is not None]
-    best = best_rank(choice.rank for choice, _ in found)
+    """The best of the nodes' placements (None: the claims do not fit there): the best rank as
+    ``policies.best_rank`` has it (the best-linked, then the lowest price, then among prices that
+    ``policies.ties`` calls equal the lowest tie-break), then kube-scheduler's highest ``preference`` for the
+    node (asked of the tied only); ``pick`` chooses among what is still equal (kube-scheduler draws at random
+    among equal scores; tests and the default take the first name)."""
+    found = [choice for choice in placed if choice is not None]
+    best = best_rank(choice.rank for choice in found)
     if best is None:
         devices = sum(ask.devices for ask in asks)
         return NoRoom(f"no node has room for the {devices} device(s) the pod's claims ask for")
-    tied = [(choice, preference) for choice, preference in found if ties(choice.rank, best)]
-    top = max(preference for _, preference in tied)
-    return pick([choice for choice, preference in tied if preference == top])
+    tied = [choice for choice in found if ties(choice.rank, best)]
+    if len(tied) > 1:
+        scored = [(preference(choice), choice) for choice in tied]
+        top = max(score for score, _ in scored)
+        tied = [choice for score, choice in scored if score == top]
+    return pick(tied)
 
 
 def place_on(asks: Sequence[ClaimAsk], candidate: Candidate, policy: Policy) -> ClaimChoice | None:
