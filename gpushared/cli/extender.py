@@ -13,6 +13,7 @@ import click
 
 from gpushared import __version__
 from gpushared.cli import logs
+from gpushared.contract import dra
 
 if TYPE_CHECKING:
     from gpushared.core.placement.mixbook import ExpectedMix
@@ -128,6 +129,23 @@ ENV = "GPUSHARED_EXTENDER"
     "it has not yet seen (docs/extender.md).",
 )
 @click.option(
+    "--claim-allocator/--no-claim-allocator",
+    default=False,
+    show_default=True,
+    help="Place DRA claims of gpushared's DeviceClass with --policy (Kubernetes 1.34+; docs/dra.md): the "
+    "webhook gates new pods that use them and the leader allocates their claims, then removes the gate. Needs "
+    "the webhook; kube-scheduler need not call the extender's verbs.",
+)
+@click.option(
+    "--claim-handover-after",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Seconds a gated pod may wait for the claim allocator before its gate is removed with no allocation, "
+    "leaving it to kube-scheduler's first fit (counted, logged, and told in an Event). Unset: pods wait.",
+)
+@click.option("--dra-driver", default=dra.DRIVER, show_default=True, help="The DRA driver's name.")
+@click.option("--dra-device-class", default=dra.DEVICE_CLASS, show_default=True, help="gpushared's DeviceClass.")
+@click.option(
     "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
 )
 def main(
@@ -159,12 +177,17 @@ def main(
     binding_landing_seconds: float,
     rank_in_filter: bool,
     expected_mix: Path | None,
+    claim_allocator: bool,
+    claim_handover_after: float | None,
+    dra_driver: str,
+    dra_device_class: str,
     log_level: str,
 ) -> None:
     """Scheduler extender for aliyun.com/gpu-mem. Every option also reads GPUSHARED_EXTENDER_<OPTION>."""
     from gpushared.contract import ContractError, ResourceNames
     from gpushared.core.placement.policies import policy_named
     from gpushared.extender import app
+    from gpushared.extender.claimallocator import AllocatorSettings
     from gpushared.extender.http.config import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect
@@ -210,6 +233,15 @@ def main(
         rank_in_filter=rank_in_filter,
         webhook_scheduler=webhook_scheduler,
         expected=expected,
+        claims=AllocatorSettings(
+            policy=chosen,
+            driver=dra_driver,
+            device_class=dra_device_class,
+            handover_after=claim_handover_after,
+            model_label=gpu_model_label,
+        )
+        if claim_allocator
+        else None,
     )
     app.run(settings, api=api, binder=binder)
 

@@ -28,6 +28,8 @@ from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.claimallocator import AllocatorSettings, ClaimAllocator, pod_events
+from gpushared.extender.claimbook import ClaimBook
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
@@ -82,6 +84,8 @@ class ExtenderSettings:
     webhook_scheduler: str = GPUSHARED_SCHEDULER
     #: the operator's expected mix (``--expected-mix``), counted beside the pods seen (core/placement/mixbook.py)
     expected: ExpectedMix | None = None
+    #: the claim allocator's (``--claim-allocator``; issue #54), or None: DRA claims are kube-scheduler's
+    claims: AllocatorSettings | None = None
 
     @property
     def own_url(self) -> str:
@@ -132,8 +136,14 @@ class Extender:
         )
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
+        self.book: ClaimBook | None = None
+        self.allocator: ClaimAllocator | None = None
+        if settings.claims is not None:
+            self.book = ClaimBook(driver=settings.claims.driver, device_class=settings.claims.device_class)
+            self.book.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
+            self.allocator = ClaimAllocator(cache, self.book, binder, settings.claims, event=pod_events(api))
         self.metrics = metrics = Metrics()
-        metrics.observe(cache, leading=lambda: self.leader() is None, primer=self.primer)
+        metrics.observe(cache, leading=lambda: self.leader() is None, primer=self.primer, allocator=self.allocator)
         self.tls = ServingTls(settings.server, expiry=metrics.certificate_expiry)
         guard = Guard(
             settings.server,
@@ -151,6 +161,7 @@ class Extender:
             webhook_scheduler=settings.webhook_scheduler,
             public_pod_names=settings.server.public_pod_names,
             max_nodes=settings.server.max_nodes,
+            claim_gating=None if self.book is None else self.book.gating_of,
         )
         self.app = self._application(scheduler)
 
@@ -180,6 +191,15 @@ class Extender:
         app.cleanup_ctx.append(settling(scheduler))
         app.cleanup_ctx.append(watching_the_loop(self.metrics, self.ready, self.heartbeat))
         app.cleanup_ctx.append(in_background("prime", self.primer.run))
+        allocator, book = self.allocator, self.book
+        if allocator is not None and book is not None:
+
+            async def allocate() -> None:
+                await allocator.run(
+                    leading=lambda: self.leader() is None, ready=lambda: self.prepared and book.listed()
+                )
+
+            app.cleanup_ctx.append(in_background("claim-allocator", allocate))
         return app
 
     def ready(self) -> tuple[bool, str]:
@@ -221,6 +241,8 @@ class Extender:
             self.cache.owner.claim()  # this thread, the loop's, owns the cluster state from here on
             self.cache.inbox.attach(loop)
             self.cache.start()
+            if self.book is not None:
+                self.book.start(loop)
             if self.elector is not None:
                 self.elector.start()
             stop = asyncio.Event()
@@ -235,6 +257,8 @@ class Extender:
             if self.elector is not None:
                 self.elector.stop()
             self.cache.stop()
+            if self.book is not None:
+                self.book.stop()
             self.taker.close()
 
     def _watch_the_loop(self) -> None:

@@ -28,14 +28,12 @@ import asyncio
 import logging
 import random
 import time
-import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import dra
-from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.dra.slices import nvlink_domains
 from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.claimchoice import (
@@ -51,14 +49,18 @@ from gpushared.core.placement.claimchoice import (
 from gpushared.core.placement.claims import ClaimAsk, read_pod
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.policies import Policy
-from gpushared.core.shared.bodies import Key, PodBody, gpu_models, key_of, meta_of, uid_of
+from gpushared.core.shared.bodies import Key, PodBody, gpu_models, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
+from gpushared.extender.claimwrites import ClaimWrites
 from gpushared.kube.aioapi import AsyncApi
+from gpushared.kube.api import Api
 from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
 
+#: Who Events on pods say they come from.
+COMPONENT = "gpushared-claim-allocator"
 #: How often the leader looks at the gated pods.
 TICK_SECONDS = 0.1
 #: How long after the allocator's last write a pod is handed over to kube-scheduler: kube-scheduler's claim
@@ -112,6 +114,21 @@ async def _no_event(pod: PodBody, reason: str, message: str) -> None:
     return None
 
 
+def pod_events(api: Api) -> Event:
+    """Events on pods, written on a worker thread (the synchronous client); one that fails is logged."""
+
+    async def event(pod: PodBody, reason: str, message: str) -> None:
+        warning = reason != "WaitingForClaimAllocator"
+        try:
+            await asyncio.to_thread(
+                api.pod_event, pod, reason=reason, message=message, warning=warning, component=COMPONENT
+            )
+        except KubeError as exc:
+            log.info("event %s on pod %s/%s not written: %s", reason, *key_of(pod), exc)
+
+    return event
+
+
 class ClaimAllocator:
     def __init__(
         self,
@@ -142,6 +159,7 @@ class ClaimAllocator:
         #: UIDs of ungated pods seen with pending claims of this driver (the webhook was skipped): counted once
         self.not_gated: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.writes = ClaimWrites(cache, book, api, driver=settings.driver, class_config=settings.class_config)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
         #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending): while
@@ -300,7 +318,7 @@ class ClaimAllocator:
         key = key_of(pod)
         try:
             for number, ask in enumerate(decision.asks):
-                body = self._allocated_body(ask, number, decision.choice)
+                body = self.writes.allocated_body(ask, number, decision.choice)
                 if body is None:
                     self._forget(decision.asks[number:])
                     return
@@ -318,31 +336,6 @@ class ClaimAllocator:
         finally:
             self.inflight.discard(key)
 
-    def _allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> Body | None:
-        """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
-        claim = self.book.claim(ask.namespace, ask.name)
-        if claim is None or str((claim.get("metadata") or {}).get("uid")) != ask.uid:
-            return None  # deleted, or made again, since it was decided
-        node = self.cache.state.nodes.get(choice.node)
-        if node is None or node.inventory is None:
-            return None
-        unit_bytes = node.inventory.unit.to_bytes(1)
-        devices = [
-            GivenDevice(p.request, p.device, p.units * unit_bytes, p.compute, str(uuid.uuid4()))
-            for p in choice.picks
-            if p.claim == number
-        ]
-        claim_config = ((claim.get("spec") or {}).get("devices") or {}).get("config") or []
-        allocation = allocation_body(
-            node=choice.node,
-            devices=devices,
-            class_config=self.settings.class_config,
-            claim_config=claim_config,
-            driver=self.settings.driver,
-        )
-        meta = {**(claim.get("metadata") or {}), "resourceVersion": ask.resource_version}
-        return {**claim, "metadata": meta, "status": {**(claim.get("status") or {}), "allocation": allocation}}
-
     def _forget(self, asks: tuple[ClaimAsk, ...] | list[ClaimAsk]) -> None:
         for ask in asks:
             self.book.forget(ask.uid)
@@ -350,7 +343,7 @@ class ClaimAllocator:
     async def _ungate(self, pod: PodBody, decision: Ungate, *, inflight: bool = True) -> None:
         key = key_of(pod)
         try:
-            gone = not await self._remove_gate(pod)
+            gone = not await self.writes.remove_gate(pod)
             if gone:
                 return
             self.counts[decision.outcome] += 1
@@ -368,38 +361,6 @@ class ClaimAllocator:
         finally:
             if inflight:
                 self.inflight.discard(key)
-
-    async def _remove_gate(self, pod: PodBody) -> bool:
-        """Remove the allocator's gate from the pod, testing its UID and the gate's place: whether the pod
-        is still there. A pod whose gates moved meanwhile is read again and tried once more."""
-        namespace, name = key_of(pod)
-        uid = uid_of(pod)
-        for _ in range(2):
-            gates = (pod.get("spec") or {}).get("schedulingGates") or []
-            at = next((i for i, g in enumerate(gates) if isinstance(g, dict) and g.get("name") == CLAIM_GATE), None)
-            if at is None:
-                return True
-            operations = [
-                {"op": "test", "path": "/metadata/uid", "value": uid},
-                {"op": "test", "path": f"/spec/schedulingGates/{at}/name", "value": CLAIM_GATE},
-                {"op": "remove", "path": f"/spec/schedulingGates/{at}"},
-            ]
-            try:
-                await self.api.json_patch_pod(namespace, name, operations)
-                return True
-            except KubeError as exc:
-                if exc.status == 404:
-                    return False
-                if exc.status not in (409, 422):
-                    log.warning("pod %s/%s: its gate was not removed (tried again): %s", namespace, name, exc)
-                    return True
-            try:
-                pod = await self.api.get_pod(namespace, name)
-            except KubeError as exc:
-                return exc.status != 404
-            if uid_of(pod) != uid:
-                return False  # deleted and made again: not the pod decided
-        return True
 
     def _release_left_over(self, now: float) -> None:
         """Release claims written for a pod that is gone, if no pod reserved them (``written_for``)."""
@@ -421,14 +382,8 @@ class ClaimAllocator:
             self._spawn(self._release(claim))
 
     async def _release(self, claim: Body) -> None:
-        status = {k: v for k, v in (claim.get("status") or {}).items() if k not in ("allocation", "devices")}
-        try:
-            written = await self.api.put_claim_status({**claim, "status": status})
-        except KubeError as exc:
-            log.info("claim %s not released (changed since): %s", meta_of(claim).get("name"), exc)
-            return
-        self.book.written(written)
-        self.counts["released"] += 1
+        if await self.writes.release(claim):
+            self.counts["released"] += 1
 
     # --- telling -------------------------------------------------------------------------------------------
 

@@ -21,8 +21,9 @@ from typing import Any
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.claims import claim_holdings
-from gpushared.core.placement.claims import allocated_node
-from gpushared.core.shared.bodies import Key
+from gpushared.core.placement.admission import ClaimRef, pod_claims
+from gpushared.core.placement.claims import allocated_node, read_pending
+from gpushared.core.shared.bodies import Key, PodBody
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.extender.inbox import Inbox, Owner
 from gpushared.kube.informer import Informer
@@ -43,8 +44,8 @@ def _uid(body: Body) -> str:
 
 
 class ClaimBook:
-    def __init__(self, *, driver: str = dra.DRIVER) -> None:
-        self.driver = driver
+    def __init__(self, *, driver: str = dra.DRIVER, device_class: str = dra.DEVICE_CLASS) -> None:
+        self.driver, self.device_class = driver, device_class
         self.inbox: Inbox | None = None
         self.informers: list[Informer[Body]] = []
         #: namespace -> name -> the claim as last seen (watched, or as a write of ours returned it)
@@ -60,6 +61,12 @@ class ClaimBook:
         self._ledgers: dict[str, tuple[GpuInventory, int, Ledger]] = {}
         #: claims whose allocation could not be read: counted, and named in the log once
         self.problems: set[str] = set()
+        #: (namespace, name, template?) -> whether a new pod naming it is gated: a claim or template that asks
+        #: for this driver's class (and, for a claim, is not allocated yet). Changed on the loop; the webhook
+        #: reads ``gating``, a copy made after each drain that changed it (the webhook runs on worker threads)
+        self._gating: dict[tuple[str, str, bool], bool] = {}
+        self.gating: dict[tuple[str, str, bool], bool] = {}
+        self._gating_changed = False
 
     # --- the informers -------------------------------------------------------------------------------
 
@@ -73,7 +80,7 @@ class ClaimBook:
                 handler=inbox.handler(plural),
                 watch_seconds=watch_seconds,
             )
-            for plural in ("resourceclaims", "resourceslices")
+            for plural in ("resourceclaims", "resourceslices", "resourceclaimtemplates")
         ]
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -92,12 +99,31 @@ class ClaimBook:
     def drain(self) -> None:
         if self.inbox is not None:
             self.inbox.drain()
+        if self._gating_changed:
+            self.gating, self._gating_changed = dict(self._gating), False
 
     def _apply(self, kind: str, old: Any, new: Any) -> None:
         if kind == "resourceclaims":
             self.on_claim(old, new)
-        else:
+        elif kind == "resourceslices":
             self.on_slice(old, new)
+        else:
+            self.on_template(old, new)
+
+    def on_template(self, old: Body | None, new: Body | None) -> None:
+        """A ResourceClaimTemplate: whether the claims made from it ask for this driver's class."""
+        if old is not None:
+            self._gate((*_key(old), True), None)
+        if new is not None:
+            spec = (new.get("spec") or {}).get("spec") or {}
+            self._gate((*_key(new), True), read_pending({"spec": spec}, device_class=self.device_class) is not None)
+
+    def _gate(self, key: tuple[str, str, bool], gates: bool | None) -> None:
+        if gates is None:
+            self._gating.pop(key, None)
+        else:
+            self._gating[key] = gates
+        self._gating_changed = True
 
     # --- what the informers show ----------------------------------------------------------------------
 
@@ -107,11 +133,14 @@ class ClaimBook:
             known = self.claims.get(namespace, {}).get(name)
             if known is not None and (new is None or _uid(known) != _uid(new)):
                 self._drop(known)
+            if new is None:
+                self._gate((namespace, name, False), None)
         if new is None:
             return
         namespace, name = _key(new)
         self._drop(self.claims.get(namespace, {}).get(name))
         self.claims.setdefault(namespace, {})[name] = new
+        self._gate((namespace, name, False), read_pending(new, device_class=self.device_class) is not None)
         node = allocated_node((new.get("status") or {}).get("allocation"))
         if node is not None:
             self._on_node.setdefault(node, set()).add((namespace, name))
@@ -174,6 +203,12 @@ class ClaimBook:
         self.on_claim(self.claims.get(namespace, {}).get(name), body)
 
     # --- what the allocator reads ---------------------------------------------------------------------
+
+    def gating_of(self, pod: PodBody, namespace: str) -> dict[ClaimRef, bool | None]:
+        """For the webhook (any thread): whether each claim or template the new pod names gates it; None
+        where the book does not hold it (yet)."""
+        known = self.gating
+        return {ref: known.get((namespace, ref.name, ref.template)) for ref in pod_claims(pod)}
 
     def claim(self, namespace: str, name: str) -> Body | None:
         return self.claims.get(namespace, {}).get(name)

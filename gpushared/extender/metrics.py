@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
 from gpushared import __version__
@@ -48,6 +48,44 @@ class Primed(Collector):
         )
 
 
+class ClaimAllocations(Collector):
+    """The claim allocator's outcomes and waits (``claimallocator.ClaimAllocator``), read from it."""
+
+    #: every outcome it counts, exposed from the start at 0
+    OUTCOMES = ("allocated", "handover", "timeout", "conflict", "released", "not_gated")
+
+    def __init__(self) -> None:
+        self.allocator: Any = None
+
+    def collect(self) -> Iterator[Any]:
+        allocator = self.allocator
+        if allocator is None:
+            return
+        family = CounterMetricFamily(
+            "gpushared_extender_claim_pods",
+            "Pods the claim allocator dealt with, per outcome: allocated (claims written, gate removed), handover "
+            "(left to kube-scheduler, with the reason in an Event), timeout (--claim-handover-after), conflict (a "
+            "status write refused, tried again), released (claims of a pod deleted while gated), not_gated (pods "
+            "that reached kube-scheduler without the gate)",
+            labels=("outcome",),
+        )
+        for outcome in self.OUTCOMES:
+            family.add_metric((outcome,), allocator.counts[outcome])
+        yield family
+        latencies = allocator.latencies
+        yield SummaryMetricFamily(
+            "gpushared_extender_claim_gated_seconds",
+            "Seconds from the claim allocator first seeing a pod gated to its gate removed with its claims allocated",
+            count_value=len(latencies),
+            sum_value=sum(latencies),
+        )
+        yield GaugeMetricFamily(
+            "gpushared_extender_claim_pods_waiting",
+            "Gated pods the claim allocator is waiting with (no room, a claim not made yet, kube-scheduler busy)",
+            value=len(allocator.told),
+        )
+
+
 class Metrics:
     """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
 
@@ -84,6 +122,8 @@ class Metrics:
         self.registry.register(self.watch_restarts)
         self.primed = Primed()
         self.registry.register(self.primed)
+        self.claims = ClaimAllocations()
+        self.registry.register(self.claims)
         self.allocation_edits = Gauge(
             "gpushared_extender_allocation_edits",
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
@@ -130,7 +170,7 @@ class Metrics:
             registry=self.registry,
         )
 
-    def observe(self, cache: ClusterCache, *, leading: Callable[[], bool], primer: Any) -> None:
+    def observe(self, cache: ClusterCache, *, leading: Callable[[], bool], primer: Any, allocator: Any = None) -> None:
         """Read the gauges from the cache (on the event loop, which serves /metrics and owns the cache)."""
         state, reservations = cache.state, cache.reservations
         self.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
@@ -141,3 +181,4 @@ class Metrics:
         self.watch_restarts.informers = [cache.nodes, cache.pods]
         self.leader.set_function(lambda: 1.0 if leading() else 0.0)
         self.primed.primer = primer
+        self.claims.allocator = allocator

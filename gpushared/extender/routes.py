@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
-from gpushared.core.placement.admission import scheduler_route
+from gpushared.core.placement.admission import ClaimRef, claim_gate, scheduler_route
 from gpushared.core.placement.report import node_report
-from gpushared.core.shared.bodies import meta_of
+from gpushared.core.shared.bodies import PodBody, meta_of
 from gpushared.extender.http import wire
 from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answer
 from gpushared.extender.http.config import MAX_REVIEW_BYTES
@@ -44,10 +45,13 @@ class Routes:
         webhook_scheduler: str,
         public_pod_names: bool = False,
         max_nodes: int = wire.MAX_NODES,
+        claim_gating: Callable[[PodBody, str], dict[ClaimRef, bool | None]] | None = None,
     ) -> None:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
         (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
-        certificate too."""
+        certificate too; ``claim_gating``: with the claim allocator, which claims and templates a new pod
+        names gate it (``claimbook.ClaimBook.gating_of``), else None: no pod is gated."""
+        self.claim_gating = claim_gating
         self.scheduler = scheduler
         self.guard = guard
         self.metrics = metrics
@@ -134,12 +138,16 @@ class Routes:
         review = wire.parse_admission_review(raw)
         patch: tuple[dict[str, Any], ...] = ()
         if review.pod is not None and review.operation == "CREATE":
-            route = scheduler_route(review.pod, scheduler=self.webhook_scheduler, resources=self.scheduler.resources)
-            patch = route.patch
-            if patch:
-                meta = meta_of(review.pod)
-                name = meta.get("name") or meta.get("generateName", "") + "*"
-                log.info("new pod %s/%s %s", review.namespace, name, route.reason)
+            routes = [scheduler_route(review.pod, scheduler=self.webhook_scheduler, resources=self.scheduler.resources)]
+            if self.claim_gating is not None:
+                ours = self.claim_gating(review.pod, review.namespace or meta_of(review.pod).get("namespace") or "")
+                routes.append(claim_gate(review.pod, ours=ours))
+            for route in routes:
+                if route.patch:
+                    patch += route.patch
+                    meta = meta_of(review.pod)
+                    name = meta.get("name") or meta.get("generateName", "") + "*"
+                    log.info("new pod %s/%s %s", review.namespace, name, route.reason)
         return json_answer(wire.admission_response(review, patch))
 
     def _report(self, name: str, call: Call) -> dict[str, Any] | None:

@@ -18,7 +18,7 @@ from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invaria
 from gpushared import contract
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.binding import bind_annotations, holding_for
-from gpushared.core.placement.cpu import cpu_request
+from gpushared.core.placement.cpu import cpu_request, memory_request
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.policies import POLICIES
 from gpushared.core.placement.pricing import NodeCpu, PricingContext
@@ -278,9 +278,11 @@ def test_a_slim_pod_holds_and_asks_what_the_whole_pod_does(
     assert holding_from_pod(slim, unit=inventory.unit) == holding_from_pod(body, unit=inventory.unit)
     assert "volumes" not in slim["spec"]
     assert cpu_request(slim) == cpu_request(body)  # what fgd weighs
-    for container in slim["spec"]["containers"]:  # no CPU limit, no memory, no image: nothing it does not read
+    assert memory_request(slim) == memory_request(body)  # what the claim allocator's tie-break weighs
+    for container in slim["spec"]["containers"]:  # no limits but GPU ones, no image: nothing it does not read
         assert set(container) <= {"name", "resources", "restartPolicy"}
-        assert set(container.get("resources", {}).get("requests", {})) <= {"cpu", contract.DEFAULT_RESOURCES.gpu_mem}
+        requested = set(container.get("resources", {}).get("requests", {}))
+        assert requested <= {"cpu", "memory", contract.DEFAULT_RESOURCES.gpu_mem}
         assert set(container.get("resources", {}).get("limits", {})) <= {contract.DEFAULT_RESOURCES.gpu_mem}
     assert slim_pod(copy.deepcopy(body)) == slim  # equal pods share their parts, and still read the same
     assert "kubectl.kubernetes.io/last-applied-configuration" not in slim["metadata"].get("annotations", {})

@@ -6,7 +6,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import ContractError, ResourceNames
-from gpushared.core.placement.cpu import allocatable_cpu, cpu_request
+from gpushared.core.placement.cpu import allocatable_cpu, allocatable_memory, cpu_request, memory_request
 from gpushared.core.shared.quantity import parse_milli_quantity, parse_whole_quantity
 from gpushared.core.shared.requests import ContainerRequest, PodRequest, peak, pod_request
 from tests.builders import GPU_MEM, container, on_gpus, pod
@@ -131,6 +131,25 @@ def test_allocatable_cpu_is_what_the_node_says_or_nothing() -> None:
     assert allocatable_cpu({"status": {"allocatable": {"cpu": "96"}}}) == 96000
     assert allocatable_cpu({"status": {"capacity": {"cpu": "96"}}}) is None
     assert allocatable_cpu({"status": {"allocatable": {"cpu": "many"}}}) is None
+
+
+def test_memory_request_counts_as_node_resources_fit_does() -> None:
+    """Bytes, the peak of the init phase and what runs after it, plus the overhead; unreadable: 0 (the claim
+    allocator's tie-break only)."""
+    body = pod("p")
+    body["spec"]["containers"] = [container("c0", resources={"requests": {"memory": "1Gi"}})]
+    body["spec"]["containers"].append(container("c1", resources={"requests": {"memory": "512Mi"}}))
+    assert memory_request(body) == 3 * 2**29
+    body["spec"]["initContainers"] = [container("setup", resources={"requests": {"memory": "4Gi"}})]
+    assert memory_request(body) == 4 * 2**30
+    body["spec"]["overhead"] = {"memory": "1k"}
+    assert memory_request(body) == 4 * 2**30 + 1000
+    body["spec"]["containers"][1]["resources"]["requests"]["memory"] = "lots"
+    assert memory_request(body) == 0
+    assert allocatable_memory({"status": {"allocatable": {"memory": "64Gi"}}}) == 64 * 2**30
+    assert allocatable_memory({"status": {"allocatable": {"memory": "1.5"}}}) == 2  # rounded up to a byte
+    assert allocatable_memory({"status": {}}) is None
+    assert allocatable_memory({"status": {"allocatable": {"memory": "much"}}}) is None
 
 
 def test_gpu_count_spreads_the_memory_evenly_over_that_many_gpus() -> None:
