@@ -52,7 +52,7 @@ from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, gpu_models, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
-from gpushared.extender.claimwrites import ClaimWrites
+from gpushared.extender.claimwrites import ClaimWrites, Gate
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.errors import KubeError
@@ -343,9 +343,8 @@ class ClaimAllocator:
     async def _ungate(self, pod: PodBody, decision: Ungate, *, inflight: bool = True) -> None:
         key = key_of(pod)
         try:
-            gone = not await self.writes.remove_gate(pod)
-            if gone:
-                return
+            if await self.writes.remove_gate(pod) is not Gate.REMOVED:
+                return  # gone (its claims are released), removed already, or tried again at the next step
             self.counts[decision.outcome] += 1
             started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
             if decision.outcome == "allocated":

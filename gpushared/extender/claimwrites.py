@@ -6,6 +6,7 @@ most two, when the pod's gates moved meanwhile), on the extender's event loop, h
 
 from __future__ import annotations
 
+import enum
 import logging
 import uuid
 
@@ -20,6 +21,16 @@ from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
+
+
+class Gate(enum.Enum):
+    """What became of a pod's gate: removed by this call, absent already, the pod gone, or not removed
+    (an error: the pod is decided again at the next step)."""
+
+    REMOVED = "removed"
+    ABSENT = "absent"
+    GONE = "gone"
+    FAILED = "failed"
 
 
 class ClaimWrites:
@@ -60,16 +71,16 @@ class ClaimWrites:
         meta = {**(claim.get("metadata") or {}), "resourceVersion": ask.resource_version}
         return {**claim, "metadata": meta, "status": {**(claim.get("status") or {}), "allocation": allocation}}
 
-    async def remove_gate(self, pod: PodBody) -> bool:
-        """Remove the allocator's gate from the pod, testing its UID and the gate's place: whether the pod
-        is still there. A pod whose gates moved meanwhile is read again and tried once more."""
+    async def remove_gate(self, pod: PodBody) -> Gate:
+        """Remove the allocator's gate from the pod, testing its UID and the gate's place. A pod whose gates
+        moved meanwhile is read again and tried once more."""
         namespace, name = key_of(pod)
         uid = uid_of(pod)
         for _ in range(2):
             gates = (pod.get("spec") or {}).get("schedulingGates") or []
             at = next((i for i, g in enumerate(gates) if isinstance(g, dict) and g.get("name") == CLAIM_GATE), None)
             if at is None:
-                return True
+                return Gate.ABSENT
             operations = [
                 {"op": "test", "path": "/metadata/uid", "value": uid},
                 {"op": "test", "path": f"/spec/schedulingGates/{at}/name", "value": CLAIM_GATE},
@@ -77,20 +88,20 @@ class ClaimWrites:
             ]
             try:
                 await self.api.json_patch_pod(namespace, name, operations)
-                return True
+                return Gate.REMOVED
             except KubeError as exc:
                 if exc.status == 404:
-                    return False
+                    return Gate.GONE
                 if exc.status not in (409, 422):
                     log.warning("pod %s/%s: its gate was not removed (tried again): %s", namespace, name, exc)
-                    return True
+                    return Gate.FAILED
             try:
                 pod = await self.api.get_pod(namespace, name)
             except KubeError as exc:
-                return exc.status != 404
+                return Gate.GONE if exc.status == 404 else Gate.FAILED
             if uid_of(pod) != uid:
-                return False  # deleted and made again: not the pod decided
-        return True
+                return Gate.GONE  # deleted and made again: not the pod decided
+        return Gate.FAILED
 
     async def release(self, claim: Body) -> bool:
         """Remove the claim's allocation, guarded by the resourceVersion it was read at: whether it was."""

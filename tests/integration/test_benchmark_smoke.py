@@ -257,3 +257,37 @@ def test_tune_placement_replays_the_tuning_set_causally_and_chooses_a_candidate(
     assert extended["grid"]["binpack"] == report["grid"]["binpack"]
     fgd = extended["grid"]["fgd"]
     assert extended["chosen"]["fgd"] == max(fgd, key=lambda v: sorted(fgd[v]["perTrace"]["default"].values()))
+
+
+def test_the_claim_allocator_replays_as_the_extenders_policy(tmp_path: Path) -> None:
+    """The replay's DRA placements (issue #54) on a small trace: the claim allocator with fgd places exactly
+    where the extender's fgd does (same claims read, same ledgers, same ties), and kube-scheduler's first fit
+    and the allocator without the extender's verbs run beside it."""
+    data = small_trace(tmp_path / "trace")
+    out = tmp_path / "results"
+    placements = ["fgd", "dra-allocator-fgd", "dra-allocator-only-fgd", "kube-scheduler-dra"]
+    script = str(ROOT / "scripts" / "bench_openb.py")
+    options = ["--traces", "default", "--seeds", "42", "--no-plots", "--out", str(out), "--policies", *placements]
+    subprocess.run(
+        [sys.executable, script, "--data", str(data), *options],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    details = json.loads((out / "openb-details.json").read_text())["traces"]["default"]
+    assert details["dra-allocator-fgd"]["allocation"] == details["fgd"]["allocation"]
+    assert set(details) == set(placements)
+
+
+def test_bench_claims_runs_and_reports() -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_claims.py"), "--nodes", "2", "--pods", "6", "--rate", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(out.stdout)
+    assert report["ungated"] == report["allocated"] == 6
+    assert report["created_to_ungated"]["count"] == 6 and report["pods_per_second"] > 0
