@@ -34,24 +34,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import dra
-from gpushared.core.dra.slices import nvlink_domains
 from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.claimchoice import (
-    Candidate,
     ClaimChoice,
     NoRoom,
-    Resources,
-    Setting,
-    choose,
     holdings_of,
-    preference,
 )
 from gpushared.core.placement.claims import ClaimAsk, read_pod
-from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.policies import Policy
-from gpushared.core.shared.bodies import Key, PodBody, gpu_models, key_of, uid_of
+from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
+from gpushared.extender.claimplacing import ClaimPlacer
 from gpushared.extender.claimwrites import ClaimWrites, Gate
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
@@ -59,6 +53,8 @@ from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
 
+#: How long one step decides pods before it lets the event loop run the rest (the webhook, /healthz, writes).
+STEP_SECONDS = 0.02
 #: Who Events on pods say they come from.
 COMPONENT = "gpushared-claim-allocator"
 #: How often the leader looks at the gated pods.
@@ -160,26 +156,34 @@ class ClaimAllocator:
         self.not_gated: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.writes = ClaimWrites(cache, book, api, driver=settings.driver, class_config=settings.class_config)
+        self.placer = ClaimPlacer(cache, book, settings.policy, model_label=settings.model_label, rng=self.rng)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
         #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending): while
         #: there are any, the allocator writes nothing, so that the two never take one GPU between them
         self.kube_allocating: set[Key] = set()
+        #: where in the gated pods the next step starts deciding, and how many the last step left undecided
+        self._cursor = 0
+        self.undecided = 0
         #: pod UID -> when it reached kube-scheduler with pending claims of this driver
         self.handed_at: dict[str, float] = {}
 
     # --- the loop ------------------------------------------------------------------------------------------
 
     async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
-        """Step while this replica leads and its cache is ready; every step is bounded (the gated pods)."""
+        """Step while this replica leads and its cache is ready. Each step decides for at most STEP_SECONDS;
+        one that left pods undecided is followed by the next as soon as the loop has run what waited."""
         while True:
+            more = False
             if leading() and ready():
                 self.step()
-            await asyncio.sleep(TICK_SECONDS)
+                more = self.undecided > 0
+            await asyncio.sleep(0 if more else TICK_SECONDS)
 
     def step(self) -> int:
-        """Decide every gated pod not in flight, start what must be written, release what is left over.
-        Returns how many pods it started writing for."""
+        """Decide the gated pods not in flight (for at most STEP_SECONDS: ``undecided`` says how many are left
+        to the next step), start what must be written, release what is left over. Returns how many pods it
+        started writing for."""
         self.cache.owner.check("the claim allocator's step")
         self.cache.inbox.drain()
         self.book.drain()
@@ -194,7 +198,13 @@ class ClaimAllocator:
                 gated.append((key, pod))
             elif self._kube_allocates(pod, now):
                 self.kube_allocating.add(key)
-        for key, pod in gated:
+        budget = time.perf_counter() + STEP_SECONDS
+        start = self._cursor % len(gated) if gated else 0
+        decided = 0
+        for key, pod in gated[start:] + gated[:start]:  # from where the last step stopped: no pod starves
+            if time.perf_counter() > budget:
+                break  # the rest at the next step: the loop serves the webhook and /healthz between them
+            decided += 1
             self.first_seen.setdefault(uid_of(pod), now)
             decision = self.decide(pod, now)
             if isinstance(decision, Allocate) and self.kube_allocating:
@@ -214,6 +224,8 @@ class ClaimAllocator:
                 self._spawn(self._allocate(pod, decision))
             else:
                 self._spawn(self._ungate(pod, decision))
+        self._cursor = start + decided
+        self.undecided = len(gated) - decided
         self._release_left_over(now)
         self._forget_gone()
         return started
@@ -254,56 +266,16 @@ class ClaimAllocator:
             return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
         if read.waiting is not None:
             return self._timed_out(pod, now, read.waiting)
-        choice = choose(read.asks, self.candidates(pod, read.node), self.settings.policy, pick=self._draw)
+        choice = self.placer.choose(pod, read.asks, read.node)
         if isinstance(choice, NoRoom):
             return self._timed_out(pod, now, choice.reason)
         return Allocate(choice, read.asks)
-
-    def _draw(self, tied: Any) -> ClaimChoice:
-        return tied[self.rng.randrange(len(tied))]  # type: ignore[no-any-return]
 
     def _timed_out(self, pod: PodBody, now: float, reason: str) -> Wait | Ungate:
         after = self.settings.handover_after
         if after is not None and now - self.first_seen.get(uid_of(pod), now) >= after:
             return Ungate(f"gated {after:g} s and still {reason}: left to kube-scheduler's first fit", "timeout")
         return Wait(reason)
-
-    def candidates(self, pod: PodBody, fixed: str | None) -> list[Candidate]:
-        """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far
-        as the extender counts them (CPU, memory, GPU model), each with its ledger of claims."""
-        pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
-        label = self.settings.model_label
-        models = gpu_models(pod, label)
-        mix = self.cache.state.request_mix() if self.settings.policy.reads_mix else None
-        found = []
-        for name, devices in self.book.published().items():
-            node = self.cache.state.nodes.get(name)
-            if (fixed is not None and name != fixed) or node is None or node.inventory is None or node.problem:
-                continue
-            cpu = node.cpu
-            if cpu is not None and cpu.requested + pod_cpu > cpu.allocatable:
-                continue
-            memory = node.memory_allocatable
-            if memory is not None and node.memory_requested + pod_memory > memory:
-                continue
-            if models is not None and node.model not in models:
-                continue
-            inventory = node.inventory
-            given = {gpu.index: dra.device_name(gpu.uuid) for gpu in inventory.gpus}
-            resources = None
-            if cpu is not None and memory is not None:
-                resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
-            found.append(
-                Candidate(
-                    name=name,
-                    ledger=self.book.ledger(name, inventory),
-                    devices={index: device for index, device in given.items() if device in devices},
-                    domains=nvlink_domains(inventory),
-                    setting=Setting(mix=mix, cpu=cpu, pod_cpu=pod_cpu, model=node.model, pinned=models is not None),
-                    preference=preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory),
-                )
-            )
-        return found
 
     def _assume(self, decision: Allocate) -> None:
         """Count the choice in the book now: the next pod decided, before any write returns, sees it."""

@@ -52,6 +52,7 @@ class ClaimBook:
         self.claims: dict[str, dict[str, Body]] = {}
         #: slice name -> (its node, the device names it publishes for this driver)
         self._slices: dict[str, tuple[str, frozenset[str]]] = {}
+        self._published: dict[str, frozenset[str]] | None = None
         #: node -> claims allocated there
         self._on_node: dict[str, set[Key]] = {}
         #: claim UID -> (node, holdings): allocations written that the book does not show yet
@@ -164,6 +165,7 @@ class ClaimBook:
             self._changed(node)
 
     def on_slice(self, old: Body | None, new: Body | None) -> None:
+        self._published = None
         if old is not None:
             self._slices.pop(str((old.get("metadata") or {}).get("name")), None)
         if new is None:
@@ -178,11 +180,14 @@ class ClaimBook:
         self._slices[str((new.get("metadata") or {}).get("name"))] = (node, names)
 
     def published(self) -> dict[str, frozenset[str]]:
-        """Node -> the devices its slices of this driver publish: the nodes claims may be allocated on."""
-        found: dict[str, frozenset[str]] = {}
-        for node, names in self._slices.values():
-            found[node] = found.get(node, frozenset()) | names
-        return found
+        """Node -> the devices its slices of this driver publish: the nodes claims may be allocated on. The
+        same objects until a slice changes (readers keep what they derive from them by identity)."""
+        if self._published is None:
+            found: dict[str, frozenset[str]] = {}
+            for node, names in self._slices.values():
+                found[node] = found[node] | names if node in found else names
+            self._published = found
+        return self._published
 
     # --- what the allocator writes --------------------------------------------------------------------
 
@@ -217,7 +222,7 @@ class ClaimBook:
         """The node's GPUs with the claims allocated there and those assumed, kept until one changes."""
         changes = self._changes.get(node, 0)
         known = self._ledgers.get(node)
-        if known is not None and known[0] == inventory and known[1] == changes:
+        if known is not None and known[1] == changes and (known[0] is inventory or known[0] == inventory):
             return known[2]
         claims = [self.claims[ns][name] for ns, name in self._on_node.get(node, ()) if name in self.claims.get(ns, {})]
         holdings, problems = claim_holdings(claims, node=node, inventory=inventory, driver=self.driver)
