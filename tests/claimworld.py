@@ -35,27 +35,15 @@ def dra_node(api: FakeApiServer, name: str, *sizes: int, cpu: str = "64", memory
     api.create(slice_body(node=name, node_uid=None, generation=1, devices=slice_devices(inv)))
 
 
-def claim(name: str, *, memory: str | None = "4Gi", count: int = 1, **exactly: Any) -> dict[str, Any]:
-    wanted = {"requests": {"memory": memory}} if memory is not None else {}
+def claim(
+    name: str, *, memory: str | None = "4Gi", compute: str | None = None, count: int = 1, **exactly: Any
+) -> dict[str, Any]:
+    wanted = {k: v for k, v in (("memory", memory), ("compute", compute)) if v is not None}
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
         "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": dra.DEVICE_CLASS,
-                            "count": count,
-                            **({"capacity": wanted} if wanted else {}),
-                            **exactly,
-                        },
-                    }
-                ]
-            }
-        },
+        "spec": dra.claim_spec(count=count, capacity=wanted, **exactly),
     }
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from gpushared.contract.reading import ContractError
 
@@ -120,3 +120,15 @@ def device_name(uuid: str) -> str:
 def cdi_device_id(name: str) -> str:
     """The fully qualified CDI name of one of the driver's CDI devices."""
     return f"{CDI_KIND}={name}"
+
+
+def claim_spec(
+    *, count: int = 1, capacity: dict[str, str] | None = None, request: str = "gpu", **exactly: Any
+) -> dict[str, Any]:
+    """A ResourceClaim's ``spec`` as a user writes it for this driver's class: one request of ``count``
+    GPUs, each consuming ``capacity`` (``memory``, ``compute``; none: the GPU whole). What the replay's
+    claims and the tests' are."""
+    body: dict[str, Any] = {"deviceClassName": DEVICE_CLASS, "count": count, **exactly}
+    if capacity:
+        body["capacity"] = {"requests": dict(capacity)}
+    return {"devices": {"requests": [{"name": request, "exactly": body}]}}

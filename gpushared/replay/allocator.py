@@ -57,20 +57,7 @@ def claim_of(pod: TracePod, *, unit_bytes: int, compute: bool = False) -> dict[s
         wanted[dra.CAPACITY_COMPUTE] = str(pod.compute_request)
     return {
         "metadata": {"namespace": "replay", "name": pod.name, "uid": pod.name, "resourceVersion": "1"},
-        "spec": {
-            "devices": {
-                "requests": [
-                    {
-                        "name": "gpu",
-                        "exactly": {
-                            "deviceClassName": dra.DEVICE_CLASS,
-                            "count": pod.num_gpu,
-                            "capacity": {"requests": wanted},
-                        },
-                    }
-                ]
-            }
-        },
+        "spec": dra.claim_spec(count=pod.num_gpu, capacity=wanted),
     }
 
 

@@ -197,7 +197,7 @@ def test_with_kube_scheduler_allocating_too_no_gpu_goes_past_its_capacity() -> N
         dra_node(api, "n2", 24, 12)
         sizes = ["8Gi", "4Gi", "6Gi", "2Gi", "6Gi", "8Gi", "4Gi", "3Gi", "3Gi", "1Gi", "2Gi", "1Gi"]  # 48 of 60 GiB
         for number, size in enumerate(sizes):
-            api.create(claim(f"c{number}", memory=size, capacity={"requests": {"memory": size, "compute": "20"}}))
+            api.create(claim(f"c{number}", memory=size, compute="20"))
             api.create(gated_pod(f"p{number}", f"c{number}", gated=number % 3 != 0))  # every third ungated
         kube = FirstFitScheduler(api)
         capacities = {
