@@ -23,7 +23,7 @@ from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.claims import claim_holdings
 from gpushared.core.placement.admission import ClaimRef, pod_claims
 from gpushared.core.placement.claims import allocated_node, read_pending
-from gpushared.core.shared.bodies import Key, PodBody
+from gpushared.core.shared.bodies import Key, PodBody, version_of
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.extender.inbox import Inbox, Owner
 from gpushared.kube.informer import Informer
@@ -139,7 +139,10 @@ class ClaimBook:
         if new is None:
             return
         namespace, name = _key(new)
-        self._drop(self.claims.get(namespace, {}).get(name))
+        known = self.claims.get(namespace, {}).get(name)
+        if known is not None and _uid(known) == _uid(new) and version_of(new) < version_of(known):
+            return  # older than what a write of ours returned: the watch is behind it, not the claim
+        self._drop(known)
         self.claims.setdefault(namespace, {})[name] = new
         self._gate((namespace, name, False), read_pending(new, device_class=self.device_class) is not None)
         node = allocated_node((new.get("status") or {}).get("allocation"))
