@@ -62,6 +62,7 @@ from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix
 from gpushared.core.placement.policies import POLICIES
 from gpushared.replay.allocator import ALONE as ALLOCATOR_ALONE
 from gpushared.replay.allocator import PREFIX as ALLOCATOR
+from gpushared.replay.allocator import STEERED as ALLOCATOR_STEERED
 from gpushared.replay.kubescheduler import BEST_FIT_NAME as KUBE_DRA_BEST_FIT
 from gpushared.replay.kubescheduler import NAME as KUBE_DRA
 from gpushared.replay.run import FRAG_AT, RATIO, SEEDS, Replay, replay, trace_kinds
@@ -80,7 +81,7 @@ PLACEMENTS = (
     *POLICIES,
     KUBE_DRA,
     KUBE_DRA_BEST_FIT,
-    *(f"{prefix}{policy}" for prefix in (ALLOCATOR, ALLOCATOR_ALONE) for policy in POLICIES),
+    *(f"{prefix}{policy}" for prefix in (ALLOCATOR, ALLOCATOR_ALONE, ALLOCATOR_STEERED) for policy in POLICIES),
 )
 #: The paper's policies drawn beside ours: the packing baseline closest to binpack, and FGD.
 PAPER = {"05-BestFit": "paper BestFit", "06-FGD": "paper FGD", "01-Random": "paper Random"}

@@ -30,23 +30,32 @@ from gpushared.core.placement.claimchoice import Candidate, ClaimChoice, Setting
 from gpushared.core.placement.claims import ClaimAsk, read_pending
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
-from gpushared.core.placement.policies import Policy
+from gpushared.core.placement.policies import Policy, best_rank, ties
 from gpushared.core.placement.pricing import NodeCpu
 from gpushared.replay.cluster import SimCluster, SimNode
-from gpushared.replay.kubescheduler import FirstFitCluster
+from gpushared.replay.kubescheduler import FirstFitCluster, heap_top
 from gpushared.replay.trace import TraceNode, TracePod
 
 #: What this placement is called in the replay's results: ``dra-allocator-<policy>``, and without the
 #: extender's verbs ``dra-allocator-only-<policy>``.
 PREFIX = "dra-allocator-"
 ALONE = "dra-allocator-only-"
+#: An experiment, not built: the allocator alone also giving each CPU-only pod a preferred node affinity for the
+#: node the extender's prioritize would choose (a gated pod's spec may still take one), which kube-scheduler
+#: weighs with NodeAffinity's score (weight 2, the preferred node scoring 100) beside its own.
+STEERED = "dra-allocator-steered-"
+#: NodeAffinity's weight among kube-scheduler's default score plugins, times the score of the preferred node.
+NODE_AFFINITY_POINTS = 2 * 100
 
 
-def policy_of(placement: str) -> tuple[str, bool]:
-    """(the policy's name, whether the allocator runs without the extender's verbs) of a placement's name."""
+def policy_of(placement: str) -> tuple[str, bool, bool]:
+    """(the policy's name, whether the allocator runs without the extender's verbs, whether it steers CPU-only
+    pods) of a placement's name."""
     if placement.startswith(ALONE):
-        return placement.removeprefix(ALONE), True
-    return placement.removeprefix(PREFIX), False
+        return placement.removeprefix(ALONE), True, False
+    if placement.startswith(STEERED):
+        return placement.removeprefix(STEERED), True, True
+    return placement.removeprefix(PREFIX), False, False
 
 
 def claim_of(pod: TracePod, *, unit_bytes: int, compute: bool = False) -> dict[str, Any]:
@@ -75,11 +84,12 @@ class AllocatorCluster(FirstFitCluster):
         expected: ExpectedMix | None = None,
         compute: bool = False,
         alone: bool = False,
+        steer: bool = False,
     ) -> None:
         """``alone``: no extender verbs, CPU-only pods placed by kube-scheduler's default scores."""
         super().__init__(nodes, mix=mix, rng=rng, links=links, expected=expected, compute=compute, policy=policy)
         self.chosen_policy = policy
-        self.alone = alone
+        self.alone, self.steer = alone, steer
         if not alone:  # the extender is sent every node kube-scheduler's filters pass, as the published figures
             self.window = 0
         self.index_of = {node.trace.name: i for i, node in enumerate(self.nodes)}
@@ -93,6 +103,8 @@ class AllocatorCluster(FirstFitCluster):
 
     def place(self, pod: TracePod) -> bool:
         if not pod.num_gpu:  # no claim: kube-scheduler's own scores, or the extender's prioritize
+            if self.steer:
+                return self._steered(pod)
             return super().place(pod) if self.alone else SimCluster.place(self, pod)
         if self.allocated_mib >= self._rooms_due and self._recounts:
             self._count_mix()
@@ -120,6 +132,28 @@ class AllocatorCluster(FirstFitCluster):
         index = self.index_of[result.node]
         self.requests[index].add(pod)
         self._bind(self.nodes[index], pod, request, [p.index for p in result.picks])
+        return True
+
+    def _steered(self, pod: TracePod) -> bool:
+        """A CPU-only pod placed by kube-scheduler's own search and scores, the node the extender's prioritize
+        ranks best (over every node that admits it) scoring NODE_AFFINITY_POINTS more."""
+        if self.allocated_mib >= self._rooms_due and self._recounts:
+            self._count_mix()
+        request = self._request(pod)
+        ranked = [(key, node) for node in self.nodes if node.admits(pod) if (key := self._price(node, request, pod)[0])]
+        best = best_rank(key for key, _ in ranked)
+        preferred = None
+        if best is not None:
+            chosen, _ = self._pick([(node, ()) for key, node in ranked if ties(key, best)], pod)
+            preferred = self.index_of[chosen.trace.name]
+        found, processed = self._search(pod, request)
+        self.next_start = (self.next_start + processed) % len(self.nodes)
+        if not found:
+            return False
+        scores = [self._score(i, pod) + (NODE_AFFINITY_POINTS if i == preferred else 0) for i, _ in found]
+        index, devices = found[heap_top(scores)]
+        self.requests[index].add(pod)
+        self._bind(self.nodes[index], pod, request, devices)
         return True
 
     def _count_mix(self) -> None:

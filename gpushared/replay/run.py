@@ -107,11 +107,12 @@ def replay(
         )
     elif isinstance(policy, str) and policy.startswith(allocator.PREFIX):  # DRA with the claim allocator
         name = policy
-        named, alone = allocator.policy_of(policy)
+        named, alone, steer = allocator.policy_of(policy)
         cluster = allocator.AllocatorCluster(
             nodes,
             policy=policy_named(named),
             alone=alone,
+            steer=steer,
             mix=mix,
             rng=rng,
             links=links,

@@ -265,7 +265,13 @@ def test_the_claim_allocator_replays_as_the_extenders_policy(tmp_path: Path) -> 
     and the allocator without the extender's verbs run beside it."""
     data = small_trace(tmp_path / "trace")
     out = tmp_path / "results"
-    placements = ["fgd", "dra-allocator-fgd", "dra-allocator-only-fgd", "kube-scheduler-dra"]
+    placements = [
+        "fgd",
+        "dra-allocator-fgd",
+        "dra-allocator-only-fgd",
+        "dra-allocator-steered-fgd",
+        "kube-scheduler-dra",
+    ]
     script = str(ROOT / "scripts" / "bench_openb.py")
     options = ["--traces", "default", "--seeds", "42", "--no-plots", "--out", str(out), "--policies", *placements]
     subprocess.run(
