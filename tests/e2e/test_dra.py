@@ -26,15 +26,13 @@ from tests.e2e.kube import PRINT_ENV, Kube
 from tests.e2e.versions import Version, serves_dra
 
 VERSION = cached_version("kube-apiserver")
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(300),
-    # Decided before any cluster starts: on the 1.20 Debian builds these cases are skipped, saying why.
-    pytest.mark.skipif(
-        VERSION is None or not serves_dra(VERSION),
-        reason=f"DRA (resource.k8s.io/v1) needs Kubernetes >= 1.34; the harness's binaries are {VERSION}",
-    ),
-]
+#: Decided before any cluster starts: on the 1.20 Debian builds these cases are skipped, saying why (and those
+#: of tests/e2e/test_dra_allocator.py, which share this module's node in DRA mode).
+NEEDS_DRA = pytest.mark.skipif(
+    VERSION is None or not serves_dra(VERSION),
+    reason=f"DRA (resource.k8s.io/v1) needs Kubernetes >= 1.34; the harness's binaries are {VERSION}",
+)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), NEEDS_DRA]
 
 GI = 2**30
 DRA = ROOT / "deploy" / "dra"

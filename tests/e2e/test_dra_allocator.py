@@ -23,7 +23,7 @@ from tests.e2e.cluster import LocalCluster, wait_for
 from tests.e2e.kube import Kube
 from tests.e2e.test_dra import (
     DRA,
-    VERSION,
+    NEEDS_DRA,
     allocations,
     apply,
     assert_no_gpu_over_capacity,
@@ -32,18 +32,10 @@ from tests.e2e.test_dra import (
     dra_node,
     slices,
 )
-from tests.e2e.versions import serves_dra
 
 __all__ = ["dra_node"]  # the node in DRA mode, the fixture this module's own builds on
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.timeout(300),
-    pytest.mark.skipif(
-        VERSION is None or not serves_dra(VERSION),
-        reason=f"DRA (resource.k8s.io/v1) needs Kubernetes >= 1.34; the harness's binaries are {VERSION}",
-    ),
-]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), NEEDS_DRA]
 
 
 def allocator_objects(cluster: LocalCluster) -> list[dict[str, Any]]:
