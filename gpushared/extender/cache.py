@@ -106,6 +106,8 @@ class ClusterCache:
         )
         #: pods waiting for a node, as the watch shows them: what a bind reads its pod from
         self.pending: dict[Key, PodBody] = {}
+        #: those of them that use DRA claims: what the claim allocator looks at (``claimallocator``)
+        self.claiming: dict[Key, PodBody] = {}
         #: told every pod the watch shows waiting for a node (``priming.Primer``), on the owner's thread
         self.pending_seen: Callable[[PodBody], None] = lambda pod: None
 
@@ -155,12 +157,16 @@ class ClusterCache:
         self.state.on_pod(old, new, assumed=self.reservations.holds)
         if old is not None and (new is None or uid_of(old) != uid_of(new)):
             self.pending.pop(key_of(old), None)
+            self.claiming.pop(key_of(old), None)
         if new is not None:
             if awaits_node(new):
                 self.pending[key_of(new)] = new
+                if (new.get("spec") or {}).get("resourceClaims"):
+                    self.claiming[key_of(new)] = new
                 self.pending_seen(new)
             else:
                 self.pending.pop(key_of(new), None)
+                self.claiming.pop(key_of(new), None)
 
     # --- binds: assume, forget, and what ends a reservation ---------------------------------------------------
 

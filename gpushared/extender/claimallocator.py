@@ -191,7 +191,7 @@ class ClaimAllocator:
         now = self.clock()
         gated = []
         self.kube_allocating.clear()
-        for key, pod in list(self.cache.pending.items()):
+        for key, pod in list(self.cache.claiming.items()):  # pending pods that use claims: never all pods
             if key in self.inflight:
                 continue
             if _gated(pod):
@@ -209,7 +209,7 @@ class ClaimAllocator:
             decision = self.decide(pod, now)
             if isinstance(decision, Allocate) and self.kube_allocating:
                 decision = Wait(
-                    f"kube-scheduler is allocating the claims of {len(self.kube_allocating)} pod(s) it was given; "
+                    "kube-scheduler is allocating the claims of pods it was given; "
                     "the allocator waits so that the two never take one GPU between them"
                 )
             elif isinstance(decision, Ungate) and decision.outcome != "allocated" and not self._quiet(now):
@@ -233,16 +233,16 @@ class ClaimAllocator:
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
         kept = len(self.first_seen) + len(self.handed_at) + len(self.told)
-        if kept <= 3 * len(self.cache.pending) + 100:
+        if kept <= 3 * len(self.cache.claiming) + 100:
             return
-        waiting = {uid_of(pod) for pod in self.cache.pending.values()}
+        waiting = {uid_of(pod) for pod in self.cache.claiming.values()}
         for book in (self.first_seen, self.handed_at, self.told):
             for uid in [uid for uid in book if uid not in waiting]:
                 del book[uid]
 
     def _quiet(self, now: float) -> bool:
         """No allocation of the allocator in flight, and none written in the last QUIET_SECONDS."""
-        writing = any(key in self.inflight for key in self.cache.pending) or bool(self.book.assumed)
+        writing = bool(self.inflight) or bool(self.book.assumed)
         return not writing and now - self.last_write >= QUIET_SECONDS
 
     def _spawn(self, work: Awaitable[None]) -> None:
