@@ -147,7 +147,7 @@ class ClaimAllocator:
         #: pod UID -> why it waits, as last told (a reason changes: told again)
         self.told: dict[str, str] = {}
         #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
-        self.written_for: dict[str, tuple[Key, str, float]] = {}
+        self.written_for: dict[str, tuple[Key, str, float, ClaimAsk]] = {}
         #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated
         self.counts: Counter[str] = Counter()
         #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
@@ -303,7 +303,7 @@ class ClaimAllocator:
                     return
                 self.book.written(written)
                 self.last_write = self.clock()
-                self.written_for[ask.uid] = (key, uid_of(pod), self.last_write)
+                self.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
             await self._ungate(pod, Ungate(f"allocated on node {decision.choice.node}", "allocated"), inflight=False)
         finally:
             self.inflight.discard(key)
@@ -335,18 +335,21 @@ class ClaimAllocator:
 
     def _release_left_over(self, now: float) -> None:
         """Release claims written for a pod that is gone, if no pod reserved them (``written_for``)."""
-        for claim_uid, (pod_key, pod_uid, when) in list(self.written_for.items()):
+        for claim_uid, (pod_key, pod_uid, when, ask) in list(self.written_for.items()):
             if now - when < RELEASE_GRACE_SECONDS:
                 continue
             pending = self.cache.pending.get(pod_key)
             if pending is not None and uid_of(pending) == pod_uid:
                 continue  # still waiting: kube-scheduler reserves it when it binds
             del self.written_for[claim_uid]
-            claim = next(
-                (c for named in self.book.claims.values() for c in named.values() if _uid_of(c) == claim_uid), None
-            )
+            claim = self.book.claim(ask.namespace, ask.name)
             status = (claim or {}).get("status") or {}
-            if claim is None or not status.get("allocation") or status.get("reservedFor"):
+            if (
+                claim is None
+                or _uid_of(claim) != claim_uid
+                or not status.get("allocation")
+                or status.get("reservedFor")
+            ):
                 continue
             if self.cache.state.node_of.get(pod_uid) is not None:
                 continue  # bound meanwhile: the kubelet reserves it

@@ -89,6 +89,16 @@ def claim_body(
     }
 
 
+def template_body(name: str, memory: str) -> dict[str, Any]:
+    """A ResourceClaimTemplate whose claims ask ``memory`` of one GPU."""
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name},
+        "spec": {"spec": claim_body("x", memory)["spec"]},
+    }
+
+
 def claim_pod(name: str, claim: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -181,12 +191,7 @@ def test_a_claim_from_a_template_and_an_mps_claim(dra_node: LocalCluster, kube: 
     """deploy/dra/examples' shapes: a template the controller manager turns into a claim per pod, and an MPS
     claim whose containers are clients of the GPU's MPS daemon, held to its memory and compute limit."""
     cluster = dra_node
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "gpu-2gi"},
-        "spec": {"spec": claim_body("x", "2Gi")["spec"]},
-    }
+    template = template_body("gpu-2gi", "2Gi")
     from_template = claim_pod("templated", "unused")
     from_template["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu-2gi"}]
     mps = claim_body("mps", "3Gi", compute="20", config={"mps": True, "computeLimit": 40})

@@ -31,6 +31,7 @@ from tests.e2e.test_dra import (
     claim_pod,
     dra_node,
     slices,
+    template_body,
 )
 
 __all__ = ["dra_node"]  # the node in DRA mode, the fixture this module's own builds on
@@ -109,13 +110,7 @@ def test_a_template_and_an_mps_claim_through_the_allocator(
     allocating: LocalCluster, kube: Kube, namespace: str
 ) -> None:
     cluster = allocating
-    template = {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceClaimTemplate",
-        "metadata": {"name": "gpu-2gi"},
-        "spec": {"spec": claim_body("x", "2Gi")["spec"]},
-    }
-    apply(cluster, namespace, template)
+    apply(cluster, namespace, template_body("gpu-2gi", "2Gi"))
     time.sleep(2)  # the extender's book sees the template before the pod is created (else it is not gated)
     from_template = claim_pod("templated", "unused")
     from_template["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu-2gi"}]
