@@ -229,3 +229,20 @@ def test_with_kube_scheduler_allocating_too_no_gpu_goes_past_its_capacity() -> N
         world = run(api, body)
         assert kube.allocated == 4 and world.allocator.counts["allocated"] == 8
         assert world.allocator.counts["not_gated"] == 4
+
+
+def test_a_status_write_that_lands_although_its_answer_was_cut_is_not_written_twice(api: FakeApiServer) -> None:
+    """The API server applies the allocation and the connection is cut before the answer (as after a timeout,
+    or a process killed halfway): the allocator forgets its assumption, the watch then shows the claim
+    allocated, and the pod's gate is removed with that one allocation."""
+
+    async def body(world: ClaimWorld) -> None:
+        api.inject(Fault(method="PUT", path=r"resourceclaims/c/status", cut=True, applied=True))
+        api.create(claim("c", memory="8Gi"))
+        api.create(gated_pod("a", "c"))
+        await world.until(lambda: not gates(api, "a"))
+
+    world = run(api, body)
+    assert world.allocator.counts["conflict"] == 1 and world.allocator.counts["allocated"] == 1
+    assert allocation(api, "c") == [("n1", device(1), "8Gi")]
+    assert not world.book.assumed
