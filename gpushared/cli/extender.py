@@ -143,6 +143,15 @@ ENV = "GPUSHARED_EXTENDER"
     help="Seconds a gated pod may wait for the claim allocator before its gate is removed with no allocation, "
     "leaving it to kube-scheduler's first fit (counted, logged, and told in an Event). Unset: pods wait.",
 )
+@click.option(
+    "--steer-cpu-pods/--no-steer-cpu-pods",
+    default=False,
+    show_default=True,
+    help="Steer pods that ask for no GPU off idle GPUs where kube-scheduler calls no extender (docs/dra.md, "
+    '"Steering CPU-only pods"): <prefix>/mutate-steer gates new ones in the namespaces its webhook selects, '
+    "and the leader gives each a preferred node affinity for the nodes prioritize-no-gpu ranks best, then "
+    "removes the gate.",
+)
 @click.option("--dra-driver", default=dra.DRIVER, show_default=True, help="The DRA driver's name.")
 @click.option("--dra-device-class", default=dra.DEVICE_CLASS, show_default=True, help="gpushared's DeviceClass.")
 @click.option(
@@ -179,6 +188,7 @@ def main(
     expected_mix: Path | None,
     claim_allocator: bool,
     claim_handover_after: float | None,
+    steer_cpu_pods: bool,
     dra_driver: str,
     dra_device_class: str,
     log_level: str,
@@ -242,6 +252,7 @@ def main(
         )
         if claim_allocator
         else None,
+        steer=steer_cpu_pods,
     )
     app.run(settings, api=api, binder=binder)
 

@@ -39,6 +39,7 @@ from gpushared.extender.mixing import MixTaker
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler
+from gpushared.extender.steering import Steerer, idle_ledger
 from gpushared.extender.tasks import Heartbeat, in_background, settling, watchdog, watching_the_loop
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
@@ -86,6 +87,8 @@ class ExtenderSettings:
     expected: ExpectedMix | None = None
     #: the claim allocator's (``--claim-allocator``; issue #54), or None: DRA claims are kube-scheduler's
     claims: AllocatorSettings | None = None
+    #: the webhook gates CPU-only pods and the leader steers them off idle GPUs (``--steer-cpu-pods``)
+    steer: bool = False
 
     @property
     def own_url(self) -> str:
@@ -126,6 +129,12 @@ class Extender:
         #: set on the loop once the cache is prepared; read by the probes and the verbs
         self.prepared = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.book: ClaimBook | None = None
+        self.allocator: ClaimAllocator | None = None
+        if settings.claims is not None:
+            self.book = ClaimBook(driver=settings.claims.driver, device_class=settings.claims.device_class)
+            self.book.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
+            self.allocator = ClaimAllocator(cache, self.book, binder, settings.claims, event=pod_events(api))
         scheduler = Scheduler(
             cache=cache,
             api=binder,
@@ -133,17 +142,21 @@ class Extender:
             resources=settings.resources,
             rank_in_filter=settings.rank_in_filter,
             may_bind=lambda: self.leader() is None,
+            ledger_of=None if self.book is None else idle_ledger(cache, self.book),
         )
+        self.steerer: Steerer | None = None
+        if settings.steer:
+            self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.book))
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
-        self.book: ClaimBook | None = None
-        self.allocator: ClaimAllocator | None = None
-        if settings.claims is not None:
-            self.book = ClaimBook(driver=settings.claims.driver, device_class=settings.claims.device_class)
-            self.book.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
-            self.allocator = ClaimAllocator(cache, self.book, binder, settings.claims, event=pod_events(api))
         self.metrics = metrics = Metrics()
-        metrics.observe(cache, leading=lambda: self.leader() is None, primer=self.primer, allocator=self.allocator)
+        metrics.observe(
+            cache,
+            leading=lambda: self.leader() is None,
+            primer=self.primer,
+            allocator=self.allocator,
+            steerer=self.steerer,
+        )
         self.tls = ServingTls(settings.server, expiry=metrics.certificate_expiry)
         guard = Guard(
             settings.server,
@@ -162,6 +175,7 @@ class Extender:
             public_pod_names=settings.server.public_pod_names,
             max_nodes=settings.server.max_nodes,
             claim_gating=None if self.book is None else self.book.gating_of,
+            steer_gating=None if self.steerer is None else self._lease_held,
         )
         self.app = self._application(scheduler)
 
@@ -200,6 +214,16 @@ class Extender:
                 )
 
             app.cleanup_ctx.append(in_background("claim-allocator", allocate))
+        steerer = self.steerer
+        if steerer is not None:
+
+            async def steer() -> None:
+                await steerer.run(
+                    leading=lambda: self.leader() is None,
+                    ready=lambda: self.prepared and (book is None or book.listed()),
+                )
+
+            app.cleanup_ctx.append(in_background("steerer", steer))
         return app
 
     def ready(self) -> tuple[bool, str]:
@@ -215,6 +239,11 @@ class Extender:
             return None
         holder = self.elector.holder.rsplit(" ", 1)
         return holder[1] if len(holder) == 2 and holder[1].startswith(("http://", "https://")) else ""
+
+    def _lease_held(self) -> bool:
+        """Whether a leader holds the Lease as this replica last saw it (or none is elected): the webhook gates
+        pods for steering only then, so that pods never wait on a leader that is gone."""
+        return self.elector is None or self.elector.leading or self.elector.held
 
     def _took_the_lease(self) -> None:
         """On the election thread: the fence is armed on the loop, which owns the cache."""

@@ -30,12 +30,14 @@ from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.nodes import Rejected
 from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.reservations import LANDING_SECONDS, Action, Assumed, Settlement
+from gpushared.core.placement.steering import STEER_GATE
 from gpushared.core.shared.bodies import (
     Key,
     NodeBody,
     PodBody,
     annotations_of,
     awaits_node,
+    has_gate,
     key_of,
     meta_of,
     scheduler_of,
@@ -108,6 +110,8 @@ class ClusterCache:
         self.pending: dict[Key, PodBody] = {}
         #: those of them that use DRA claims: what the claim allocator looks at (``claimallocator``)
         self.claiming: dict[Key, PodBody] = {}
+        #: those of them gated for steering (``steering.Steerer``)
+        self.steering: dict[Key, PodBody] = {}
         #: told every pod the watch shows waiting for a node (``priming.Primer``), on the owner's thread
         self.pending_seen: Callable[[PodBody], None] = lambda pod: None
 
@@ -156,17 +160,23 @@ class ClusterCache:
             self.state.remove(key)
         self.state.on_pod(old, new, assumed=self.reservations.holds)
         if old is not None and (new is None or uid_of(old) != uid_of(new)):
-            self.pending.pop(key_of(old), None)
-            self.claiming.pop(key_of(old), None)
+            for index in (self.pending, self.claiming, self.steering):
+                index.pop(key_of(old), None)
         if new is not None:
+            pod_key = key_of(new)
             if awaits_node(new):
-                self.pending[key_of(new)] = new
-                if (new.get("spec") or {}).get("resourceClaims"):
-                    self.claiming[key_of(new)] = new
+                self.pending[pod_key] = new
+                spec = new.get("spec") or {}
+                if spec.get("resourceClaims"):
+                    self.claiming[pod_key] = new
+                if has_gate(new, STEER_GATE):
+                    self.steering[pod_key] = new
+                else:
+                    self.steering.pop(pod_key, None)
                 self.pending_seen(new)
             else:
-                self.pending.pop(key_of(new), None)
-                self.claiming.pop(key_of(new), None)
+                for index in (self.pending, self.claiming, self.steering):
+                    index.pop(pod_key, None)
 
     # --- binds: assume, forget, and what ends a reservation ---------------------------------------------------
 

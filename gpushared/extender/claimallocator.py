@@ -42,7 +42,7 @@ from gpushared.core.placement.claimchoice import (
 )
 from gpushared.core.placement.claims import ClaimAsk, read_pod
 from gpushared.core.placement.policies import Policy
-from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
+from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
 from gpushared.extender.claimplacing import ClaimPlacer
@@ -194,7 +194,7 @@ class ClaimAllocator:
         for key, pod in list(self.cache.claiming.items()):  # pending pods that use claims: never all pods
             if key in self.inflight:
                 continue
-            if _gated(pod):
+            if has_gate(pod, CLAIM_GATE):
                 gated.append((key, pod))
             elif self._kube_allocates(pod, now):
                 self.kube_allocating.add(key)
@@ -392,11 +392,6 @@ class ClaimAllocator:
         self.counts["not_gated"] += 1
         message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"
         self._spawn(self.event(pod, "ClaimsNotGated", message))
-
-
-def _gated(pod: PodBody) -> bool:
-    gates = (pod.get("spec") or {}).get("schedulingGates") or []
-    return any(isinstance(g, dict) and g.get("name") == CLAIM_GATE for g in gates)
 
 
 def _uid_of(body: Body) -> str:

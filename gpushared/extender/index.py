@@ -16,6 +16,7 @@ in place rather than popped. Why, and what it measured: docs/benchmarks.md, "Wha
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from gpushared.contract import MemoryUnit
@@ -294,8 +295,11 @@ class FilterIndex:
         without the pressure pinned pods put on them (``PricingContext.pressure``)."""
         return gpu_models(pod, self.state.model_label) is not None
 
-    def idle_prices(self, names: list[str]) -> list[float]:
-        """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``)."""
+    def idle_prices(self, names: list[str], *, ledger_of: Callable[[str], Ledger | None] | None = None) -> list[float]:
+        """The GPU memory a pod that asks for none would leave stranded on each node (``idle_gpu_mib``), over
+        the node's ledger or what ``ledger_of`` says holds its GPUs."""
+        if ledger_of is not None:
+            return [float(idle_gpu_mib(ledger_of(name))) for name in names]
         nodes = self.state.nodes
         costs: list[float] = []
         for name in names:

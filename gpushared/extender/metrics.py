@@ -86,6 +86,34 @@ class ClaimAllocations(Collector):
         )
 
 
+class Steered(Collector):
+    """The steerer's outcomes and waits (``steering.Steerer``), read from it."""
+
+    def __init__(self) -> None:
+        self.steerer: Any = None
+
+    def collect(self) -> Iterator[Any]:
+        steerer = self.steerer
+        if steerer is None:
+            return
+        family = CounterMetricFamily(
+            "gpushared_extender_steered_pods",
+            "CPU-only pods the steerer ungated, per outcome: steered (given a preferred node affinity for the nodes "
+            "the extender ranks best), unsteered (every node the pod may use the same to the extender)",
+            labels=("outcome",),
+        )
+        for outcome in ("steered", "unsteered"):
+            family.add_metric((outcome,), steerer.counts[outcome])
+        yield family
+        latencies = steerer.latencies
+        yield SummaryMetricFamily(
+            "gpushared_extender_steer_gated_seconds",
+            "Seconds from the steerer first seeing a CPU-only pod gated to its gate removed",
+            count_value=len(latencies),
+            sum_value=sum(latencies),
+        )
+
+
 class Metrics:
     """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
 
@@ -124,6 +152,8 @@ class Metrics:
         self.registry.register(self.primed)
         self.claims = ClaimAllocations()
         self.registry.register(self.claims)
+        self.steered = Steered()
+        self.registry.register(self.steered)
         self.allocation_edits = Gauge(
             "gpushared_extender_allocation_edits",
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
@@ -170,7 +200,15 @@ class Metrics:
             registry=self.registry,
         )
 
-    def observe(self, cache: ClusterCache, *, leading: Callable[[], bool], primer: Any, allocator: Any = None) -> None:
+    def observe(
+        self,
+        cache: ClusterCache,
+        *,
+        leading: Callable[[], bool],
+        primer: Any,
+        allocator: Any = None,
+        steerer: Any = None,
+    ) -> None:
         """Read the gauges from the cache (on the event loop, which serves /metrics and owns the cache)."""
         state, reservations = cache.state, cache.reservations
         self.stale.set_function(lambda: 1.0 if cache.stale() else 0.0)
@@ -182,3 +220,4 @@ class Metrics:
         self.leader.set_function(lambda: 1.0 if leading() else 0.0)
         self.primed.primer = primer
         self.claims.allocator = allocator
+        self.steered.steerer = steerer

@@ -16,8 +16,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
-from gpushared.core.placement.admission import ClaimRef, claim_gate, scheduler_route
+from gpushared.core.placement.admission import ClaimRef, SchedulerRoute, claim_gate, scheduler_route
 from gpushared.core.placement.report import node_report
+from gpushared.core.placement.steering import steer_gate
 from gpushared.core.shared.bodies import PodBody, meta_of
 from gpushared.extender.http import wire
 from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answer
@@ -46,12 +47,16 @@ class Routes:
         public_pod_names: bool = False,
         max_nodes: int = wire.MAX_NODES,
         claim_gating: Callable[[PodBody, str], dict[ClaimRef, bool | None]] | None = None,
+        steer_gating: Callable[[], bool] | None = None,
     ) -> None:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
         (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
         certificate too; ``claim_gating``: with the claim allocator, which claims and templates a new pod
-        names gate it (``claimbook.ClaimBook.gating_of``), else None: no pod is gated."""
+        names gate it (``claimbook.ClaimBook.gating_of``), else None: no pod is gated; ``steer_gating``: with the
+        steerer, whether a leader is there to steer (``<prefix>/mutate-steer`` gates CPU-only pods only then),
+        else None: that route gates nothing."""
         self.claim_gating = claim_gating
+        self.steer_gating = steer_gating
         self.scheduler = scheduler
         self.guard = guard
         self.metrics = metrics
@@ -68,6 +73,7 @@ class Routes:
             f"{prefix}/prioritize-no-gpu": {"POST": verb("prioritize-no-gpu", self.prioritize_no_gpu)},
             f"{prefix}/bind": {"POST": verb("bind", self.bind)},
             f"{prefix}/mutate": {"POST": verb("mutate", self.mutate, stateless=True)},
+            f"{prefix}/mutate-steer": {"POST": verb("mutate-steer", self.mutate_steer, stateless=True)},
             f"{prefix}/inspect": {"GET": self.inspect_all},
             "/healthz": {"GET": self.healthz},
             "/readyz": {"GET": self.readyz},
@@ -126,22 +132,47 @@ class Routes:
         at a time, so the event loop waits at most for one decode (a C call that holds the interpreter)
         and answers the other routes between them. 16 clients sending 5.9 MiB reviews of small objects
         held the loop 171 ms and /healthz about a second when every decode ran on the loop (issue #39)."""
+        return await self._review(raw, self._mutate)
+
+    async def mutate_steer(self, raw: bytes) -> Answer:
+        """The steering webhook (``core.placement.steering``): the API server calls it for pods created in the
+        namespaces an operator opted in. Read as ``mutate`` reads its reviews."""
+        return await self._review(raw, self._mutate_steer)
+
+    async def _review(self, raw: bytes, answer: Callable[[bytes], Answer]) -> Answer:
         if len(raw) > MAX_REVIEW_BYTES:
             return json_answer(
                 {"Error": f"mutate: an admission review of {len(raw)} bytes; the API server sends at most 3 MiB"},
                 status=413,
             )
         async with self._webhook_slots:
-            return await asyncio.to_thread(self._mutate, raw)
+            return await asyncio.to_thread(answer, raw)
 
     def _mutate(self, raw: bytes) -> Answer:
         review = wire.parse_admission_review(raw)
-        patch: tuple[dict[str, Any], ...] = ()
+        routes: list[SchedulerRoute] = []
         if review.pod is not None and review.operation == "CREATE":
             routes = [scheduler_route(review.pod, scheduler=self.webhook_scheduler, resources=self.scheduler.resources)]
             if self.claim_gating is not None:
                 ours = self.claim_gating(review.pod, review.namespace or meta_of(review.pod).get("namespace") or "")
                 routes.append(claim_gate(review.pod, ours=ours))
+        return self._patched(review, routes)
+
+    def _mutate_steer(self, raw: bytes) -> Answer:
+        review = wire.parse_admission_review(raw)
+        routes: list[SchedulerRoute] = []
+        if review.pod is not None and review.operation == "CREATE":
+            if self.steer_gating is None:
+                routes = [SchedulerRoute((), "not gated: the extender runs without --steer-cpu-pods")]
+            elif not self.steer_gating():
+                routes = [SchedulerRoute((), "not gated: no leader holds the Lease to steer it")]
+            else:
+                routes = [steer_gate(review.pod, resources=self.scheduler.resources)]
+        return self._patched(review, routes)
+
+    def _patched(self, review: wire.AdmissionRequest, routes: list[SchedulerRoute]) -> Answer:
+        patch: tuple[dict[str, Any], ...] = ()
+        if review.pod is not None:
             for route in routes:
                 if route.patch:
                     patch += route.patch

@@ -21,6 +21,7 @@ from gpushared.core.placement.nodes import Rejected
 from gpushared.core.placement.policies import NodeRank, Policy, best_nodes, node_scores
 from gpushared.core.placement.reservations import Assumed
 from gpushared.core.shared.bodies import PodBody, key_of, node_of, uid_of
+from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
@@ -65,8 +66,12 @@ class Scheduler:
         clock: Callable[[], int] = time.time_ns,
         rank_in_filter: bool,
         may_bind: Callable[[], bool] = lambda: True,
+        ledger_of: Callable[[str], Ledger | None] | None = None,
     ) -> None:
+        """``ledger_of``: a node's GPUs with what holds them, for ``prioritize_no_gpu`` (with DRA the claims on a
+        DRA node, which the gpu-mem ledgers do not hold: ``steering.idle_ledger``); None: the cache's."""
         self.cache = cache
+        self.ledger_of = ledger_of
         #: asked again right before a Binding is written: a leader that lost its Lease while the bind read
         #: the pod writes nothing (its successor may be counting that memory already)
         self.may_bind = may_bind
@@ -147,7 +152,7 @@ class Scheduler:
             asks_gpu = True  # malformed: filter says why; here it is simply not ours to score
         if asks_gpu:
             return [(name, 0) for name in args.names]
-        keys = [NodeRank(cost) for cost in self.cache.index.idle_prices(args.names)]
+        keys = [NodeRank(cost) for cost in self.cache.index.idle_prices(args.names, ledger_of=self.ledger_of)]
         return list(zip(args.names, node_scores(keys), strict=True))
 
     async def bind(self, args: BindingArgs) -> None:

@@ -24,6 +24,7 @@ from gpushared.contract import ContractError, GpuInventory, ResourceNames
 from gpushared.core.placement.cpu import allocatable_cpu, allocatable_memory, cpu_of, holds_cpu, memory_request
 from gpushared.core.placement.fragmentation import NodeClass, NodeRoom, RequestMix, node_class, node_room
 from gpushared.core.placement.mixbook import ExpectedMix, MixBook, built_mix, kind_of
+from gpushared.core.placement.nodefit import facts_of
 from gpushared.core.placement.nodes import NodeState, Rejected, usable
 from gpushared.core.shared.bodies import NodeBody, PodBody, annotations_of, gpu_models, meta_of, node_of, uid_of
 from gpushared.core.shared.ledger import Holding, Ledger, holding_from_pod, inventory_from_node
@@ -172,6 +173,7 @@ class ClusterState:
                 state = self.nodes.get(meta_of(old).get("name", ""))
                 if state is not None:
                     state.inventory, state.problem, state.cpu_allocatable = None, None, None
+                    state.facts = None
                     self._shapes += 1
                     self._rebuild(state)
             return
@@ -184,6 +186,7 @@ class ClusterState:
             state.model = model  # fgd's ranks read the mix as this model sees it: the index keeps them per model
             self._shapes += 1
         state.memory_allocatable = allocatable_memory(new)
+        state.facts = facts_of(new)
         cpu = allocatable_cpu(new)
         if cpu != state.cpu_allocatable:
             state.cpu_allocatable = cpu

@@ -68,6 +68,12 @@ class LeaderElector:
         return renewed is not None and self.clock() - renewed < self.renew_deadline
 
     @property
+    def held(self) -> bool:
+        """Whether some replica holds the Lease: it names a holder whose renewals this replica saw within
+        the lease's duration."""
+        return bool(self.holder) and self.clock() - self._observed_at < self.lease_seconds
+
+    @property
     def holder(self) -> str:
         return self._observed[0] if self._observed else ""
 

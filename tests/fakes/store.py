@@ -405,8 +405,22 @@ def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
                 "Pod is invalid: spec.schedulingGates: Forbidden: only deletion is allowed, "
                 f"but found new scheduling gate '{gate.get('name')}'",
             )
+    gated = bool(old.get("schedulingGates"))
     old = {k: v for k, v in old.items() if k != "schedulingGates"}
     new = {k: v for k, v in new.items() if k != "schedulingGates"}
+    if gated:  # KEP-3838: a gated pod's node affinity may change (the required terms only by additions)
+        old_affinity = (old.get("affinity") or {}).get("nodeAffinity")
+        new_affinity = (new.get("affinity") or {}).get("nodeAffinity")
+        if old_affinity != new_affinity:
+            _check_node_affinity_mutation(old_affinity, new_affinity)
+            new = clone(new)
+            rest = {k: v for k, v in (new.get("affinity") or {}).items() if k != "nodeAffinity"}
+            if old_affinity is not None:
+                rest["nodeAffinity"] = old_affinity
+            if rest or "affinity" in old:
+                new["affinity"] = rest
+            else:
+                new.pop("affinity", None)
     comparable_old = clone(old)
     for field_name in ("containers", "initContainers"):
         for old_c, new_c in zip(comparable_old.get(field_name) or [], new.get(field_name) or [], strict=False):
@@ -422,6 +436,28 @@ def _check_pod_spec_update(old: dict[str, Any], new: dict[str, Any]) -> None:
             "Pod is invalid: spec: Forbidden: pod updates may not change fields other than "
             "`spec.containers[*].image`, `spec.initContainers[*].image`, `spec.activeDeadlineSeconds`, "
             "`spec.tolerations` (only additions to existing tolerations)",
+        )
+
+
+def _check_node_affinity_mutation(old: dict[str, Any] | None, new: dict[str, Any] | None) -> None:
+    """kube-apiserver's ``validateNodeAffinityMutation``: with required terms before, the same number of them
+    after, each only with expressions and fields added; the preferred terms may change freely."""
+    required = (old or {}).get("requiredDuringSchedulingIgnoredDuringExecution")
+    old_terms = (required or {}).get("nodeSelectorTerms") or []
+    if not old_terms:
+        return
+    new_terms = ((new or {}).get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+    only_added = len(new_terms) == len(old_terms) and all(
+        (n.get(part) or [])[: len(o.get(part) or [])] == (o.get(part) or [])
+        for o, n in zip(old_terms, new_terms, strict=True)
+        for part in ("matchExpressions", "matchFields")
+    )
+    if not only_added:
+        raise ApiError(
+            422,
+            "Invalid",
+            "Pod is invalid: spec.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution: Invalid "
+            "value: only additions to the terms' expressions and fields are allowed for a gated pod",
         )
 
 

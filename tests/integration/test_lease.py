@@ -42,8 +42,10 @@ def test_a_leader_whose_loop_stops_answering_stops_renewing_and_the_follower_tak
         try:
             wait_until(lambda: b.holder == "a", message="b sees a")
             assert not b.leading
+            assert b.held  # the steering webhook gates on b: a leader is there to steer
             a_alive.clear()  # a's loop wedges
             wait_until(lambda: not a.leading, timeout=3, message="a stops leading within its renew deadline")
+            wait_until(lambda: not b.held or b.leading, timeout=3, message="b sees the Lease go unrenewed")
             wait_until(lambda: b.leading and holder(api) == "b", timeout=5, message="b takes the Lease")
             assert not a.leading
             a_alive.set()  # a answers again: it follows, it does not take the Lease back

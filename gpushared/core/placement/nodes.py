@@ -12,6 +12,7 @@ from typing import Protocol
 
 from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.placement.fragmentation import RequestMix
+from gpushared.core.placement.nodefit import NodeFacts
 from gpushared.core.placement.pricing import NodeCpu
 from gpushared.core.shared.bodies import PodBody
 from gpushared.core.shared.ledger import Ledger
@@ -46,6 +47,8 @@ class NodeState:
     #: request: the claim allocator's tie-break (``core.placement.claimchoice.preference``)
     memory_allocatable: int | None = None
     memory_requested: int = 0
+    #: its labels, filtering taints and cordon (None: deleted): which pods may go there (``nodefit.admits``)
+    facts: NodeFacts | None = None
 
     @property
     def cpu(self) -> NodeCpu | None:

@@ -421,3 +421,9 @@ def _string_map(value: Any, where: str) -> str | None:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         return f"'{where}' must be an object of strings"
     return None
+
+
+def has_gate(pod: PodBody, name: str) -> bool:
+    """Whether the pod holds the scheduling gate ``name``."""
+    gates = (pod.get("spec") or {}).get("schedulingGates") or []
+    return isinstance(gates, list) and any(isinstance(g, dict) and g.get("name") == name for g in gates)

@@ -1,0 +1,176 @@
+"""The steerer (issue #54): CPU-only pods given the extender's choice of node where kube-scheduler calls no
+extender (``core.placement.steering``; opt-in, ``--steer-cpu-pods``).
+
+The webhook gates a new CPU-only pod in the namespaces an operator labelled. The leader, on the extender's
+event loop, reads each such pod whole (its affinity decides the patch's paths), works out the nodes the
+extender's ``prioritize-no-gpu`` ranks best among those the pod may use (``core.placement.nodefit``), and
+in one JSON Patch, guarded by the pod's UID and resourceVersion, adds a preferred node affinity naming them
+and removes the gate. A patch refused because the pod changed is tried once more on the pod read again; one
+that fails otherwise is tried at the next step.
+
+Fail open, within bounds: steering is a preference, never a reason to wait. The webhook gates only while a
+leader holds the Lease (a replica that sees none lets pods through ungated, as with the extender down:
+``failurePolicy: Ignore``); a pod gated just before its leader died is steered by the next one, once it
+takes the Lease. No lock is held, and no call is made while deciding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from collections.abc import Callable
+
+from gpushared.core.placement.claimchoice import Resources, preference
+from gpushared.core.placement.cpu import cpu_of, memory_request
+from gpushared.core.placement.nodefit import admits
+from gpushared.core.placement.steering import SteerCandidate, preferred_nodes, steer_operations
+from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
+from gpushared.core.shared.ledger import Ledger
+from gpushared.core.shared.verdicts import idle_gpu_mib
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.claimbook import ClaimBook
+from gpushared.kube.aioapi import AsyncApi
+from gpushared.kube.errors import KubeError
+
+log = logging.getLogger(__name__)
+
+#: How often the leader looks at the gated pods.
+TICK_SECONDS = 0.1
+#: Pods being read and patched at once: a burst of gated pods is worked through this many at a time.
+MOST_IN_FLIGHT = 32
+
+LedgerOf = Callable[[str], Ledger | None]
+
+
+class Steerer:
+    def __init__(
+        self,
+        cache: ClusterCache,
+        api: AsyncApi,
+        *,
+        ledger_of: LedgerOf,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        """``ledger_of``: a node's GPUs with what holds them (the claims on a DRA node), or None."""
+        self.cache, self.api, self.ledger_of = cache, api, ledger_of
+        self.clock = clock
+        self.rng = rng or random.Random()
+        self.inflight: set[Key] = set()
+        #: pod UID -> when the steerer first saw it gated
+        self.first_seen: dict[str, float] = {}
+        #: steered (a preference added), unsteered (every node the same to the extender: the gate only went)
+        self.counts: Counter[str] = Counter()
+        #: seconds from first seen gated to ungated, per pod
+        self.latencies: list[float] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        while True:
+            if leading() and ready():
+                self.step()
+            await asyncio.sleep(TICK_SECONDS)
+
+    def step(self) -> int:
+        """Start steering the gated pods not in flight, at most MOST_IN_FLIGHT at once; how many started."""
+        self.cache.owner.check("the steerer's step")
+        self.cache.inbox.drain()
+        started = 0
+        now = self.clock()
+        for key, pod in list(self.cache.steering.items()):
+            if len(self.inflight) >= MOST_IN_FLIGHT:
+                break
+            if key in self.inflight:
+                continue
+            self.first_seen.setdefault(uid_of(pod), now)
+            self.inflight.add(key)
+            task = asyncio.ensure_future(self._steer(key, pod))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            started += 1
+        if len(self.first_seen) > 2 * len(self.cache.steering) + 100:
+            waiting = {uid_of(pod) for pod in self.cache.steering.values()}
+            self.first_seen = {uid: t for uid, t in self.first_seen.items() if uid in waiting}
+        return started
+
+    async def settle(self) -> None:
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def decide(self, pod: PodBody) -> tuple[str, ...]:
+        """The nodes to prefer for the pod (none: no preference), from the cache as it is now."""
+        pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
+        candidates = []
+        for name, node in self.cache.state.nodes.items():
+            cpu, memory, facts = node.cpu, node.memory_allocatable, node.facts
+            if cpu is None or memory is None or facts is None:
+                continue  # deleted, or not saying what it has: kube-scheduler judges it
+            if cpu.requested + pod_cpu > cpu.allocatable or node.memory_requested + pod_memory > memory:
+                continue
+            if not admits(facts, pod):
+                continue
+            resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
+            candidates.append(
+                SteerCandidate(
+                    name=name,
+                    idle=float(idle_gpu_mib(self.ledger_of(name))),
+                    preference=preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory),
+                )
+            )
+        return preferred_nodes(candidates, shuffle=self.rng.shuffle)
+
+    async def _steer(self, key: Key, seen: PodBody) -> None:
+        namespace, name = key
+        try:
+            for _ in range(2):  # a pod changed between the read and the patch is read once more
+                try:
+                    pod = await self.api.get_pod(namespace, name)
+                except KubeError as exc:
+                    if exc.status != 404:
+                        log.info("pod %s/%s not read for steering (tried again): %s", namespace, name, exc)
+                    return
+                if uid_of(pod) != uid_of(seen):
+                    return  # deleted and made again: the new one is seen on its own
+                nodes = self.decide(pod)
+                operations = steer_operations(pod, nodes)
+                if operations is None:
+                    return  # its gate went already
+                try:
+                    await self.api.json_patch_pod(namespace, name, operations)
+                except KubeError as exc:
+                    if exc.status in (409, 422):
+                        continue
+                    if exc.status != 404:
+                        log.warning("pod %s/%s not steered (tried again): %s", namespace, name, exc)
+                    return
+                self._done(pod, nodes)
+                return
+        finally:
+            self.inflight.discard(key)
+
+    def _done(self, pod: PodBody, nodes: tuple[str, ...]) -> None:
+        self.counts["steered" if nodes else "unsteered"] += 1
+        started = self.first_seen.pop(uid_of(pod), None)
+        if started is not None:
+            self.latencies.append(self.clock() - started)
+            del self.latencies[:-10_000]
+        log.debug("pod %s/%s ungated, preferring %s", *key_of(pod), ", ".join(nodes) or "no node")
+
+
+def idle_ledger(cache: ClusterCache, book: ClaimBook | None) -> LedgerOf:
+    """A node's ledger as the extender's ``prioritize-no-gpu`` should read it: on a node whose slices publish
+    the driver's GPUs, the claims allocated there (``claimbook.ClaimBook.ledger``); elsewhere the gpu-mem
+    pods bound there. ``book``: the claim book, or None (no DRA)."""
+
+    def ledger_of(name: str) -> Ledger | None:
+        node = cache.state.nodes.get(name)
+        if node is None:
+            return None
+        if book is not None and node.inventory is not None and not node.problem and name in book.published():
+            return book.ledger(name, node.inventory)
+        return node.ledger
+
+    return ledger_of

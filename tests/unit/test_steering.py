@@ -1,0 +1,169 @@
+"""Steering CPU-only pods (``core.placement.steering``): which new pods the webhook gates, which nodes a gated
+pod is given as its preference, and the one JSON Patch that adds it and removes the gate, applied to pods of
+every affinity shape and checked against kube-apiserver's rule for gated pods (the fake API server's)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from gpushared import contract
+from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.steering import (
+    MOST_PREFERRED,
+    STEER_GATE,
+    SteerCandidate,
+    preferred_nodes,
+    steer_gate,
+    steer_operations,
+)
+from tests.fakes.apiserver import ApiError
+from tests.fakes.patches import PatchError, json_patch
+from tests.fakes.store import _check_pod_spec_update
+
+GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
+
+
+def pod(**spec: Any) -> dict[str, Any]:
+    meta = spec.pop("metadata", {})
+    body = {"containers": [{"name": "c", "resources": {"requests": {"cpu": "1"}}}], **spec}
+    return {"metadata": {"name": "p", "uid": "u1", "resourceVersion": "7", **meta}, "spec": body}
+
+
+@pytest.mark.parametrize(
+    ("spec", "gated", "reason"),
+    [
+        ({}, True, "asks for no GPU: gated to be steered off idle GPUs"),
+        ({"schedulerName": "default-scheduler"}, True, "asks for no GPU: gated to be steered off idle GPUs"),
+        ({"schedulingGates": [{"name": "other"}]}, True, "asks for no GPU: gated to be steered off idle GPUs"),
+        ({"schedulingGates": [{"name": STEER_GATE}]}, False, "gated already"),
+        ({"nodeName": "n1"}, False, "names its node"),
+        ({"schedulerName": "volcano"}, False, "names scheduler 'volcano'"),
+        (
+            {"containers": [{"name": "c", "resources": {"limits": {GPU_MEM: "4"}}}]},
+            False,
+            "asks for GPU memory",
+        ),
+        ({"resourceClaims": [{"name": "g", "resourceClaimName": "c"}]}, False, "uses DRA claims"),
+        (
+            {"metadata": {"ownerReferences": [{"kind": "DaemonSet", "name": "ds"}]}},
+            False,
+            "a DaemonSet's pod: its node is chosen",
+        ),
+    ],
+)
+def test_which_new_pods_are_gated(spec: dict[str, Any], gated: bool, reason: str) -> None:
+    body = pod(**spec)
+    route = steer_gate(body, resources=contract.DEFAULT_RESOURCES)
+    assert route.reason == reason
+    assert bool(route.patch) is gated
+    if gated:
+        patched = json_patch(body, list(route.patch))
+        assert {"name": STEER_GATE} in patched["spec"]["schedulingGates"]
+        assert len(patched["spec"]["schedulingGates"]) == len(body["spec"].get("schedulingGates") or []) + 1
+
+
+def c(name: str, idle: float, preference: float = 0.0) -> SteerCandidate:
+    return SteerCandidate(name=name, idle=idle, preference=preference)
+
+
+@pytest.mark.parametrize(
+    ("candidates", "preferred"),
+    [
+        ([], ()),
+        ([c("a", 0)], ()),  # one node: nothing to choose
+        ([c("a", 0), c("b", 0)], ()),  # the extender indifferent: no term
+        ([c("a", 8192), c("b", 0), c("cpu", 0)], ("b", "cpu")),  # every node tied at the least idle
+        ([c("a", 8192), c("b", 4096), c("c", 16384)], ("b",)),
+        ([c("b", 4096, 50), c("a", 4096, 10), c("c", 16384)], ("a", "b")),  # names sorted: one term per choice
+    ],
+)
+def test_preferred_nodes(candidates: list[SteerCandidate], preferred: tuple[str, ...]) -> None:
+    assert preferred_nodes(candidates) == preferred
+
+
+def test_past_the_most_named_kube_schedulers_scores_choose_and_equal_ones_are_drawn() -> None:
+    tied = [c(f"n{i:03d}", 0, preference=float(i % 3)) for i in range(100)]
+    chosen = preferred_nodes([*tied, c("busy", 8192)], shuffle=random.Random(1).shuffle)
+    assert len(chosen) == MOST_PREFERRED
+    assert all(int(name[1:]) % 3 == 2 for name in chosen)  # 32 of the 33 scoring 2
+    other = preferred_nodes([*tied, c("busy", 8192)], shuffle=random.Random(2).shuffle)
+    assert set(other) != set(chosen)  # which of the 33 equal ones: drawn, not the first names
+
+
+TERM = {
+    "weight": 100,
+    "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1", "n2"]}]},
+}
+PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
+REQUIRED = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}
+ANTI = {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname"}]}
+
+
+@pytest.mark.parametrize(
+    ("affinity", "expected"),
+    [
+        (None, {"nodeAffinity": {PREFERRED: [TERM]}}),
+        ({"podAntiAffinity": ANTI}, {"podAntiAffinity": ANTI, "nodeAffinity": {PREFERRED: [TERM]}}),
+        (
+            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED}},
+            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED, PREFERRED: [TERM]}},
+        ),
+        (
+            {"nodeAffinity": {PREFERRED: [{"weight": 5, "preference": {}}]}},
+            {"nodeAffinity": {PREFERRED: [{"weight": 5, "preference": {}}, TERM]}},
+        ),
+    ],
+)
+def test_the_patch_adds_the_term_beside_what_the_pod_has_and_removes_the_gate(
+    affinity: dict[str, Any] | None, expected: dict[str, Any]
+) -> None:
+    spec: dict[str, Any] = {"schedulingGates": [{"name": CLAIM_GATE}, {"name": STEER_GATE}]}
+    if affinity is not None:
+        spec["affinity"] = affinity
+    body = pod(**spec)
+    operations = steer_operations(body, ["n1", "n2"])
+    assert operations is not None
+    patched = json_patch(body, operations)
+    assert patched["spec"]["affinity"] == expected
+    assert patched["spec"]["schedulingGates"] == [{"name": CLAIM_GATE}]
+    _check_pod_spec_update(body["spec"], patched["spec"])  # kube-apiserver takes it: the pod was gated
+
+
+def test_no_preferred_node_only_removes_the_gate_and_a_pod_without_it_gets_no_patch() -> None:
+    body = pod(schedulingGates=[{"name": STEER_GATE}])
+    operations = steer_operations(body, [])
+    assert operations is not None
+    assert json_patch(body, operations)["spec"] == {**body["spec"], "schedulingGates": []}
+    assert steer_operations(pod(), ["n1"]) is None
+
+
+def test_the_patch_applies_only_to_the_pod_as_read() -> None:
+    body = pod(schedulingGates=[{"name": STEER_GATE}])
+    operations = steer_operations(body, ["n1"])
+    assert operations is not None
+    changed = {**body, "metadata": {**body["metadata"], "resourceVersion": "8"}}
+    with pytest.raises(PatchError):
+        json_patch(changed, operations)
+
+
+def test_kube_apiserver_refuses_a_required_term_changed_on_a_gated_pod_and_any_affinity_on_an_ungated_one() -> None:
+    gated = {"schedulingGates": [{"name": STEER_GATE}], "affinity": {"nodeAffinity": {PREFERRED: []}}}
+    _check_pod_spec_update(gated, {**gated, "affinity": {"nodeAffinity": {PREFERRED: [TERM]}}})
+    narrowed = {"nodeSelectorTerms": [{"matchExpressions": [*REQUIRED["nodeSelectorTerms"][0]["matchExpressions"]]}]}
+    narrowed["nodeSelectorTerms"][0]["matchExpressions"].append({"key": "zone", "operator": "Exists"})
+    with_required = {
+        **gated,
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED}},
+    }
+    _check_pod_spec_update(
+        with_required,
+        {**gated, "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": narrowed}}},
+    )
+    with pytest.raises(ApiError):
+        _check_pod_spec_update(with_required, {**gated, "affinity": {"nodeAffinity": {}}})
+    ungated = {"containers": []}
+    with pytest.raises(ApiError):
+        _check_pod_spec_update(ungated, {**ungated, "affinity": {"nodeAffinity": {PREFERRED: [TERM]}}})
