@@ -103,24 +103,26 @@ class Steerer:
     def decide(self, pod: PodBody) -> tuple[str, ...]:
         """The nodes to prefer for the pod (none: no preference), from the cache as it is now."""
         pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
+        nodes = self.cache.state.nodes
         candidates = []
-        for name, node in self.cache.state.nodes.items():
+        for name, node in nodes.items():
             cpu, memory, facts = node.cpu, node.memory_allocatable, node.facts
             if cpu is None or memory is None or facts is None:
                 continue  # deleted, or not saying what it has: kube-scheduler judges it
             if cpu.requested + pod_cpu > cpu.allocatable or node.memory_requested + pod_memory > memory:
                 continue
-            if not admits(facts, pod):
-                continue
+            if admits(facts, pod):
+                candidates.append(SteerCandidate(name=name, idle=float(idle_gpu_mib(self.ledger_of(name)))))
+
+        def kube_scores(name: str) -> float:
+            node = nodes[name]
+            cpu, memory = node.cpu, node.memory_allocatable
+            if cpu is None or memory is None:
+                return 0.0
             resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
-            candidates.append(
-                SteerCandidate(
-                    name=name,
-                    idle=float(idle_gpu_mib(self.ledger_of(name))),
-                    preference=preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory),
-                )
-            )
-        return preferred_nodes(candidates, shuffle=self.rng.shuffle)
+            return preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory)
+
+        return preferred_nodes(candidates, preference=kube_scores, shuffle=self.rng.shuffle)
 
     async def _steer(self, key: Key, seen: PodBody) -> None:
         namespace, name = key

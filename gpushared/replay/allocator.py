@@ -30,8 +30,10 @@ from gpushared.core.placement.claimchoice import Candidate, ClaimChoice, Setting
 from gpushared.core.placement.claims import ClaimAsk, read_pending
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
-from gpushared.core.placement.policies import Policy, best_rank, ties
+from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.pricing import NodeCpu
+from gpushared.core.placement.steering import SteerCandidate, preferred_nodes
+from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.replay.cluster import SimCluster, SimNode
 from gpushared.replay.kubescheduler import FirstFitCluster, heap_top
 from gpushared.replay.trace import TraceNode, TracePod
@@ -40,9 +42,9 @@ from gpushared.replay.trace import TraceNode, TracePod
 #: extender's verbs ``dra-allocator-only-<policy>``.
 PREFIX = "dra-allocator-"
 ALONE = "dra-allocator-only-"
-#: An experiment, not built: the allocator alone also giving each CPU-only pod a preferred node affinity for the
-#: node the extender's prioritize would choose (a gated pod's spec may still take one), which kube-scheduler
-#: weighs with NodeAffinity's score (weight 2, the preferred node scoring 100) beside its own.
+#: The allocator alone with the steerer (``--steer-cpu-pods``): each CPU-only pod given a preferred node affinity
+#: for the nodes the extender's prioritize-no-gpu ranks best, which kube-scheduler weighs with NodeAffinity's
+#: score (weight 2, the preferred nodes scoring 100) beside its own.
 STEERED = "dra-allocator-steered-"
 #: NodeAffinity's weight among kube-scheduler's default score plugins, times the score of the preferred node.
 NODE_AFFINITY_POINTS = 2 * 100
@@ -135,22 +137,28 @@ class AllocatorCluster(FirstFitCluster):
         return True
 
     def _steered(self, pod: TracePod) -> bool:
-        """A CPU-only pod placed by kube-scheduler's own search and scores, the node the extender's prioritize
-        ranks best (over every node that admits it) scoring NODE_AFFINITY_POINTS more."""
-        if self.allocated_mib >= self._rooms_due and self._recounts:
-            self._count_mix()
+        """A CPU-only pod steered as the extender's steerer does (``core.placement.steering``): the nodes it may
+        use that ``prioritize-no-gpu`` ranks best get NODE_AFFINITY_POINTS more in kube-scheduler's own
+        search and scores (none when it ranks them all the same)."""
+        candidates = [
+            SteerCandidate(name=node.trace.name, idle=float(idle_gpu_mib(node.ledger)))
+            for node in self.nodes
+            if node.admits(pod)
+        ]
+        preferred = {
+            self.index_of[name]
+            for name in preferred_nodes(
+                candidates,
+                preference=lambda name: float(self._in_tree(self.nodes[self.index_of[name]], pod)),
+                shuffle=self.rng.shuffle,
+            )
+        }
         request = self._request(pod)
-        ranked = [(key, node) for node in self.nodes if node.admits(pod) if (key := self._price(node, request, pod)[0])]
-        best = best_rank(key for key, _ in ranked)
-        preferred = None
-        if best is not None:
-            chosen, _ = self._pick([(node, ()) for key, node in ranked if ties(key, best)], pod)
-            preferred = self.index_of[chosen.trace.name]
         found, processed = self._search(pod, request)
         self.next_start = (self.next_start + processed) % len(self.nodes)
         if not found:
             return False
-        scores = [self._score(i, pod) + (NODE_AFFINITY_POINTS if i == preferred else 0) for i, _ in found]
+        scores = [self._score(i, pod) + (NODE_AFFINITY_POINTS if i in preferred else 0) for i, _ in found]
         index, devices = found[heap_top(scores)]
         self.requests[index].add(pod)
         self._bind(self.nodes[index], pod, request, devices)

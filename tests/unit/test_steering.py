@@ -65,8 +65,8 @@ def test_which_new_pods_are_gated(spec: dict[str, Any], gated: bool, reason: str
         assert len(patched["spec"]["schedulingGates"]) == len(body["spec"].get("schedulingGates") or []) + 1
 
 
-def c(name: str, idle: float, preference: float = 0.0) -> SteerCandidate:
-    return SteerCandidate(name=name, idle=idle, preference=preference)
+def c(name: str, idle: float) -> SteerCandidate:
+    return SteerCandidate(name=name, idle=idle)
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def c(name: str, idle: float, preference: float = 0.0) -> SteerCandidate:
         ([c("a", 0), c("b", 0)], ()),  # the extender indifferent: no term
         ([c("a", 8192), c("b", 0), c("cpu", 0)], ("b", "cpu")),  # every node tied at the least idle
         ([c("a", 8192), c("b", 4096), c("c", 16384)], ("b",)),
-        ([c("b", 4096, 50), c("a", 4096, 10), c("c", 16384)], ("a", "b")),  # names sorted: one term per choice
+        ([c("b", 4096), c("a", 4096), c("c", 16384)], ("a", "b")),  # names sorted: one term per choice
     ],
 )
 def test_preferred_nodes(candidates: list[SteerCandidate], preferred: tuple[str, ...]) -> None:
@@ -85,11 +85,18 @@ def test_preferred_nodes(candidates: list[SteerCandidate], preferred: tuple[str,
 
 
 def test_past_the_most_named_kube_schedulers_scores_choose_and_equal_ones_are_drawn() -> None:
-    tied = [c(f"n{i:03d}", 0, preference=float(i % 3)) for i in range(100)]
-    chosen = preferred_nodes([*tied, c("busy", 8192)], shuffle=random.Random(1).shuffle)
+    tied = [c(f"n{i:03d}", 0) for i in range(100)]
+    asked: list[str] = []
+
+    def scores(name: str) -> float:
+        asked.append(name)
+        return float(int(name[1:]) % 3)
+
+    chosen = preferred_nodes([*tied, c("busy", 8192)], preference=scores, shuffle=random.Random(1).shuffle)
     assert len(chosen) == MOST_PREFERRED
     assert all(int(name[1:]) % 3 == 2 for name in chosen)  # 32 of the 33 scoring 2
-    other = preferred_nodes([*tied, c("busy", 8192)], shuffle=random.Random(2).shuffle)
+    assert "busy" not in asked  # scores are asked only of the tied nodes
+    other = preferred_nodes([*tied, c("busy", 8192)], preference=scores, shuffle=random.Random(2).shuffle)
     assert set(other) != set(chosen)  # which of the 33 equal ones: drawn, not the first names
 
 

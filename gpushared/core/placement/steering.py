@@ -68,33 +68,34 @@ def steer_gate(pod: PodBody, *, resources: ResourceNames) -> SchedulerRoute:
 
 @dataclass(frozen=True)
 class SteerCandidate:
-    """A node the pod may go to: the GPU memory it would leave idle beside the pod (the extender's
-    ``prioritize-no-gpu`` price, lower is better) and kube-scheduler's resource scores there."""
+    """A node the pod may go to, and the GPU memory it would leave idle beside the pod there: the extender's
+    ``prioritize-no-gpu`` price (``idle_gpu_mib``), lower is better."""
 
     name: str
     idle: float
-    preference: float = 0.0
 
 
 def preferred_nodes(
     candidates: Sequence[SteerCandidate],
     *,
+    preference: Callable[[str], float] = lambda name: 0.0,
     most: int = MOST_PREFERRED,
-    shuffle: Callable[[list[SteerCandidate]], None] = lambda tied: None,
+    shuffle: Callable[[list[str]], None] = lambda tied: None,
 ) -> tuple[str, ...]:
     """The nodes to prefer: those the extender ranks best, or none when it ranks every candidate the same.
-    Past ``most`` of them, those kube-scheduler's resource scores rank best (``shuffle`` orders equal ones)."""
+    Past ``most`` of them, those kube-scheduler's resource scores rank best (``preference``, asked only then;
+    ``shuffle`` orders equal ones)."""
     if not candidates:
         return ()
     best = min(c.idle for c in candidates)
-    tied = [c for c in candidates if c.idle == best]
+    tied = [c.name for c in candidates if c.idle == best]
     if len(tied) == len(candidates):
         return ()
     if len(tied) > most:
         shuffle(tied)
-        tied.sort(key=lambda c: -c.preference)  # stable: equal scores keep the shuffled order
+        tied.sort(key=lambda name: -preference(name))  # stable: equal scores keep the shuffled order
         tied = tied[:most]
-    return tuple(sorted(c.name for c in tied))
+    return tuple(sorted(tied))
 
 
 def steer_operations(pod: PodBody, nodes: Sequence[str]) -> list[dict[str, Any]] | None:
