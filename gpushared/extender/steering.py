@@ -26,7 +26,7 @@ from collections.abc import Callable
 from gpushared.core.placement.claimchoice import Resources, preference
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits
-from gpushared.core.placement.steering import SteerCandidate, preferred_nodes, steer_operations
+from gpushared.core.placement.steering import Preferred, SteerCandidate, preferred_terms, steer_operations
 from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.verdicts import idle_gpu_mib
@@ -100,8 +100,8 @@ class Steerer:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-    def decide(self, pod: PodBody) -> tuple[str, ...]:
-        """The nodes to prefer for the pod (none: no preference), from the cache as it is now."""
+    def decide(self, pod: PodBody) -> tuple[Preferred, ...]:
+        """The preferred terms for the pod (none: no preference), from the cache as it is now."""
         pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
         nodes = self.cache.state.nodes
         candidates = []
@@ -122,7 +122,7 @@ class Steerer:
             resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
             return preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory)
 
-        return preferred_nodes(candidates, preference=kube_scores, shuffle=self.rng.shuffle)
+        return preferred_terms(candidates, preference=kube_scores, shuffle=self.rng.shuffle)
 
     async def _steer(self, key: Key, seen: PodBody) -> None:
         namespace, name = key
@@ -136,8 +136,8 @@ class Steerer:
                     return
                 if uid_of(pod) != uid_of(seen):
                     return  # deleted and made again: the new one is seen on its own
-                nodes = self.decide(pod)
-                operations = steer_operations(pod, nodes)
+                terms = self.decide(pod)
+                operations = steer_operations(pod, terms)
                 if operations is None:
                     return  # its gate went already
                 try:
@@ -148,18 +148,19 @@ class Steerer:
                     if exc.status != 404:
                         log.warning("pod %s/%s not steered (tried again): %s", namespace, name, exc)
                     return
-                self._done(pod, nodes)
+                self._done(pod, terms)
                 return
         finally:
             self.inflight.discard(key)
 
-    def _done(self, pod: PodBody, nodes: tuple[str, ...]) -> None:
-        self.counts["steered" if nodes else "unsteered"] += 1
+    def _done(self, pod: PodBody, terms: tuple[Preferred, ...]) -> None:
+        self.counts["steered" if terms else "unsteered"] += 1
         started = self.first_seen.pop(uid_of(pod), None)
         if started is not None:
             self.latencies.append(self.clock() - started)
             del self.latencies[:-10_000]
-        log.debug("pod %s/%s ungated, preferring %s", *key_of(pod), ", ".join(nodes) or "no node")
+        named = ", ".join(f"{n} ({t.weight})" for t in terms for n in t.nodes)
+        log.debug("pod %s/%s ungated, preferring %s", *key_of(pod), named or "no node")
 
 
 def idle_ledger(cache: ClusterCache, book: ClaimBook | None) -> LedgerOf:

@@ -32,7 +32,7 @@ from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.pricing import NodeCpu
-from gpushared.core.placement.steering import SteerCandidate, preferred_nodes
+from gpushared.core.placement.steering import SteerCandidate, preferred_terms
 from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.replay.cluster import SimCluster, SimNode
 from gpushared.replay.kubescheduler import FirstFitCluster, heap_top
@@ -46,8 +46,8 @@ ALONE = "dra-allocator-only-"
 #: for the nodes the extender's prioritize-no-gpu ranks best, which kube-scheduler weighs with NodeAffinity's
 #: score (weight 2, the preferred nodes scoring 100) beside its own.
 STEERED = "dra-allocator-steered-"
-#: NodeAffinity's weight among kube-scheduler's default score plugins, times the score of the preferred node.
-NODE_AFFINITY_POINTS = 2 * 100
+#: NodeAffinity's weight among kube-scheduler's default score plugins.
+NODE_AFFINITY_WEIGHT = 2
 
 
 def policy_of(placement: str) -> tuple[str, bool, bool]:
@@ -137,28 +137,34 @@ class AllocatorCluster(FirstFitCluster):
         return True
 
     def _steered(self, pod: TracePod) -> bool:
-        """A CPU-only pod steered as the extender's steerer does (``core.placement.steering``): the nodes it may
-        use that ``prioritize-no-gpu`` ranks best get NODE_AFFINITY_POINTS more in kube-scheduler's own
-        search and scores (none when it ranks them all the same)."""
+        """A CPU-only pod steered as the extender's steerer does (``core.placement.steering``): the preferred
+        terms it is given count in kube-scheduler's own search and scores as NodeAffinity counts them (the sum
+        of the terms a node matches, normalized to 100 over the nodes scored, times NODE_AFFINITY_WEIGHT)."""
         candidates = [
             SteerCandidate(name=node.trace.name, idle=float(idle_gpu_mib(node.ledger)))
             for node in self.nodes
             if node.admits(pod)
         ]
-        preferred = {
-            self.index_of[name]
-            for name in preferred_nodes(
+        weights = {
+            self.index_of[name]: term.weight
+            for term in preferred_terms(
                 candidates,
                 preference=lambda name: float(self._in_tree(self.nodes[self.index_of[name]], pod)),
                 shuffle=self.rng.shuffle,
             )
+            for name in term.nodes
         }
         request = self._request(pod)
         found, processed = self._search(pod, request)
         self.next_start = (self.next_start + processed) % len(self.nodes)
         if not found:
             return False
-        scores = [self._score(i, pod) + (NODE_AFFINITY_POINTS if i in preferred else 0) for i, _ in found]
+        affinity = [weights.get(i, 0) for i, _ in found]
+        top = max(affinity)  # NodeAffinity's NormalizeScore: the best of the nodes scored gets 100
+        scores = [
+            self._score(i, pod) + (NODE_AFFINITY_WEIGHT * 100 * a // top if top else 0)
+            for (i, _), a in zip(found, affinity, strict=True)
+        ]
         index, devices = found[heap_top(scores)]
         self.requests[index].add(pod)
         self._bind(self.nodes[index], pod, request, devices)

@@ -413,6 +413,26 @@ def test_the_claim_allocator_is_deploy_dras_and_the_extender_runs_it(render: Ren
         assert not [d for d in off if d["metadata"]["name"] == "gpushared-claim-allocator"]
 
 
+def test_the_steerer_is_deploy_steers_and_the_extender_runs_it(render: Render) -> None:
+    """extender.steerCpuPods: the RBAC and webhook of deploy/steer.yaml (the release's namespace), and the
+    extender's flag; off by default."""
+    docs = render("--set", "extender.steerCpuPods=true", "-n", "kube-system")
+    source = shipped("steer.yaml")
+    assert (
+        one(docs, "ClusterRole", "gpushared-steer")["rules"] == one(source, "ClusterRole", "gpushared-steer")["rules"]
+    )
+    binding = one(docs, "ClusterRoleBinding", "gpushared-steer")
+    assert binding["subjects"] == one(source, "ClusterRoleBinding", "gpushared-steer")["subjects"]
+    (ours,) = one(docs, "MutatingWebhookConfiguration", "gpushared-steer")["webhooks"]
+    (theirs,) = one(source, "MutatingWebhookConfiguration", "gpushared-steer")["webhooks"]
+    ours["clientConfig"].pop("caBundle", None)
+    assert ours == theirs
+    assert "--steer-cpu-pods" in container(one(docs, "Deployment", "gpushared-extender"))["args"]
+    off = render()
+    assert "--steer-cpu-pods" not in container(one(off, "Deployment", "gpushared-extender"))["args"]
+    assert not [d for d in off if d["metadata"]["name"] == "gpushared-steer"]
+
+
 def test_dra_needs_kubernetes_1_34(helm: Path) -> None:
     assert "dra.enabled needs Kubernetes 1.34 or later" in refused(
         helm, "--set", "dra.enabled=true", "--kube-version", "1.29.0"

@@ -44,10 +44,11 @@ def cpu_pod(name: str, **spec: Any) -> dict[str, Any]:
     }
 
 
-def preferred(api: FakeApiServer, name: str) -> list[list[str]]:
+def preferred(api: FakeApiServer, name: str) -> list[tuple[int, list[str]]]:
+    """The pod's preferred terms that name nodes: (weight, the nodes)."""
     body = api.get("pods", name, "default") or {}
     terms = (((body["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(PREFERRED)) or []
-    return [sorted(t["preference"]["matchFields"][0]["values"]) for t in terms if t.get("weight") == 100]
+    return [(t["weight"], t["preference"]["matchFields"][0]["values"]) for t in terms if "matchFields" in t["preference"]]
 
 
 @pytest.fixture
@@ -107,16 +108,17 @@ def test_a_cpu_only_pod_prefers_where_it_leaves_no_gpu_idle_and_skips_nodes_it_m
             await steered(world, steerer, api, pod)
 
     steerer = run(api, body)
-    assert preferred(api, "web") == [["cpu-1"]]
-    assert preferred(api, "db") == [["cpu-1", "cpu-tainted"]]
+    # cpu-1 leaves no GPU idle; gpu-busy 20 GiB of gpu-idle's 32 (1 + 99 * 12 / 32); gpu-idle, the worst: unnamed
+    assert preferred(api, "web") == [(100, ["cpu-1"]), (38, ["gpu-busy"])]
+    assert preferred(api, "db") == [(100, ["cpu-1", "cpu-tainted"]), (38, ["gpu-busy"])]
     assert preferred(api, "gpu-pool") == []  # nowhere to go: only ungated
     assert steerer.counts == {"steered": 2, "unsteered": 1}
     assert len(steerer.latencies) == 3
 
 
 def test_dra_nodes_are_priced_by_the_claims_on_them(api: FakeApiServer) -> None:
-    """Only GPU nodes: the pod goes beside the GPU a claim uses (4 GiB idle there, 16 on the other and 32 on
-    the idle node). Read from the gpu-mem ledgers, which hold no claims, all three nodes would tie."""
+    """Only GPU nodes: the pod goes beside the GPU a claim uses (20 GiB left idle there, 32 on the idle
+    node). Read from the gpu-mem ledgers, which hold no claims, the two nodes would tie."""
 
     async def body(world: ClaimWorld, steerer: Steerer) -> None:
         await busy(world, api)
@@ -135,7 +137,7 @@ def test_dra_nodes_are_priced_by_the_claims_on_them(api: FakeApiServer) -> None:
         await steered(world, steerer, api, "web")
 
     run(api, body)
-    assert preferred(api, "web") == [["gpu-busy"]]
+    assert preferred(api, "web") == [(100, ["gpu-busy"])]
     stored = api.get("pods", "web", "default") or {}
     assert "podAntiAffinity" in stored["spec"]["affinity"]
 
@@ -156,7 +158,7 @@ def test_a_pod_changed_between_the_read_and_the_patch_is_read_again(api: FakeApi
         assert len(reads) == 2
 
     steerer = run(api, body)
-    assert preferred(api, "web") == [["cpu-1"]]
+    assert preferred(api, "web") == [(100, ["cpu-1"])]
     assert steerer.counts["steered"] == 1
 
 

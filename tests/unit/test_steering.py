@@ -15,7 +15,8 @@ from gpushared.core.placement.steering import (
     MOST_PREFERRED,
     STEER_GATE,
     SteerCandidate,
-    preferred_nodes,
+    Preferred,
+    preferred_terms,
     steer_gate,
     steer_operations,
 )
@@ -70,40 +71,52 @@ def c(name: str, idle: float) -> SteerCandidate:
 
 
 @pytest.mark.parametrize(
-    ("candidates", "preferred"),
+    ("candidates", "terms"),
     [
         ([], ()),
         ([c("a", 0)], ()),  # one node: nothing to choose
         ([c("a", 0), c("b", 0)], ()),  # the extender indifferent: no term
-        ([c("a", 8192), c("b", 0), c("cpu", 0)], ("b", "cpu")),  # every node tied at the least idle
-        ([c("a", 8192), c("b", 4096), c("c", 16384)], ("b",)),
-        ([c("b", 4096), c("a", 4096), c("c", 16384)], ("a", "b")),  # names sorted: one term per choice
+        ([c("a", 8192), c("b", 0), c("cpu", 0)], (Preferred(100, ("b", "cpu")),)),  # the worst are not named
+        # graded as prioritize-no-gpu scores: 100 at the least idle, 1 toward the most, linear between
+        ([c("a", 8192), c("b", 4096), c("c", 16384)], (Preferred(100, ("b",)), Preferred(67, ("a",)))),
+        ([c("b", 4096), c("a", 4096), c("c", 16384)], (Preferred(100, ("a", "b")),)),  # one term per weight
+        ([c("a", 16383), c("b", 0), c("c", 16384)], (Preferred(100, ("b",)), Preferred(1, ("a",)))),
     ],
 )
-def test_preferred_nodes(candidates: list[SteerCandidate], preferred: tuple[str, ...]) -> None:
-    assert preferred_nodes(candidates) == preferred
+def test_preferred_terms(candidates: list[SteerCandidate], terms: tuple[Preferred, ...]) -> None:
+    assert preferred_terms(candidates) == terms
 
 
-def test_past_the_most_named_kube_schedulers_scores_choose_and_equal_ones_are_drawn() -> None:
-    tied = [c(f"n{i:03d}", 0) for i in range(100)]
+def test_past_the_most_named_kube_schedulers_scores_choose_at_the_cut_and_equal_ones_are_drawn() -> None:
+    best = [c(f"b{i}", 0) for i in range(5)]
+    tied = [c(f"n{i:03d}", 100) for i in range(40)]
     asked: list[str] = []
 
     def scores(name: str) -> float:
         asked.append(name)
         return float(int(name[1:]) % 3)
 
-    chosen = preferred_nodes([*tied, c("busy", 8192)], preference=scores, shuffle=random.Random(1).shuffle)
-    assert len(chosen) == MOST_PREFERRED
-    assert all(int(name[1:]) % 3 == 2 for name in chosen)  # 32 of the 33 scoring 2
-    assert "busy" not in asked  # scores are asked only of the tied nodes
-    other = preferred_nodes([*tied, c("busy", 8192)], preference=scores, shuffle=random.Random(2).shuffle)
-    assert set(other) != set(chosen)  # which of the 33 equal ones: drawn, not the first names
+    everyone = [*best, *tied, c("busy", 8192)]
+    terms = preferred_terms(everyone, preference=scores, shuffle=random.Random(1).shuffle)
+    assert [t.weight for t in terms] == [100, 98]  # 1 + 99 * 8092 / 8192, rounded down
+    assert terms[0].nodes == tuple(f"b{i}" for i in range(5))  # every node better than the cut is named
+    chosen = terms[1].nodes
+    assert len(chosen) == MOST_PREFERRED - 5
+    assert sum(int(name[1:]) % 3 == 2 for name in chosen) == 13  # all 13 scoring 2 first, then 14 scoring 1
+    assert sorted(set(asked)) == sorted(t.name for t in tied)  # scores asked only of the nodes at the cut
+    other = preferred_terms(everyone, preference=scores, shuffle=random.Random(2).shuffle)
+    assert set(other[1].nodes) != set(chosen)  # which of the equal ones: drawn, not the first names
 
 
 TERM = {
     "weight": 100,
     "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n1", "n2"]}]},
 }
+LIGHT = {
+    "weight": 40,
+    "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": ["n3"]}]},
+}
+TERMS = (Preferred(100, ("n1", "n2")), Preferred(40, ("n3",)))
 PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
 REQUIRED = {"nodeSelectorTerms": [{"matchExpressions": [{"key": "pool", "operator": "In", "values": ["gpu"]}]}]}
 ANTI = {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kubernetes.io/hostname"}]}
@@ -112,15 +125,15 @@ ANTI = {"requiredDuringSchedulingIgnoredDuringExecution": [{"topologyKey": "kube
 @pytest.mark.parametrize(
     ("affinity", "expected"),
     [
-        (None, {"nodeAffinity": {PREFERRED: [TERM]}}),
-        ({"podAntiAffinity": ANTI}, {"podAntiAffinity": ANTI, "nodeAffinity": {PREFERRED: [TERM]}}),
+        (None, {"nodeAffinity": {PREFERRED: [TERM, LIGHT]}}),
+        ({"podAntiAffinity": ANTI}, {"podAntiAffinity": ANTI, "nodeAffinity": {PREFERRED: [TERM, LIGHT]}}),
         (
             {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED}},
-            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED, PREFERRED: [TERM]}},
+            {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": REQUIRED, PREFERRED: [TERM, LIGHT]}},
         ),
         (
             {"nodeAffinity": {PREFERRED: [{"weight": 5, "preference": {}}]}},
-            {"nodeAffinity": {PREFERRED: [{"weight": 5, "preference": {}}, TERM]}},
+            {"nodeAffinity": {PREFERRED: [{"weight": 5, "preference": {}}, TERM, LIGHT]}},
         ),
     ],
 )
@@ -131,7 +144,7 @@ def test_the_patch_adds_the_term_beside_what_the_pod_has_and_removes_the_gate(
     if affinity is not None:
         spec["affinity"] = affinity
     body = pod(**spec)
-    operations = steer_operations(body, ["n1", "n2"])
+    operations = steer_operations(body, TERMS)
     assert operations is not None
     patched = json_patch(body, operations)
     assert patched["spec"]["affinity"] == expected
@@ -141,15 +154,15 @@ def test_the_patch_adds_the_term_beside_what_the_pod_has_and_removes_the_gate(
 
 def test_no_preferred_node_only_removes_the_gate_and_a_pod_without_it_gets_no_patch() -> None:
     body = pod(schedulingGates=[{"name": STEER_GATE}])
-    operations = steer_operations(body, [])
+    operations = steer_operations(body, ())
     assert operations is not None
     assert json_patch(body, operations)["spec"] == {**body["spec"], "schedulingGates": []}
-    assert steer_operations(pod(), ["n1"]) is None
+    assert steer_operations(pod(), TERMS) is None
 
 
 def test_the_patch_applies_only_to_the_pod_as_read() -> None:
     body = pod(schedulingGates=[{"name": STEER_GATE}])
-    operations = steer_operations(body, ["n1"])
+    operations = steer_operations(body, TERMS)
     assert operations is not None
     changed = {**body, "metadata": {**body["metadata"], "resourceVersion": "8"}}
     with pytest.raises(PatchError):

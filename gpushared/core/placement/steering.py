@@ -8,10 +8,11 @@ leaves the least GPU memory idle beside it (``idle_gpu_mib``). Without the exten
 is given to kube-scheduler as a *preferred* node affinity on the pod:
 
 1. the webhook gates a new CPU-only pod, in the namespaces an operator opted in (:func:`steer_gate`);
-2. the leader works out the nodes the extender would rank best for it (:func:`preferred_nodes`) and, in one
-   JSON Patch, adds a preferred term naming them and removes the gate (:func:`steer_operations`). A gated
-   pod's node affinity may change (KEP-3838; kube-apiserver's ``validateNodeAffinityMutation`` constrains
-   only the required terms); kube-scheduler's NodeAffinity score then gives those nodes its whole weight.
+2. the leader works out the nodes the extender would rank best for it, weighted as it scores them
+   (:func:`preferred_terms`), and in one JSON Patch adds preferred terms naming them and removes the gate
+   (:func:`steer_operations`). A gated pod's node affinity may change (KEP-3838; kube-apiserver's
+   ``validateNodeAffinityMutation`` constrains only the required terms); kube-scheduler's NodeAffinity
+   score (weight 2 among its default scores) then ranks those nodes as the extender would.
 
 A preference never keeps a pod from running: kube-scheduler still filters, and a pod the preferred nodes
 cannot take goes elsewhere. Where every node the pod may use is worth the same to the extender (a cluster
@@ -30,10 +31,10 @@ from gpushared.core.shared.bodies import PodBody
 
 #: The scheduling gate the claim allocator's leader removes once it has steered a CPU-only pod.
 STEER_GATE = "gpushared.io/steer"
-#: The most nodes one preferred term names: the rest of the tied nodes are left to kube-scheduler's scores.
+#: The most nodes the preferred terms name, all together: the rest are left to kube-scheduler's scores.
 MOST_PREFERRED = 32
-#: The term's weight (1-100). kube-scheduler normalizes NodeAffinity's score to 0-100 over the nodes it
-#: scores, so with no other preferred term any weight gives the named nodes the plugin's whole score.
+#: The heaviest term's weight (weights are 1-100). kube-scheduler normalizes NodeAffinity's score to 0-100
+#: over the nodes it scores, so the best of them named gets the plugin's whole score.
 STEER_WEIGHT = 100
 
 
@@ -75,33 +76,54 @@ class SteerCandidate:
     idle: float
 
 
-def preferred_nodes(
+@dataclass(frozen=True)
+class Preferred:
+    """One preferred term: the nodes it names, and its weight (1-100)."""
+
+    weight: int
+    nodes: tuple[str, ...]
+
+
+def preferred_terms(
     candidates: Sequence[SteerCandidate],
     *,
     preference: Callable[[str], float] = lambda name: 0.0,
     most: int = MOST_PREFERRED,
     shuffle: Callable[[list[str]], None] = lambda tied: None,
-) -> tuple[str, ...]:
-    """The nodes to prefer: those the extender ranks best, or none when it ranks every candidate the same.
-    Past ``most`` of them, those kube-scheduler's resource scores rank best (``preference``, asked only then;
-    ``shuffle`` orders equal ones)."""
+) -> tuple[Preferred, ...]:
+    """The terms to add, heaviest first: the ``most`` nodes the extender ranks best, each weighted as
+    ``prioritize-no-gpu`` scores it (100 for the least idle GPU memory, down to 1 toward the most), nodes of
+    one weight in one term; none when every candidate is worth the same. Where the cut falls among nodes
+    worth the same, kube-scheduler's resource scores choose (``preference``, asked only then; ``shuffle``
+    orders equal ones). Graded rather than only the best: kube-scheduler scores only some of the feasible
+    nodes of a large cluster (``percentageOfNodesToScore``), and among those it scores the term still says
+    which are better."""
     if not candidates:
         return ()
-    best = min(c.idle for c in candidates)
-    tied = [c.name for c in candidates if c.idle == best]
-    if len(tied) == len(candidates):
+    best, worst = min(c.idle for c in candidates), max(c.idle for c in candidates)
+    if best == worst:
         return ()
-    if len(tied) > most:
-        shuffle(tied)
-        tied.sort(key=lambda name: -preference(name))  # stable: equal scores keep the shuffled order
-        tied = tied[:most]
-    return tuple(sorted(tied))
+    ranked = sorted((c for c in candidates if c.idle < worst), key=lambda c: c.idle)
+    if len(ranked) > most:
+        cut = ranked[most - 1].idle
+        inside = [c for c in ranked if c.idle < cut]
+        at_cut = [c.name for c in ranked if c.idle == cut]
+        shuffle(at_cut)
+        at_cut.sort(key=lambda name: -preference(name))  # stable: equal scores keep the shuffled order
+        chosen = [(c.name, c.idle) for c in inside] + [(name, cut) for name in at_cut[: most - len(inside)]]
+    else:
+        chosen = [(c.name, c.idle) for c in ranked]
+    by_weight: dict[int, list[str]] = {}
+    for name, idle in chosen:
+        weight = max(1, min(STEER_WEIGHT, 1 + int((STEER_WEIGHT - 1) * (worst - idle) / (worst - best))))
+        by_weight.setdefault(weight, []).append(name)
+    return tuple(Preferred(w, tuple(sorted(names))) for w, names in sorted(by_weight.items(), reverse=True))
 
 
-def steer_operations(pod: PodBody, nodes: Sequence[str]) -> list[dict[str, Any]] | None:
-    """The JSON Patch that adds a preferred term naming ``nodes`` (none: no term) and removes the gate, for
-    the pod as read: it tests the pod's resourceVersion, so it applies only to that pod as it was (the
-    affinity paths depend on what it holds). None: the pod holds no steering gate."""
+def steer_operations(pod: PodBody, terms: Sequence[Preferred]) -> list[dict[str, Any]] | None:
+    """The JSON Patch that adds the preferred ``terms`` (none: no term) and removes the gate, for the pod as
+    read: it tests the pod's resourceVersion, so it applies only to that pod as it was (the affinity paths
+    depend on what it holds). None: the pod holds no steering gate."""
     meta: Any = pod.get("metadata") or {}
     spec: Any = pod.get("spec") or {}
     gates = spec.get("schedulingGates") or []
@@ -112,27 +134,28 @@ def steer_operations(pod: PodBody, nodes: Sequence[str]) -> list[dict[str, Any]]
         {"op": "test", "path": "/metadata/uid", "value": meta.get("uid")},
         {"op": "test", "path": "/metadata/resourceVersion", "value": meta.get("resourceVersion")},
     ]
-    if nodes:
-        operations.append(_preference(spec, list(nodes)))
+    if terms:
+        operations.extend(_preferences(spec, [_term(t) for t in terms]))
     operations.append({"op": "remove", "path": f"/spec/schedulingGates/{at}"})
     return operations
 
 
-def _preference(spec: Mapping[str, Any], nodes: list[str]) -> dict[str, Any]:
-    """The one operation that adds the term, at the deepest part of the pod's affinity that exists."""
-    term = {
-        "weight": STEER_WEIGHT,
-        "preference": {"matchFields": [{"key": "metadata.name", "operator": "In", "values": nodes}]},
-    }
+def _term(term: Preferred) -> dict[str, Any]:
+    match = [{"key": "metadata.name", "operator": "In", "values": list(term.nodes)}]
+    return {"weight": term.weight, "preference": {"matchFields": match}}
+
+
+def _preferences(spec: Mapping[str, Any], terms: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The operations that add the terms, at the deepest part of the pod's affinity that exists."""
     affinity = spec.get("affinity")
     if not isinstance(affinity, Mapping):
-        return {"op": "add", "path": "/spec/affinity", "value": {"nodeAffinity": {_PREFERRED: [term]}}}
+        return [{"op": "add", "path": "/spec/affinity", "value": {"nodeAffinity": {_PREFERRED: terms}}}]
     node_affinity = affinity.get("nodeAffinity")
     if not isinstance(node_affinity, Mapping):
-        return {"op": "add", "path": "/spec/affinity/nodeAffinity", "value": {_PREFERRED: [term]}}
+        return [{"op": "add", "path": "/spec/affinity/nodeAffinity", "value": {_PREFERRED: terms}}]
     if not isinstance(node_affinity.get(_PREFERRED), list):
-        return {"op": "add", "path": f"/spec/affinity/nodeAffinity/{_PREFERRED}", "value": [term]}
-    return {"op": "add", "path": f"/spec/affinity/nodeAffinity/{_PREFERRED}/-", "value": term}
+        return [{"op": "add", "path": f"/spec/affinity/nodeAffinity/{_PREFERRED}", "value": terms}]
+    return [{"op": "add", "path": f"/spec/affinity/nodeAffinity/{_PREFERRED}/-", "value": term} for term in terms]
 
 
 _PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
