@@ -9,8 +9,17 @@ beside it) runs its loop on this process's event loop as the extender's leader d
 ``TICK_SECONDS``, its writes (the claim's status, the pod's gate) over HTTP. What it measures is the allocator
 and the API calls it makes, not kube-scheduler's binding after it (no scheduler runs here).
 
+The fence's cost (``--ungated``): that fraction of the pods is created without the gate, as if the webhook
+had been skipped. kube-scheduler may then be allocating their claims first fit, and the allocator writes
+nothing meanwhile (``KUBE_WINDOW_SECONDS`` at most per such pod). ``--kube every`` stands in for
+kube-scheduler: every 100 ms it allocates the ungated pods' claims first fit (``tests/claimworld.py``'s
+``FirstFitScheduler``, its status writes over HTTP); ``--kube never``: nothing allocates them (pods that fit
+nowhere), the fence's worst case. The gated pods' latencies against a run without ``--ungated`` are the
+fence's price, and ``fenced_seconds`` how long the allocator held writes with gated pods waiting.
+
     .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 1000 --rate 0
     .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 1000 --rate 50
+    .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 600 --rate 20 --ungated 0.05 --kube every
 """
 
 from __future__ import annotations
@@ -32,11 +41,13 @@ from gpushared.core.placement.policies import policy_named
 from gpushared.core.shared.bodies import key_of
 from gpushared.extender.claimallocator import TICK_SECONDS, AllocatorSettings
 from gpushared.extender.claimwrites import Gate
-from tests.claimworld import ClaimWorld, claim, dra_node, gated_pod
+from tests.claimworld import ClaimWorld, FirstFitScheduler, claim, dra_node, gated_pod
 from tests.fakes.apiserver import FakeApiServer
 
 
-async def measure(api: FakeApiServer, *, pods: int, rate: float, policy: str, seed: int) -> dict[str, Any]:
+async def measure(
+    api: FakeApiServer, *, pods: int, rate: float, policy: str, seed: int, ungated_share: float = 0.0, kube: str = ""
+) -> dict[str, Any]:
     world = ClaimWorld(api, AllocatorSettings(policy=policy_named(policy)))
     allocator = await world.start()
     created: dict[tuple[str, str], float] = {}
@@ -52,27 +63,57 @@ async def measure(api: FakeApiServer, *, pods: int, rate: float, policy: str, se
     allocator.writes.remove_gate = timed_remove  # type: ignore[method-assign]
     rng = random.Random(seed)
 
+    skipped: set[tuple[str, str]] = set()  # created without the gate: kube-scheduler's, not the allocator's
+
     async def create() -> None:
         for number in range(pods):
             api.create(claim(f"c{number}", memory=f"{rng.randint(1, 8)}Gi"))
-            api.create(gated_pod(f"p{number}", f"c{number}"))
+            gated = rng.random() >= ungated_share
+            api.create(gated_pod(f"p{number}", f"c{number}", gated=gated))
             created[("default", f"p{number}")] = time.perf_counter()
+            if not gated:
+                skipped.add(("default", f"p{number}"))
             if rate:
                 await asyncio.sleep(1 / rate)
 
+    first_fit = FirstFitScheduler(api)
+    done = False
+
+    async def kube_scheduler() -> None:
+        while not done:
+            await asyncio.to_thread(first_fit.round)
+            await asyncio.sleep(0.1)
+
     started = time.perf_counter()
     creating = asyncio.ensure_future(create())
+    kube_task = asyncio.ensure_future(kube_scheduler()) if kube == "every" else None
     deadline = started + 600
-    while len(ungated) < pods and time.perf_counter() < deadline:  # ClaimAllocator.run's loop, until all are done
+    fenced = 0.0
+    last = time.perf_counter()
+    while len(ungated) + len(skipped) < pods or not creating.done():  # ClaimAllocator.run's loop, until all are done
+        if time.perf_counter() > deadline:
+            break
         allocator.step()
+        now = time.perf_counter()
+        if allocator.kube_allocating and any(k not in skipped and k not in ungated for k in created):
+            fenced += now - last
+        last = now
         await asyncio.sleep(0 if allocator.undecided else TICK_SECONDS)
+    done = True
     await creating
+    if kube_task is not None:
+        await kube_task
     await world.stop()
     latencies = [ungated[key] - created[key] for key in ungated if key in created]
     span = max(ungated.values()) - min(created.values()) if ungated else float("nan")
     return {
         "pods": pods,
         "rate": rate,
+        "ungated_at_creation": len(skipped),
+        "kube": kube or "none",
+        "kube_allocated": first_fit.allocated,
+        "fenced_seconds": round(fenced, 2),
+        "not_gated_counted": allocator.counts["not_gated"],
         "allocated": allocator.counts["allocated"],
         "ungated": len(ungated),
         "seconds": round(span, 3),
@@ -89,11 +130,25 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help="pods created per second (0: all at once)")
     parser.add_argument("--policy", default="fgd")
     parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--ungated", type=float, default=0.0, help="share of pods created without the gate")
+    parser.add_argument(
+        "--kube", choices=["every", "never"], default="never", help="whether a first fit allocates ungated pods' claims"
+    )
     args = parser.parse_args()
     with FakeApiServer() as api:
         for number in range(args.nodes):
             dra_node(api, f"n{number:04d}", *([16] * 8))
-        result = asyncio.run(measure(api, pods=args.pods, rate=args.rate, policy=args.policy, seed=args.seed))
+        result = asyncio.run(
+            measure(
+                api,
+                pods=args.pods,
+                rate=args.rate,
+                policy=args.policy,
+                seed=args.seed,
+                ungated_share=args.ungated,
+                kube=args.kube if args.ungated else "",
+            )
+        )
     print(json.dumps({"nodes": args.nodes, "policy": args.policy, **result}, indent=2))
 
 

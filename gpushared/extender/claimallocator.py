@@ -40,7 +40,7 @@ from gpushared.core.placement.claimchoice import (
     NoRoom,
     holdings_of,
 )
-from gpushared.core.placement.claims import ClaimAsk, read_pod
+from gpushared.core.placement.claims import ClaimAsk, asks_class, claim_names, read_pod
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
@@ -167,6 +167,12 @@ class ClaimAllocator:
         self.undecided = 0
         #: pod UID -> when it reached kube-scheduler with pending claims of this driver
         self.handed_at: dict[str, float] = {}
+        #: UIDs of pods whose gate this allocator removed (bounded): never counted as not gated
+        self.passed: set[str] = set()
+        #: UIDs of the pods waiting when this replica began to lead: one its predecessor ungated is not
+        #: counted as not gated
+        self.known_before: set[str] = set()
+        self._led = False
 
     # --- the loop ------------------------------------------------------------------------------------------
 
@@ -175,7 +181,11 @@ class ClaimAllocator:
         one that left pods undecided is followed by the next as soon as the loop has run what waited."""
         while True:
             more = False
-            if leading() and ready():
+            leads = leading() and ready()
+            if leads and not self._led:
+                self.known_before = {uid_of(pod) for pod in self.cache.claiming.values()}
+            self._led = leads
+            if leads:
                 self.step()
                 more = self.undecided > 0
             await asyncio.sleep(0 if more else TICK_SECONDS)
@@ -318,6 +328,8 @@ class ClaimAllocator:
             if await self.writes.remove_gate(pod) is not Gate.REMOVED:
                 return  # gone (its claims are released), removed already, or tried again at the next step
             self.counts[decision.outcome] += 1
+            self.passed.add(uid_of(pod))
+            del_oldest(self.passed)
             started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
             if decision.outcome == "allocated":
                 started = self.first_seen.pop(uid_of(pod), None)
@@ -377,13 +389,23 @@ class ClaimAllocator:
         if not (pod.get("spec") or {}).get("resourceClaims"):
             return False
         namespace = key_of(pod)[0]
-        read = read_pod(pod, self.book.claims.get(namespace, {}), device_class=self.settings.device_class)
+        claims = self.book.claims.get(namespace, {})
+        uid = uid_of(pod)
+        seen = (self.not_gated, self.first_seen, self.passed, self.known_before)
+        if not any(uid in known for known in seen) and self._uses_ours(pod, claims):
+            self._count_not_gated(pod)  # its claims allocated by kube-scheduler already, or pending
+        read = read_pod(pod, claims, device_class=self.settings.device_class)
         if not read.asks:
             return False
-        uid = uid_of(pod)
-        if uid not in self.not_gated and uid not in self.first_seen:
-            self._count_not_gated(pod)
         return now - self.handed_at.setdefault(uid, now) < KUBE_WINDOW_SECONDS
+
+    def _uses_ours(self, pod: PodBody, claims: dict[str, Body]) -> bool:
+        """Whether a claim of the pod asks for this driver's class, allocated or not."""
+        for _, name in claim_names(pod):
+            claim = claims.get(name) if name is not None else None
+            if claim is not None and asks_class(claim, self.settings.device_class):
+                return True
+        return False
 
     def _count_not_gated(self, pod: PodBody) -> None:
         uid = uid_of(pod)

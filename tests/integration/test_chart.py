@@ -414,10 +414,10 @@ def test_the_claim_allocator_is_deploy_dras_and_the_extender_runs_it(render: Ren
 
 
 def test_the_steerer_is_deploy_steers_and_the_extender_runs_it(render: Render) -> None:
-    """extender.steerCpuPods: the RBAC and webhook of deploy/steer.yaml (the release's namespace), and the
+    """extender.steerCpuPods: the RBAC and webhook of deploy/managed/steer.yaml (the release's namespace), and the
     extender's flag; off by default."""
     docs = render("--set", "extender.steerCpuPods=true", "-n", "kube-system")
-    source = shipped("steer.yaml")
+    source = shipped("managed/steer.yaml")
     assert (
         one(docs, "ClusterRole", "gpushared-steer")["rules"] == one(source, "ClusterRole", "gpushared-steer")["rules"]
     )

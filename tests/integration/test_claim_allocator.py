@@ -13,6 +13,7 @@ import pytest
 
 from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
+from gpushared.core.shared.bodies import uid_of
 from gpushared.extender.claimallocator import AllocatorSettings
 from tests.claimworld import (
     ClaimWorld,
@@ -246,3 +247,31 @@ def test_a_status_write_that_lands_although_its_answer_was_cut_is_not_written_tw
     assert world.allocator.counts["conflict"] == 1 and world.allocator.counts["allocated"] == 1
     assert allocation(api, "c") == [("n1", device(1), "8Gi")]
     assert not world.book.assumed
+
+
+def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_not_gated(api: FakeApiServer) -> None:
+    """kube-scheduler allocates an ungated pod's claim within moments; the allocator may first see the pod with
+    its claim allocated already. It is counted once all the same, and a pod the allocator ungated itself, or
+    one waiting when this replica began to lead (its predecessor may have ungated it), never is."""
+
+    async def body(world: ClaimWorld) -> None:
+        api.create(claim("before", memory="2Gi"))
+        api.create(gated_pod("older", "before", gated=False))
+        await asyncio.sleep(0.3)
+        world.cache.inbox.drain()
+        world.allocator.known_before = {uid_of(p) for p in world.cache.claiming.values()}
+        api.create(claim("fast", memory="4Gi"))
+        api.create(gated_pod("skipped", "fast", gated=False))
+        FirstFitScheduler(api).round()  # allocated before the allocator's next step
+        assert allocation(api, "fast")
+        api.create(claim("ours", memory="4Gi"))
+        api.create(gated_pod("gated", "ours"))
+        await world.until(lambda: not gates(api, "gated"))
+        for _ in range(5):
+            world.allocator.step()
+            await world.allocator.settle()
+            await asyncio.sleep(0.05)
+
+    world = run(api, body)
+    assert world.allocator.counts["not_gated"] == 1
+    assert world.allocator.not_gated == {uid_of(api.get("pods", "skipped", "default") or {})}

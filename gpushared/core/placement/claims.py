@@ -127,6 +127,17 @@ def _read(claim: Mapping[str, Any], device_class: str) -> ClaimAsk | Handover | 
     )
 
 
+def asks_class(claim: Mapping[str, Any], device_class: str) -> bool:
+    """Whether any request of the claim, allocated or not, names ``device_class`` (itself or among its
+    alternatives); a claim that cannot be read names none."""
+    try:
+        devices = _object("spec.devices", _object("spec", claim.get("spec") or {}).get("devices") or {})
+        requests = _bounded("spec.devices.requests", devices.get("requests") or [], MAX_REQUESTS)
+        return any(device_class in _request_classes(n, item) for n, item in enumerate(requests))
+    except ContractError:
+        return False
+
+
 def _request_classes(number: int, item: object) -> set[str]:
     """The device classes a request names: its own, or its alternatives' (``firstAvailable``)."""
     where = f"spec.devices.requests[{number}]"
