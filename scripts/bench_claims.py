@@ -13,13 +13,17 @@ The fence's cost (``--ungated``): that fraction of the pods is created without t
 had been skipped. kube-scheduler may then be allocating their claims first fit, and the allocator writes
 nothing meanwhile (``KUBE_WINDOW_SECONDS`` at most per such pod). ``--kube every`` stands in for
 kube-scheduler: every 100 ms it allocates the ungated pods' claims first fit (``tests/claimworld.py``'s
-``FirstFitScheduler``, its status writes over HTTP); ``--kube never``: nothing allocates them (pods that fit
-nowhere), the fence's worst case. The gated pods' latencies against a run without ``--ungated`` are the
-fence's price, and ``fenced_seconds`` how long the allocator held writes with gated pods waiting.
+``FirstFitScheduler``, its status writes over HTTP); ``--kube unschedulable``: the ungated pods ask for more
+than any GPU has (32 GiB), so kube-scheduler could place them nowhere and nothing allocates them (pods
+waiting for room, which kube-scheduler tries again later); ``--kube never``: they fit, and nothing allocates
+them (kube-scheduler down: then it binds no pod, the allocator's included). The gated pods' latencies
+against a run without ``--ungated`` are the fence's price; ``fence_holds`` and ``fenced_seconds`` say how often
+and how long the fence held an allocation back (steps in which it held one, and the time they covered).
 
     .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 1000 --rate 0
     .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 1000 --rate 50
     .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 600 --rate 20 --ungated 0.05 --kube every
+    .venv/bin/python scripts/bench_claims.py --nodes 100 --pods 600 --rate 20 --ungated 0.05 --kube unschedulable
 """
 
 from __future__ import annotations
@@ -67,8 +71,9 @@ async def measure(
 
     async def create() -> None:
         for number in range(pods):
-            api.create(claim(f"c{number}", memory=f"{rng.randint(1, 8)}Gi"))
             gated = rng.random() >= ungated_share
+            memory = "32Gi" if not gated and kube == "unschedulable" else f"{rng.randint(1, 8)}Gi"
+            api.create(claim(f"c{number}", memory=memory))
             api.create(gated_pod(f"p{number}", f"c{number}", gated=gated))
             created[("default", f"p{number}")] = time.perf_counter()
             if not gated:
@@ -77,29 +82,23 @@ async def measure(
                 await asyncio.sleep(1 / rate)
 
     first_fit = FirstFitScheduler(api)
-    done = False
-
-    async def kube_scheduler() -> None:
-        while not done:
-            await asyncio.to_thread(first_fit.round)
-            await asyncio.sleep(0.1)
-
-    started = time.perf_counter()
+    stop = asyncio.Event()
     creating = asyncio.ensure_future(create())
-    kube_task = asyncio.ensure_future(kube_scheduler()) if kube == "every" else None
-    deadline = started + 600
+    kube_task = asyncio.ensure_future(kube_scheduler(first_fit, stop)) if kube == "every" else None
+    deadline = time.perf_counter() + 600
     fenced = 0.0
     last = time.perf_counter()
     while len(ungated) + len(skipped) < pods or not creating.done():  # ClaimAllocator.run's loop, until all are done
         if time.perf_counter() > deadline:
             break
+        holds = allocator.counts["fenced"]
         allocator.step()
         now = time.perf_counter()
-        if allocator.kube_allocating and any(k not in skipped and k not in ungated for k in created):
+        if allocator.counts["fenced"] > holds:  # a step in which the fence held an allocation back
             fenced += now - last
         last = now
         await asyncio.sleep(0 if allocator.undecided else TICK_SECONDS)
-    done = True
+    stop.set()
     await creating
     if kube_task is not None:
         await kube_task
@@ -112,6 +111,7 @@ async def measure(
         "ungated_at_creation": len(skipped),
         "kube": kube or "none",
         "kube_allocated": first_fit.allocated,
+        "fence_holds": allocator.counts["fenced"],
         "fenced_seconds": round(fenced, 2),
         "not_gated_counted": allocator.counts["not_gated"],
         "allocated": allocator.counts["allocated"],
@@ -123,6 +123,13 @@ async def measure(
     }
 
 
+async def kube_scheduler(first_fit: FirstFitScheduler, stop: asyncio.Event) -> None:
+    """kube-scheduler's own allocation of ungated pods' claims, first fit, every 100 ms until ``stop``."""
+    while not stop.is_set():
+        await asyncio.to_thread(first_fit.round)
+        await asyncio.sleep(0.1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=100)
@@ -132,7 +139,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--ungated", type=float, default=0.0, help="share of pods created without the gate")
     parser.add_argument(
-        "--kube", choices=["every", "never"], default="never", help="whether a first fit allocates ungated pods' claims"
+        "--kube",
+        choices=["every", "never", "unschedulable"],
+        default="every",
+        help="whether a first fit allocates the ungated pods' claims, or they fit nowhere",
     )
     args = parser.parse_args()
     with FakeApiServer() as api:

@@ -63,10 +63,18 @@ TICK_SECONDS = 0.1
 #: informer must show every allocation of the allocator before it allocates a claim of the same driver itself.
 QUIET_SECONDS = 2.0
 #: How long after a pod with pending claims of this driver reached kube-scheduler (handed over, or never
-#: gated) the allocator writes nothing: kube-scheduler tries a pod within moments of its gate going. Past it
-#: (a pod that fits nowhere, tried again later), the driver's check at prepare is what stops a GPU going past
-#: its capacity, so one unschedulable pod never stops the allocator for good.
+#: gated) the allocator writes nothing on the nodes where that pod's claims fit: kube-scheduler tries a pod
+#: within moments of its gate going. Past it (a pod that fits nowhere, tried again later), the driver's check
+#: at prepare is what stops a GPU going past its capacity, so one unschedulable pod never stops the allocator
+#: for good.
 KUBE_WINDOW_SECONDS = 10.0
+#: Pods kube-scheduler may be allocating for that the fence looks at one by one; past them it holds every node.
+MOST_FENCED_PODS = 32
+#: Why a pod waits while the fence holds the nodes it fits.
+FENCED = (
+    "kube-scheduler may be allocating claims of pods it was given on the nodes with room for it; "
+    "the allocator waits so that the two never take one GPU between them"
+)
 #: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
 #: long enough for the watch to show a pod that reserved it.
 RELEASE_GRACE_SECONDS = 5.0
@@ -159,14 +167,17 @@ class ClaimAllocator:
         self.placer = ClaimPlacer(cache, book, settings.policy, model_label=settings.model_label, rng=self.rng)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
-        #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending): while
-        #: there are any, the allocator writes nothing, so that the two never take one GPU between them
-        self.kube_allocating: set[Key] = set()
+        #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending), with their
+        #: pending asks and the node an allocated claim fixes: while there are any, the allocator writes
+        #: nothing on a node where their claims fit, so that the two never take one GPU between them
+        self.kube_allocating: dict[Key, tuple[PodBody, tuple[ClaimAsk, ...], str | None]] = {}
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
         self._cursor = 0
         self.undecided = 0
         #: pod UID -> when it reached kube-scheduler with pending claims of this driver
         self.handed_at: dict[str, float] = {}
+        #: the nodes the fence holds this step (``_held_nodes``; None: every node)
+        self.held: frozenset[str] | None = frozenset()
         #: UIDs of pods whose gate this allocator removed (bounded): never counted as not gated
         self.passed: set[str] = set()
         #: UIDs of the pods waiting when this replica began to lead: one its predecessor ungated is not
@@ -206,8 +217,11 @@ class ClaimAllocator:
                 continue
             if has_gate(pod, CLAIM_GATE):
                 gated.append((key, pod))
-            elif self._kube_allocates(pod, now):
-                self.kube_allocating.add(key)
+            else:
+                pending = self._kube_allocates(pod, now)
+                if pending is not None:
+                    self.kube_allocating[key] = (pod, *pending)
+        self.held = self._held_nodes()
         budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
         decided = 0
@@ -217,11 +231,8 @@ class ClaimAllocator:
             decided += 1
             self.first_seen.setdefault(uid_of(pod), now)
             decision = self.decide(pod, now)
-            if isinstance(decision, Allocate) and self.kube_allocating:
-                decision = Wait(
-                    "kube-scheduler is allocating the claims of pods it was given; "
-                    "the allocator waits so that the two never take one GPU between them"
-                )
+            if isinstance(decision, Wait) and decision.reason == FENCED:
+                self.counts["fenced"] += 1
             elif isinstance(decision, Ungate) and decision.outcome != "allocated" and not self._quiet(now):
                 decision = Wait("handed over to kube-scheduler once the allocator's last writes are seen")
             if isinstance(decision, Wait):
@@ -276,8 +287,12 @@ class ClaimAllocator:
             return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
         if read.waiting is not None:
             return self._timed_out(pod, now, read.waiting)
-        choice = self.placer.choose(pod, read.asks, read.node)
+        if self.held is None:
+            return Wait(FENCED)
+        choice = self.placer.choose(pod, read.asks, read.node, held=self.held)
         if isinstance(choice, NoRoom):
+            if self.held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom):
+                return Wait(FENCED)  # room only where kube-scheduler may be allocating
             return self._timed_out(pod, now, choice.reason)
         return Allocate(choice, read.asks)
 
@@ -381,13 +396,25 @@ class ClaimAllocator:
         log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
         self._spawn(self.event(pod, "WaitingForClaimAllocator", reason))
 
-    def _kube_allocates(self, pod: PodBody, now: float) -> bool:
-        """Whether kube-scheduler may be allocating claims of this driver for the ungated pod: it has pending
-        ones. One that reached kube-scheduler ungated without the allocator having handed it over (the webhook
-        was skipped, or down) is counted once and told in an Event, never refused: kube-scheduler allocates
-        it first fit, and the driver checks at prepare."""
+    def _held_nodes(self) -> frozenset[str] | None:
+        """The nodes where kube-scheduler may be allocating claims of the pods it was given: those where their
+        pending claims fit as kube-scheduler may see the nodes. A pod whose claims fit nowhere (it waits for
+        room) holds nothing; None (every node) with more than MOST_FENCED_PODS such pods."""
+        if len(self.kube_allocating) > MOST_FENCED_PODS:
+            return None
+        held: set[str] = set()
+        for pod, asks, fixed in self.kube_allocating.values():
+            held |= self.placer.fitting(pod, asks, fixed)
+        return frozenset(held)
+
+    def _kube_allocates(self, pod: PodBody, now: float) -> tuple[tuple[ClaimAsk, ...], str | None] | None:
+        """The pending claims of this driver kube-scheduler may be allocating for the ungated pod, and the node
+        an allocated claim of the pod fixes; None when it allocates none (none pending, or past the window).
+        One that reached kube-scheduler ungated without the allocator having handed it over (the webhook was
+        skipped, or down) is counted once and told in an Event, never refused: kube-scheduler allocates it
+        first fit, and the driver checks at prepare."""
         if not (pod.get("spec") or {}).get("resourceClaims"):
-            return False
+            return None
         namespace = key_of(pod)[0]
         claims = self.book.claims.get(namespace, {})
         uid = uid_of(pod)
@@ -395,9 +422,9 @@ class ClaimAllocator:
         if not any(uid in known for known in seen) and self._uses_ours(pod, claims):
             self._count_not_gated(pod)  # its claims allocated by kube-scheduler already, or pending
         read = read_pod(pod, claims, device_class=self.settings.device_class)
-        if not read.asks:
-            return False
-        return now - self.handed_at.setdefault(uid, now) < KUBE_WINDOW_SECONDS
+        if not read.asks or now - self.handed_at.setdefault(uid, now) >= KUBE_WINDOW_SECONDS:
+            return None
+        return read.asks, read.node
 
     def _uses_ours(self, pod: PodBody, claims: dict[str, Body]) -> bool:
         """Whether a claim of the pod asks for this driver's class, allocated or not."""

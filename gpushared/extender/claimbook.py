@@ -59,7 +59,7 @@ class ClaimBook:
         self.assumed: dict[str, tuple[str, list[Holding]]] = {}
         #: node -> changes to its claims; a ledger is kept per (inventory, change count)
         self._changes: dict[str, int] = {}
-        self._ledgers: dict[str, tuple[GpuInventory, int, Ledger]] = {}
+        self._ledgers: dict[str | tuple[str, str], tuple[GpuInventory, int, Ledger]] = {}
         #: claims whose allocation could not be read: counted, and named in the log once
         self.problems: set[str] = set()
         #: (namespace, name, template?) -> whether a new pod naming it is gated: a claim or template that asks
@@ -221,10 +221,12 @@ class ClaimBook:
     def claim(self, namespace: str, name: str) -> Body | None:
         return self.claims.get(namespace, {}).get(name)
 
-    def ledger(self, node: str, inventory: GpuInventory) -> Ledger:
-        """The node's GPUs with the claims allocated there and those assumed, kept until one changes."""
+    def ledger(self, node: str, inventory: GpuInventory, *, assumed: bool = True) -> Ledger:
+        """The node's GPUs with the claims allocated there and (``assumed``) those written and not shown by the
+        watch yet, kept until one changes. Without them: the node as kube-scheduler may still see it."""
         changes = self._changes.get(node, 0)
-        known = self._ledgers.get(node)
+        slot = node if assumed else (node, "shown")
+        known = self._ledgers.get(slot)
         if known is not None and known[1] == changes and (known[0] is inventory or known[0] == inventory):
             return known[2]
         claims = [self.claims[ns][name] for ns, name in self._on_node.get(node, ()) if name in self.claims.get(ns, {})]
@@ -233,12 +235,13 @@ class ClaimBook:
             if problem not in self.problems:
                 self.problems.add(problem)
                 log.warning("claim allocator: %s", problem)
-        shown = {_uid(claim) for claim in claims}
-        for uid, (where, assumed) in self.assumed.items():
-            if where == node and uid not in shown:
-                holdings.extend(assumed)
+        if assumed:
+            shown = {_uid(claim) for claim in claims}
+            for uid, (where, held) in self.assumed.items():
+                if where == node and uid not in shown:
+                    holdings.extend(held)
         ledger = Ledger.build(inventory, holdings)
-        self._ledgers[node] = (inventory, changes, ledger)
+        self._ledgers[slot] = (inventory, changes, ledger)
         return ledger
 
     def _changed(self, node: str) -> None:

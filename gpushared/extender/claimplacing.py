@@ -50,9 +50,12 @@ class ClaimPlacer:
         #: out and their NVLink domains worked out from them)
         self._static: dict[str, tuple[GpuInventory, frozenset[str], Mapping[int, str], Mapping[int, str]]] = {}
 
-    def choose(self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None) -> ClaimChoice | NoRoom:
-        """The best node for the pod's claims (``fixed``: the one an allocated claim of the pod is on)."""
-        candidates = self.candidates(pod, fixed)
+    def choose(
+        self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, *, held: frozenset[str] = frozenset()
+    ) -> ClaimChoice | NoRoom:
+        """The best node for the pod's claims (``fixed``: the one an allocated claim of the pod is on), none of
+        ``held``."""
+        candidates = [c for c in self.candidates(pod, fixed) if c.name not in held]
         if not candidates:
             return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
         pinned = gpu_models(pod, self.model_label) is not None
@@ -86,9 +89,16 @@ class ClaimPlacer:
         self._kept[key] = (stamp, placed)
         return placed
 
-    def candidates(self, pod: PodBody, fixed: str | None) -> list[Candidate]:
+    def fitting(self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None) -> set[str]:
+        """The nodes where the pod's claims could be allocated as kube-scheduler may see them: the claims the
+        watch shows, without the allocator's writes it does not show yet (kube-scheduler's own watch may not
+        show them either), and the pod's CPU, memory and node selection passing there."""
+        return {c.name for c in self.candidates(pod, fixed, shown=True) if place_on(asks, c, self.policy) is not None}
+
+    def candidates(self, pod: PodBody, fixed: str | None, *, shown: bool = False) -> list[Candidate]:
         """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far
-        as the extender counts them (CPU, memory, GPU model), each with its ledger of claims."""
+        as the extender counts them (CPU, memory, GPU model), each with its ledger of claims (``shown``: only
+        those the watch shows)."""
         pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
         models = gpu_models(pod, self.model_label)
         mix = self.cache.state.request_mix() if self.policy.reads_mix or self.policy.reads_pressure else None
@@ -112,7 +122,7 @@ class ClaimPlacer:
             found.append(
                 Candidate(
                     name=name,
-                    ledger=self.book.ledger(name, inventory),
+                    ledger=self.book.ledger(name, inventory, assumed=not shown),
                     devices=given,
                     domains=domains,
                     setting=Setting(mix=mix, cpu=cpu, pod_cpu=pod_cpu, model=node.model, pinned=models is not None),

@@ -72,6 +72,12 @@ class ClaimAllocations(Collector):
         for outcome in self.OUTCOMES:
             family.add_metric((outcome,), allocator.counts[outcome])
         yield family
+        yield CounterMetricFamily(
+            "gpushared_extender_claim_fence_holds",
+            "Allocations the claim allocator held back because kube-scheduler may be allocating, on that node, "
+            "claims of a pod it was given ungated (decided again at the next step)",
+            value=allocator.counts["fenced"],
+        )
         latencies = allocator.latencies
         yield SummaryMetricFamily(
             "gpushared_extender_claim_gated_seconds",

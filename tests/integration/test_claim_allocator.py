@@ -275,3 +275,28 @@ def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_n
     world = run(api, body)
     assert world.allocator.counts["not_gated"] == 1
     assert world.allocator.not_gated == {uid_of(api.get("pods", "skipped", "default") or {})}
+
+
+def test_the_fence_holds_only_the_nodes_where_kube_schedulers_pods_fit(api: FakeApiServer) -> None:
+    """A pod that reached kube-scheduler ungated holds back the allocator's writes only on the nodes where its
+    pending claims fit: one asking for more than any GPU has holds nothing (before, it held every write for
+    10 s: a pod waiting for room stopped the allocator), and one that fits only on n2 holds n2: the next pod
+    goes to n1 at once."""
+
+    async def body(world: ClaimWorld) -> None:
+        dra_node(api, "n2", 24)
+        api.create(claim("huge", memory="32Gi"))
+        api.create(gated_pod("waits", "huge", gated=False))
+        api.create(claim("small", memory="4Gi"))
+        api.create(gated_pod("a", "small"))
+        await world.until(lambda: not gates(api, "a"), within=3)  # not 10 s behind the pod that fits nowhere
+        assert world.allocator.counts["fenced"] == 0
+        api.create(claim("big", memory="20Gi"))
+        api.create(gated_pod("kube", "big", gated=False))  # fits only n2's 24 GiB GPU
+        api.create(claim("also", memory="8Gi"))
+        api.create(gated_pod("b", "also"))
+        await world.until(lambda: not gates(api, "b"), within=3)
+
+    world = run(api, body)
+    assert allocation(api, "also")[0][0] == "n1"  # n2 held for kube-scheduler: placed where it is not
+    assert world.allocator.counts["not_gated"] == 2
