@@ -48,7 +48,9 @@ def preferred(api: FakeApiServer, name: str) -> list[tuple[int, list[str]]]:
     """The pod's preferred terms that name nodes: (weight, the nodes)."""
     body = api.get("pods", name, "default") or {}
     terms = (((body["spec"].get("affinity") or {}).get("nodeAffinity") or {}).get(PREFERRED)) or []
-    return [(t["weight"], t["preference"]["matchFields"][0]["values"]) for t in terms if "matchFields" in t["preference"]]
+    return [
+        (t["weight"], t["preference"]["matchFields"][0]["values"]) for t in terms if "matchFields" in t["preference"]
+    ]
 
 
 @pytest.fixture

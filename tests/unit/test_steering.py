@@ -14,8 +14,8 @@ from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.steering import (
     MOST_PREFERRED,
     STEER_GATE,
-    SteerCandidate,
     Preferred,
+    SteerCandidate,
     preferred_terms,
     steer_gate,
     steer_operations,
