@@ -40,11 +40,12 @@ from gpushared.core.placement.claimchoice import (
     NoRoom,
     holdings_of,
 )
-from gpushared.core.placement.claims import ClaimAsk, asks_class, claim_names, read_pod
+from gpushared.core.placement.claims import ClaimAsk, read_pod
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
+from gpushared.extender.claimfence import FENCED, ClaimFence
 from gpushared.extender.claimplacing import ClaimPlacer
 from gpushared.extender.claimwrites import ClaimWrites, Gate
 from gpushared.kube.aioapi import AsyncApi
@@ -62,19 +63,6 @@ TICK_SECONDS = 0.1
 #: How long after the allocator's last write a pod is handed over to kube-scheduler: kube-scheduler's claim
 #: informer must show every allocation of the allocator before it allocates a claim of the same driver itself.
 QUIET_SECONDS = 2.0
-#: How long after a pod with pending claims of this driver reached kube-scheduler (handed over, or never
-#: gated) the allocator writes nothing on the nodes where that pod's claims fit: kube-scheduler tries a pod
-#: within moments of its gate going. Past it (a pod that fits nowhere, tried again later), the driver's check
-#: at prepare is what stops a GPU going past its capacity, so one unschedulable pod never stops the allocator
-#: for good.
-KUBE_WINDOW_SECONDS = 10.0
-#: Pods kube-scheduler may be allocating for that the fence looks at one by one; past them it holds every node.
-MOST_FENCED_PODS = 32
-#: Why a pod waits while the fence holds the nodes it fits.
-FENCED = (
-    "kube-scheduler may be allocating claims of pods it was given on the nodes with room for it; "
-    "the allocator waits so that the two never take one GPU between them"
-)
 #: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
 #: long enough for the watch to show a pod that reserved it.
 RELEASE_GRACE_SECONDS = 5.0
@@ -160,29 +148,22 @@ class ClaimAllocator:
         self.counts: Counter[str] = Counter()
         #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
         self.latencies: list[float] = []
-        #: UIDs of ungated pods seen with pending claims of this driver (the webhook was skipped): counted once
-        self.not_gated: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.writes = ClaimWrites(cache, book, api, driver=settings.driver, class_config=settings.class_config)
         self.placer = ClaimPlacer(cache, book, settings.policy, model_label=settings.model_label, rng=self.rng)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
-        #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending), with their
-        #: pending asks and the node an allocated claim fixes: while there are any, the allocator writes
-        #: nothing on a node where their claims fit, so that the two never take one GPU between them
-        self.kube_allocating: dict[Key, tuple[PodBody, tuple[ClaimAsk, ...], str | None]] = {}
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
         self._cursor = 0
         self.undecided = 0
-        #: pod UID -> when it reached kube-scheduler with pending claims of this driver
-        self.handed_at: dict[str, float] = {}
-        #: the nodes the fence holds this step (``_held_nodes``; None: every node)
-        self.held: frozenset[str] | None = frozenset()
-        #: UIDs of pods whose gate this allocator removed (bounded): never counted as not gated
-        self.passed: set[str] = set()
-        #: UIDs of the pods waiting when this replica began to lead: one its predecessor ungated is not
-        #: counted as not gated
-        self.known_before: set[str] = set()
+        #: kube-scheduler's pods: the nodes the allocator leaves to it meanwhile, the pods it counts not gated
+        self.fence = ClaimFence(
+            lambda namespace: book.claims.get(namespace, {}),
+            self.placer.fitting,
+            device_class=settings.device_class,
+            counts=self.counts,
+            told=self._not_gated_event,
+        )
         self._led = False
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -194,7 +175,7 @@ class ClaimAllocator:
             more = False
             leads = leading() and ready()
             if leads and not self._led:
-                self.known_before = {uid_of(pod) for pod in self.cache.claiming.values()}
+                self.fence.began_leading(self.cache.claiming.values())
             self._led = leads
             if leads:
                 self.step()
@@ -211,17 +192,15 @@ class ClaimAllocator:
         started = 0
         now = self.clock()
         gated = []
-        self.kube_allocating.clear()
+        self.fence.clear()
         for key, pod in list(self.cache.claiming.items()):  # pending pods that use claims: never all pods
             if key in self.inflight:
                 continue
             if has_gate(pod, CLAIM_GATE):
                 gated.append((key, pod))
             else:
-                pending = self._kube_allocates(pod, now)
-                if pending is not None:
-                    self.kube_allocating[key] = (pod, *pending)
-        self.held = self._held_nodes()
+                self.fence.look_at(key, pod, now, gated_before=uid_of(pod) in self.first_seen)
+        self.fence.hold()
         budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
         decided = 0
@@ -253,11 +232,11 @@ class ClaimAllocator:
 
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
-        kept = len(self.first_seen) + len(self.handed_at) + len(self.told)
+        kept = len(self.first_seen) + len(self.fence.handed_at) + len(self.told)
         if kept <= 3 * len(self.cache.claiming) + 100:
             return
         waiting = {uid_of(pod) for pod in self.cache.claiming.values()}
-        for book in (self.first_seen, self.handed_at, self.told):
+        for book in (self.first_seen, self.fence.handed_at, self.told):
             for uid in [uid for uid in book if uid not in waiting]:
                 del book[uid]
 
@@ -287,11 +266,12 @@ class ClaimAllocator:
             return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
         if read.waiting is not None:
             return self._timed_out(pod, now, read.waiting)
-        if self.held is None:
+        held = self.fence.held
+        if held is None:
             return Wait(FENCED)
-        choice = self.placer.choose(pod, read.asks, read.node, held=self.held)
+        choice = self.placer.choose(pod, read.asks, read.node, held=held)
         if isinstance(choice, NoRoom):
-            if self.held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom):
+            if held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom):
                 return Wait(FENCED)  # room only where kube-scheduler may be allocating
             return self._timed_out(pod, now, choice.reason)
         return Allocate(choice, read.asks)
@@ -343,8 +323,7 @@ class ClaimAllocator:
             if await self.writes.remove_gate(pod) is not Gate.REMOVED:
                 return  # gone (its claims are released), removed already, or tried again at the next step
             self.counts[decision.outcome] += 1
-            self.passed.add(uid_of(pod))
-            del_oldest(self.passed)
+            self.fence.passed_by_us(uid_of(pod))
             started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
             if decision.outcome == "allocated":
                 started = self.first_seen.pop(uid_of(pod), None)
@@ -353,7 +332,7 @@ class ClaimAllocator:
                 del self.latencies[:-10_000]
             self.told.pop(uid_of(pod), None)
             if decision.outcome != "allocated":
-                self.handed_at[uid_of(pod)] = self.clock()
+                self.fence.handed_at[uid_of(pod)] = self.clock()
                 log.warning("pod %s/%s: %s", *key, decision.reason)
                 await self.event(pod, "ClaimsHandedOver", decision.reason)
         finally:
@@ -396,58 +375,10 @@ class ClaimAllocator:
         log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
         self._spawn(self.event(pod, "WaitingForClaimAllocator", reason))
 
-    def _held_nodes(self) -> frozenset[str] | None:
-        """The nodes where kube-scheduler may be allocating claims of the pods it was given: those where their
-        pending claims fit as kube-scheduler may see the nodes. A pod whose claims fit nowhere (it waits for
-        room) holds nothing; None (every node) with more than MOST_FENCED_PODS such pods."""
-        if len(self.kube_allocating) > MOST_FENCED_PODS:
-            return None
-        held: set[str] = set()
-        for pod, asks, fixed in self.kube_allocating.values():
-            held |= self.placer.fitting(pod, asks, fixed)
-        return frozenset(held)
-
-    def _kube_allocates(self, pod: PodBody, now: float) -> tuple[tuple[ClaimAsk, ...], str | None] | None:
-        """The pending claims of this driver kube-scheduler may be allocating for the ungated pod, and the node
-        an allocated claim of the pod fixes; None when it allocates none (none pending, or past the window).
-        One that reached kube-scheduler ungated without the allocator having handed it over (the webhook was
-        skipped, or down) is counted once and told in an Event, never refused: kube-scheduler allocates it
-        first fit, and the driver checks at prepare."""
-        if not (pod.get("spec") or {}).get("resourceClaims"):
-            return None
-        namespace = key_of(pod)[0]
-        claims = self.book.claims.get(namespace, {})
-        uid = uid_of(pod)
-        seen = (self.not_gated, self.first_seen, self.passed, self.known_before)
-        if not any(uid in known for known in seen) and self._uses_ours(pod, claims):
-            self._count_not_gated(pod)  # its claims allocated by kube-scheduler already, or pending
-        read = read_pod(pod, claims, device_class=self.settings.device_class)
-        if not read.asks or now - self.handed_at.setdefault(uid, now) >= KUBE_WINDOW_SECONDS:
-            return None
-        return read.asks, read.node
-
-    def _uses_ours(self, pod: PodBody, claims: dict[str, Body]) -> bool:
-        """Whether a claim of the pod asks for this driver's class, allocated or not."""
-        for _, name in claim_names(pod):
-            claim = claims.get(name) if name is not None else None
-            if claim is not None and asks_class(claim, self.settings.device_class):
-                return True
-        return False
-
-    def _count_not_gated(self, pod: PodBody) -> None:
-        uid = uid_of(pod)
-        self.not_gated.add(uid)
-        del_oldest(self.not_gated)
-        self.counts["not_gated"] += 1
+    def _not_gated_event(self, pod: PodBody) -> None:
         message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"
         self._spawn(self.event(pod, "ClaimsNotGated", message))
 
 
 def _uid_of(body: Body) -> str:
     return str((body.get("metadata") or {}).get("uid") or "")
-
-
-def del_oldest(seen: set[str], most: int = 100_000) -> None:
-    """Keep a set of UIDs bounded: past ``most``, it is emptied (a UID seen again is counted again)."""
-    if len(seen) > most:
-        seen.clear()

@@ -259,7 +259,7 @@ def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_n
         api.create(gated_pod("older", "before", gated=False))
         await asyncio.sleep(0.3)
         world.cache.inbox.drain()
-        world.allocator.known_before = {uid_of(p) for p in world.cache.claiming.values()}
+        world.allocator.fence.began_leading(world.cache.claiming.values())
         api.create(claim("fast", memory="4Gi"))
         api.create(gated_pod("skipped", "fast", gated=False))
         FirstFitScheduler(api).round()  # allocated before the allocator's next step
@@ -274,7 +274,7 @@ def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_n
 
     world = run(api, body)
     assert world.allocator.counts["not_gated"] == 1
-    assert world.allocator.not_gated == {uid_of(api.get("pods", "skipped", "default") or {})}
+    assert world.allocator.fence.not_gated == {uid_of(api.get("pods", "skipped", "default") or {})}
 
 
 def test_the_fence_holds_only_the_nodes_where_kube_schedulers_pods_fit(api: FakeApiServer) -> None:
