@@ -91,6 +91,17 @@ def pod_claims(pod: PodBody) -> list[ClaimRef]:
     return found
 
 
+def gate_operation(pod: PodBody, name: str) -> dict[str, Any] | None:
+    """The JSON Patch operation that adds the scheduling gate ``name`` to a new pod; None if it holds it."""
+    gates = (pod.get("spec") or {}).get("schedulingGates")
+    if isinstance(gates, list) and any(isinstance(g, dict) and g.get("name") == name for g in gates):
+        return None
+    gate = {"name": name}
+    if isinstance(gates, list):
+        return {"op": "add", "path": "/spec/schedulingGates/-", "value": gate}
+    return {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
+
+
 def claim_gate(pod: PodBody, *, ours: dict[ClaimRef, bool | None]) -> SchedulerRoute:
     """Hold a new pod back from kube-scheduler while the claim allocator places its claims: a scheduling
     gate, added at creation (the only time one can be), when a claim or template it references asks for
@@ -106,14 +117,8 @@ def claim_gate(pod: PodBody, *, ours: dict[ClaimRef, bool | None]) -> SchedulerR
         return SchedulerRoute(
             (), f"claims {', '.join(unknown)} not known yet: not gated" if unknown else "no claim of ours"
         )
-    gates = (pod.get("spec") or {}).get("schedulingGates")
-    if isinstance(gates, list) and any(isinstance(g, dict) and g.get("name") == CLAIM_GATE for g in gates):
+    patch = gate_operation(pod, CLAIM_GATE)
+    if patch is None:
         return SchedulerRoute((), "gated already")
-    gate = {"name": CLAIM_GATE}
-    patch = (
-        {"op": "add", "path": "/spec/schedulingGates/-", "value": gate}
-        if isinstance(gates, list)
-        else {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
-    )
     kind = "template" if mine[0].template else "claim"
     return SchedulerRoute((patch,), f"{kind} {mine[0].name} asks for gpushared's GPUs: gated for the claim allocator")

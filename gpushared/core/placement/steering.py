@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import ResourceNames
-from gpushared.core.placement.admission import DEFAULT_SCHEDULER, SchedulerRoute, asks_for_gpu
+from gpushared.core.placement.admission import DEFAULT_SCHEDULER, SchedulerRoute, asks_for_gpu, gate_operation
 from gpushared.core.shared.bodies import PodBody
 
 #: The scheduling gate the claim allocator's leader removes once it has steered a CPU-only pod.
@@ -55,15 +55,9 @@ def steer_gate(pod: PodBody, *, resources: ResourceNames) -> SchedulerRoute:
     owners = meta.get("ownerReferences") or []
     if isinstance(owners, list) and any(isinstance(o, Mapping) and o.get("kind") == "DaemonSet" for o in owners):
         return SchedulerRoute((), "a DaemonSet's pod: its node is chosen")
-    gates = spec.get("schedulingGates")
-    if isinstance(gates, list) and any(isinstance(g, Mapping) and g.get("name") == STEER_GATE for g in gates):
+    patch = gate_operation(pod, STEER_GATE)
+    if patch is None:
         return SchedulerRoute((), "gated already")
-    gate = {"name": STEER_GATE}
-    patch = (
-        {"op": "add", "path": "/spec/schedulingGates/-", "value": gate}
-        if isinstance(gates, list)
-        else {"op": "add", "path": "/spec/schedulingGates", "value": [gate]}
-    )
     return SchedulerRoute((patch,), "asks for no GPU: gated to be steered off idle GPUs")
 
 
