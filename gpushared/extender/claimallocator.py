@@ -200,7 +200,8 @@ class ClaimAllocator:
                 gated.append((key, pod))
             else:
                 self.fence.look_at(key, pod, now, gated_before=uid_of(pod) in self.first_seen)
-        self.fence.hold()
+        if gated:  # the nodes held, worked out only when a pod is to be placed
+            self.fence.hold()
         budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
         decided = 0

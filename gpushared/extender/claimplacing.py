@@ -24,6 +24,7 @@ from gpushared.core.placement.claimchoice import (
     Resources,
     Setting,
     best_of,
+    may_fit,
     place_on,
     preference,
 )
@@ -93,7 +94,7 @@ class ClaimPlacer:
         """The nodes where the pod's claims could be allocated as kube-scheduler may see them: the claims the
         watch shows, without the allocator's writes it does not show yet (kube-scheduler's own watch may not
         show them either), and the pod's CPU, memory and node selection passing there."""
-        return {c.name for c in self.candidates(pod, fixed, shown=True) if place_on(asks, c, self.policy) is not None}
+        return {c.name for c in self.candidates(pod, fixed, shown=True) if may_fit(asks, c.ledger, c.devices)}
 
     def candidates(self, pod: PodBody, fixed: str | None, *, shown: bool = False) -> list[Candidate]:
         """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far

@@ -16,7 +16,17 @@ from gpushared.core.dra import capacity
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.dra.claims import allocated_devices
 from gpushared.core.dra.slices import gpu_device
-from gpushared.core.placement.claimchoice import Candidate, ClaimChoice, NoRoom, Setting, choose, holdings_of, parts
+from gpushared.core.placement.claimchoice import (
+    Candidate,
+    ClaimChoice,
+    NoRoom,
+    Setting,
+    choose,
+    holdings_of,
+    may_fit,
+    parts,
+    place_on,
+)
 from gpushared.core.placement.claims import ClaimAsk, DeviceAsk
 from gpushared.core.placement.policies import BINPACK, FGD, SPREAD, Policy
 from gpushared.core.placement.pricing import PricingContext
@@ -266,3 +276,31 @@ def test_a_claim_shaped_like_a_pod_goes_where_the_extender_puts_the_pod(
         assert isinstance(result, ClaimChoice)
         assert result.rank == extender[0]
         assert [p.index for p in result.picks] == [v.gpu.index for v in extender[1]]
+
+
+@settings(max_examples=80, deadline=None)
+@given(asks=claims(), probe=claims(), policy=st.sampled_from([BINPACK, FGD, SPREAD]))
+def test_may_fit_is_never_false_where_a_placement_exists(
+    asks: list[ClaimAsk], probe: list[ClaimAsk], policy: Policy
+) -> None:
+    """The fence's cheap test: on a node filled by any claims placed in turn, wherever ``place_on`` places a
+    claim, ``may_fit`` says it may fit (it may say so where no placement exists: holding a node too many
+    costs a wait, one too few could put a GPU past its capacity)."""
+    candidate = node("n", 16, 12, 24, 8, mps=True)
+    for ask in asks:
+        result = choose([ask], [candidate], policy)
+        if isinstance(result, ClaimChoice):
+            for holding in holdings_of(result, [ask]):
+                candidate.ledger.add(holding)
+    for ask in probe[:5]:
+        if place_on([ask], candidate, policy) is not None:
+            assert may_fit([ask], candidate.ledger, candidate.devices)
+
+
+def test_may_fit_is_generous_but_not_blind() -> None:
+    candidate = held(node("n", 16, 8), 0, 16)  # the 16 GiB GPU full, the 8 GiB one empty
+    assert may_fit([claim(8)], candidate.ledger, candidate.devices)
+    assert not may_fit([claim(12)], candidate.ledger, candidate.devices)
+    assert not may_fit([claim(4, count=2)], candidate.ledger, candidate.devices)
+    assert may_fit([claim(None)], candidate.ledger, candidate.devices)  # the empty GPU, whole
+    assert not may_fit([claim(8)], candidate.ledger, {0: "gpu-0"})  # only the full GPU published

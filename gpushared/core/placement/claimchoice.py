@@ -154,6 +154,28 @@ def parts(asks: Sequence[ClaimAsk], unit: MemoryUnit) -> list[Part]:
     return sorted(found, key=lambda p: (p.units is not None, -(p.units or 0), -p.gpus, p.claim, p.request))
 
 
+def may_fit(asks: Sequence[ClaimAsk], ledger: Ledger, given: Mapping[int, str]) -> bool:
+    """Whether the claims could fit the node's published GPUs, judged generously: enough GPUs each with room
+    for the smallest part's memory and compute (or empty, for whole GPUs), as if each could take any part.
+    Never False where ``place_on`` finds room; cheap enough to ask of every node for every pod that
+    kube-scheduler may be allocating for (the allocator's fence)."""
+    pieces = parts(asks, ledger.unit)
+    if not pieces:
+        return False
+    sized = [p.units for p in pieces if p.units is not None]
+    smallest = min(sized) if sized else None
+    whole = len(sized) < len(pieces)
+    compute = min(p.compute for p in pieces)
+    room = 0
+    for gpu in ledger.inventory.gpus:
+        if gpu.index not in given or 100 - ledger.compute_used(gpu.index) < compute:
+            continue
+        used = ledger.used(gpu.index)
+        if (smallest is not None and gpu.memory - used >= smallest) or (whole and used == 0):
+            room += 1
+    return room >= sum(p.gpus for p in pieces)
+
+
 def first(tied: Sequence[ClaimChoice]) -> ClaimChoice:
     """Of placements nothing tells apart, the first node by name."""
     return min(tied, key=lambda choice: choice.node)
