@@ -297,3 +297,28 @@ def test_bench_claims_runs_and_reports() -> None:
     report = json.loads(out.stdout)
     assert report["ungated"] == report["allocated"] == 6
     assert report["created_to_ungated"]["count"] == 6 and report["pods_per_second"] > 0
+
+
+def test_bench_claims_fence_and_bench_steer_run_and_report() -> None:
+    fence = subprocess.run(
+        [
+            *(sys.executable, str(ROOT / "scripts" / "bench_claims.py"), "--nodes", "2", "--pods", "10"),
+            *("--rate", "0", "--ungated", "0.3", "--kube", "unschedulable"),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(fence.stdout)
+    assert report["ungated"] + report["ungated_at_creation"] == 10
+    assert report["not_gated_counted"] == report["ungated_at_creation"] and report["fence_holds"] == 0
+    steer = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_steer.py"), "--nodes", "2", "--pods", "6", "--rate", "0"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(steer.stdout)
+    assert report["steered"] == 6 and report["created_to_ungated"]["count"] == 6
