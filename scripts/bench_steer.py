@@ -26,22 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchkit.measure import percentiles
 
-from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.steering import TICK_SECONDS, Steerer, idle_ledger
-from tests.claimworld import ClaimWorld, dra_node
+from tests.claimworld import ClaimWorld, dra_node, steered_pod
 from tests.fakes.apiserver import FakeApiServer
-
-
-def cpu_pod(name: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}],
-            "schedulingGates": [{"name": STEER_GATE}],
-        },
-    }
 
 
 async def measure(api: FakeApiServer, *, pods: int, rate: float) -> dict[str, Any]:
@@ -61,7 +48,7 @@ async def measure(api: FakeApiServer, *, pods: int, rate: float) -> dict[str, An
 
     async def create() -> None:
         for number in range(pods):
-            api.create(cpu_pod(f"p{number}"))
+            api.create(steered_pod(f"p{number}", cpu="1"))
             created[f"p{number}"] = time.perf_counter()
             if rate:
                 await asyncio.sleep(1 / rate)

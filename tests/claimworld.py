@@ -14,6 +14,7 @@ from gpushared.contract import dra
 from gpushared.core.dra.slices import slice_body, slice_devices
 from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
+from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimallocator import AllocatorSettings, ClaimAllocator
 from gpushared.extender.claimbook import ClaimBook
@@ -58,6 +59,20 @@ def gated_pod(name: str, *claims: str, gated: bool = True, template: str | None 
     if gated:
         spec["schedulingGates"] = [{"name": CLAIM_GATE}]
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+
+
+def steered_pod(name: str, *, cpu: str = "2", **spec: Any) -> dict[str, Any]:
+    """A CPU-only pod as the steering webhook leaves it: gated for the steerer."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {
+            "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": cpu, "memory": "1Gi"}}}],
+            "schedulingGates": [{"name": STEER_GATE}],
+            **spec,
+        },
+    }
 
 
 def allocation(api: FakeApiServer, name: str) -> list[tuple[str, str, str]]:

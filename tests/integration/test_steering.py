@@ -10,9 +10,8 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.steering import Steerer, idle_ledger
-from tests.claimworld import ClaimWorld, claim, dra_node, gated_pod, gates
+from tests.claimworld import ClaimWorld, claim, dra_node, gated_pod, gates, steered_pod
 from tests.fakes.apiserver import FakeApiServer, Fault
 
 PREFERRED = "preferredDuringSchedulingIgnoredDuringExecution"
@@ -31,17 +30,7 @@ def plain_node(api: FakeApiServer, name: str, *, taint: bool = False) -> None:
     api.create(body)
 
 
-def cpu_pod(name: str, **spec: Any) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name, "namespace": "default"},
-        "spec": {
-            "containers": [{"name": "c", "image": "busybox", "resources": {"requests": {"cpu": "2", "memory": "1Gi"}}}],
-            "schedulingGates": [{"name": STEER_GATE}],
-            **spec,
-        },
-    }
+cpu_pod = steered_pod
 
 
 def preferred(api: FakeApiServer, name: str) -> list[tuple[int, list[str]]]:
