@@ -30,9 +30,6 @@ def plain_node(api: FakeApiServer, name: str, *, taint: bool = False) -> None:
     api.create(body)
 
 
-cpu_pod = steered_pod
-
-
 def preferred(api: FakeApiServer, name: str) -> list[tuple[int, list[str]]]:
     """The pod's preferred terms that name nodes: (weight, the nodes)."""
     body = api.get("pods", name, "default") or {}
@@ -91,9 +88,9 @@ def test_a_cpu_only_pod_prefers_where_it_leaves_no_gpu_idle_and_skips_nodes_it_m
         dra_node(api, "gpu-idle", 16, 16)
         plain_node(api, "cpu-1")
         plain_node(api, "cpu-tainted", taint=True)
-        api.create(cpu_pod("web"))
-        api.create(cpu_pod("db", tolerations=[{"key": "dedicated", "operator": "Exists"}]))
-        api.create(cpu_pod("gpu-pool", nodeSelector={"gpushared": "x"}))  # no node has the label
+        api.create(steered_pod("web"))
+        api.create(steered_pod("db", tolerations=[{"key": "dedicated", "operator": "Exists"}]))
+        api.create(steered_pod("gpu-pool", nodeSelector={"gpushared": "x"}))  # no node has the label
         await asyncio.sleep(0.3)
         for pod in ("web", "db", "gpu-pool"):
             await steered(world, steerer, api, pod)
@@ -115,7 +112,7 @@ def test_dra_nodes_are_priced_by_the_claims_on_them(api: FakeApiServer) -> None:
         await busy(world, api)
         dra_node(api, "gpu-idle", 16, 16)
         api.create(
-            cpu_pod("web", affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}})
+            steered_pod("web", affinity={"podAntiAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": []}})
         )
         await asyncio.sleep(0.3)
         world.cache.inbox.drain()
@@ -136,7 +133,7 @@ def test_dra_nodes_are_priced_by_the_claims_on_them(api: FakeApiServer) -> None:
 def test_a_pod_changed_between_the_read_and_the_patch_is_read_again(api: FakeApiServer) -> None:
     async def body(world: ClaimWorld, steerer: Steerer) -> None:
         plain_node(api, "cpu-1")
-        api.create(cpu_pod("web"))
+        api.create(steered_pod("web"))
         await asyncio.sleep(0.3)
         world.cache.inbox.drain()
         # the patch made for the pod as read fails its resourceVersion test (the pod changed after the read:
@@ -157,7 +154,7 @@ def test_a_burst_is_worked_through_a_bounded_number_at_a_time(api: FakeApiServer
     async def body(world: ClaimWorld, steerer: Steerer) -> None:
         plain_node(api, "cpu-1")
         for n in range(80):
-            api.create(cpu_pod(f"p{n}"))
+            api.create(steered_pod(f"p{n}"))
         await asyncio.sleep(0.5)
         world.cache.inbox.drain()
         assert steerer.step() == 32 and len(steerer.inflight) == 32
