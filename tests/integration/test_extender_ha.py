@@ -20,6 +20,8 @@ from tests.harness import wait_until
 NODES = 200
 PODS = 2000
 THREADS = 16
+#: the share of GPU memory bound pods must hold at the end: binpack from 16 threads fills 0.998 of it
+FILL_FLOOR = 0.95
 
 
 @pytest.fixture
@@ -33,7 +35,23 @@ def cluster() -> Iterator[FakeApiServer]:
 
 def over_capacity(api: FakeApiServer) -> list[str]:
     """Every GPU whose bound pods' annotations add up to more than it has, from the API server's truth."""
+    return bound_memory(api)[1]
+
+
+def filled(api: FakeApiServer) -> float:
+    """The share of the cluster's GPU memory that bound pods hold, from the API server's truth."""
+    capacity = sum(
+        g.memory
+        for node in api.objects("nodes")
+        for g in contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY]).gpus
+    )
+    return bound_memory(api)[0] / capacity
+
+
+def bound_memory(api: FakeApiServer) -> tuple[int, list[str]]:
+    """GiB held by bound pods, and every GPU over its capacity."""
     problems = []
+    held = 0
     pods_by_node: dict[str, list[dict[str, Any]]] = {}
     for body in api.objects("pods"):
         if body["spec"].get("nodeName"):
@@ -46,12 +64,13 @@ def over_capacity(api: FakeApiServer) -> list[str]:
             holding = holding_from_pod(body, unit=MemoryUnit.GIB)
             assert holding is not None and not holding.pending, body["metadata"]["name"]
             ledger.add(holding)
+        held += sum(ledger.used(g.index) for g in inv.gpus)
         problems += [
             f"{name} GPU {g.index}: {ledger.used(g.index)}/{g.memory}"
             for g in inv.gpus
             if ledger.used(g.index) > g.memory
         ]
-    return problems
+    return held, problems
 
 
 def schedule_all(api: FakeApiServer, replicas: list[Extender], *, seed: int) -> dict[str, int]:
@@ -111,7 +130,8 @@ def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(
     extender = spawn(cluster)
     extender.wait_ready(60)
     counts = schedule_all(cluster, [extender], seed=1)
-    assert counts["bound"] > PODS * 0.6, counts
+    # 13,001 GiB asked of 7,424: whatever the races, the cluster fills (a pod gives up after 5 lost races).
+    assert filled(cluster) > FILL_FLOOR, (filled(cluster), counts)
     assert over_capacity(cluster) == []
     extender.stop()
 
@@ -130,7 +150,8 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     leader, follower = (first, second) if holder().endswith(f":{first.port}") else (second, first)
     assert holder().endswith(f"http://127.0.0.1:{leader.port}")
     counts = schedule_all(cluster, [first, second], seed=2)
-    assert counts["bound"] > PODS * 0.6, counts
+    # 13,001 GiB asked of 7,424: whatever the races, the cluster fills (a pod gives up after 5 lost races).
+    assert filled(cluster) > FILL_FLOOR, (filled(cluster), counts)
     assert over_capacity(cluster) == []
     assert "bound pod default/p-" not in follower.log()  # every bind was made by the leader
     assert "bound pod default/p-" in leader.log()
