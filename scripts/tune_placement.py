@@ -4,7 +4,8 @@ declared tuning set of traces, with the causal replay (issue #41) and the expect
 trace (``bench_openb.MEMORY_FROM``); the traces it was not tuned on are judged apart, by ``bench_openb.py``
 with the values chosen.
 
-Each candidate is a policy with a pressure and a weight (``--candidates``, ``policy:pressure:weight``);
+Each candidate is a policy with a pressure and a weight (``--candidates``, ``policy:pressure:weight``; for fgd
+optionally ``:whole_until``, ``core.placement.policies.FGD_WHOLE_UNTIL``, and a weight of 0 is a fresh extender);
 every tuning trace is replayed with ``--seeds``; a candidate's margin at a point is our allocation less the
 paper's policy it is held against (binpack: BestFit, fgd: FGD) at every 10 % of arrived workload from 50 to
 130 %. Per policy the candidate chosen has the best worst margin over the tuning traces and points, then
@@ -70,10 +71,11 @@ Job = tuple[str, str, str, int]
 
 def _run(job: Job) -> tuple[str, str, int, list[float]]:
     data, trace, candidate, seed = job
-    policy, pressure, weight = candidate.split(":")
+    policy, pressure, weight, *whole = candidate.split(":")
     nodes, pods = inputs(data, trace)
     expected = expected_for(data, trace, weight=float(weight))
-    result = replay(nodes, pods, policy=FACTORIES[policy](float(pressure)), seed=seed, expected=expected)
+    chosen = fgd(float(pressure), float(whole[0])) if whole else FACTORIES[policy](float(pressure))
+    result = replay(nodes, pods, policy=chosen, seed=seed, expected=expected)
     return trace, candidate, seed, result.allocation
 
 
@@ -120,8 +122,16 @@ def main() -> None:
     args = parser.parse_args()
     for candidate in args.candidates:
         policy, *numbers = candidate.split(":")
-        if policy not in FACTORIES or len(numbers) != 2 or not all(n.replace(".", "", 1).isdigit() for n in numbers):
-            parser.error(f"candidate {candidate!r}: expected policy:pressure:weight, policy one of {list(FACTORIES)}")
+        counts = (2, 3) if policy == "fgd" else (2,)
+        if (
+            policy not in FACTORIES
+            or len(numbers) not in counts
+            or not all(n.replace(".", "", 1).isdigit() for n in numbers)
+        ):
+            parser.error(
+                f"candidate {candidate!r}: expected policy:pressure:weight (fgd: and :whole_until), policy one of "
+                f"{list(FACTORIES)}"
+            )
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
     paper = paper_curves(args.data)

@@ -14,6 +14,7 @@ from gpushared.core.placement.policies import (
     BALANCED,
     BINPACK,
     FGD,
+    FGD_WHOLE_UNTIL,
     SPREAD,
     NodeRank,
     node_scores,
@@ -79,6 +80,32 @@ def test_fgd_gives_equal_growths_to_the_node_that_stays_balanced() -> None:
     assert [s.imbalance(4) for s in settings] == [0.75, 0.0]
     assert node_scores([appraised(s.ledger, req, s, FGD) for s in settings]) == [9, 10]
     assert PricingContext(balanced).imbalance(4) == 0.0  # CPU not known: nothing to balance
+
+
+@pytest.mark.parametrize(
+    ("pods_seen", "scores"),
+    [
+        (0, [9, 10]),  # no mix at all: the untouched node last
+        (10, [9, 10]),  # a young mix, of small pods only: it knows no kind that needs the big node whole
+        (int(FGD_WHOLE_UNTIL) - 1, [9, 10]),
+        (int(FGD_WHOLE_UNTIL), [10, 9]),  # the mix has seen enough: balance decides among equal growths
+        (5000, [10, 9]),
+    ],
+)
+def test_fgd_keeps_untouched_nodes_for_last_while_its_mix_is_young(pods_seen: int, scores: list[int]) -> None:
+    """Equal growths: an untouched 8-GPU node would be left better balanced than a 2-GPU node half used, but
+    while the mix knows of fewer than FGD_WHOLE_UNTIL pods, fgd keeps the untouched node for the big kinds it
+    has not seen yet (issue #56)."""
+    big, small = Ledger.build(inventory(*[16] * 8)), Ledger.build(inventory(16, 16))
+    used(small, 0, 8)
+    mix = RequestMix.of_counts({(2000, 4, 1): pods_seen}) if pods_seen else RequestMix()
+    settings = [
+        PricingContext(big, mix=mix, cpu=NodeCpu(allocatable=128_000, requested=0), pod_cpu=2000),
+        PricingContext(small, mix=mix, cpu=NodeCpu(allocatable=16_000, requested=0), pod_cpu=2000),
+    ]
+    assert [s.growth(judge(s.ledger, request(4))[:1], 4) for s in settings] == [0.0, 0.0]
+    assert [round(s.imbalance(4), 3) for s in settings] == [0.016, 0.25]
+    assert node_scores([appraised(s.ledger, request(4), s, FGD) for s in settings]) == scores
 
 
 def test_policy_names() -> None:

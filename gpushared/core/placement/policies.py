@@ -71,6 +71,9 @@ class Policy:
     reads_rooms: bool = False
     #: whether nodes priced equal are told apart by ``PricingContext.imbalance``
     balances: bool = False
+    #: while the mix knows of fewer pods than this, a node none of whose GPU memory is taken comes after
+    #: every node priced equal that has some taken (``WHOLE_NODE_LAST``)
+    whole_until: float = 0.0
     #: how ``price`` moves with the GPU's free units, the node and the request being the same: 1 it always
     #: grows (best fit), -1 it always falls (spread), 0 neither or not known. Where it is known the GPU a
     #: one-GPU pod takes is the fitting one with the least (most) free memory, the lower index among equals,
@@ -117,6 +120,8 @@ class Policy:
         self, price: float, chosen: Choice, request: PodRequest, context: PricingContext
     ) -> tuple[NodeRank, Choice]:
         tiebreak = context.imbalance(request.total) if self.balances else 0.0
+        if context.whole and context.mix_pods < self.whole_until:
+            tiebreak += WHOLE_NODE_LAST
         links = 0.0
         if request.gpus > 1:
             links = -float(set_score((v.gpu.index for v in chosen), topology_of(context.ledger.inventory)))
@@ -236,6 +241,19 @@ def node_scores(keys: Sequence[NodeRank | None]) -> list[int]:
 #: Prices closer than this are equal (they are sums of float shares).
 EQUAL_PRICE: Final = 1e-9
 
+#: What an untouched node adds to its tiebreak while fgd's mix is young (``Policy.whole_until``): more than
+#: any imbalance (at most 1), so among nodes priced equal the untouched come last.
+WHOLE_NODE_LAST: Final = 2.0
+
+#: Until its mix knows of this many pods, fgd keeps untouched nodes for last among nodes priced equal. A
+#: fresh extender with no expected mix has seen no big kind yet: its fragment prices none, and the balance
+#: of CPU and GPU sends small pods to the big nodes, where they change the shares least; the few nodes that
+#: could host a pod of 8 GPUs and 120 CPUs were broken before the first came (issue #56: on multigpu30,
+#: 13 such pods refused before the cluster was 88 % full; none under binpack). Kept untouched, those nodes
+#: wait until the mix has seen enough to weigh the big kinds by their scarcity. The expected mix counts as
+#: EXPECTED_WEIGHT (1,000) pods: with it, this never applies. Chosen by scripts/tune_placement.py.
+FGD_WHOLE_UNTIL: Final = 1000.0
+
 #: Levels the fgd policy prices in: kube-scheduler's MaxNodeScore, to which the paper's FGD score plugin
 #: cuts a sigmoid of the fragment's growth.
 FGD_LEVELS: Final = 100
@@ -310,8 +328,9 @@ def binpack(pressure: float = BINPACK_PRESSURE) -> Policy:
     )
 
 
-def fgd(pressure: float = FGD_PRESSURE) -> Policy:
-    """fgd with a pinned model's ``pressure`` worth that many of its levels (see :func:`binpack`)."""
+def fgd(pressure: float = FGD_PRESSURE, whole_until: float = FGD_WHOLE_UNTIL) -> Policy:
+    """fgd with a pinned model's ``pressure`` worth that many of its levels (see :func:`binpack`), keeping
+    untouched nodes for last among equals until the mix knows of ``whole_until`` pods."""
 
     def price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
         return _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory) + pressure * context.pressure
@@ -327,6 +346,7 @@ def fgd(pressure: float = FGD_PRESSURE) -> Policy:
         reads_rooms=True,
         reads_cpu=True,
         balances=True,
+        whole_until=whole_until,
     )
 
 

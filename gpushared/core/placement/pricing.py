@@ -89,6 +89,16 @@ class PricingContext:
         return known
 
     @property
+    def mix_pods(self) -> int:
+        """How many pods the mix knows of: those counted so far and the operator's expected ones."""
+        return len(self._mix)
+
+    @property
+    def whole(self) -> bool:
+        """Whether none of the node's healthy GPU memory is taken (and it has some)."""
+        return 0 < self._gpus[2] <= self._gpus[3]
+
+    @property
     def free_total(self) -> int:
         """Free units on the node's healthy GPUs, in all."""
         return self._gpus[3]
