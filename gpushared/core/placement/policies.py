@@ -251,8 +251,10 @@ WHOLE_NODE_LAST: Final = 2.0
 #: could host a pod of 8 GPUs and 120 CPUs were broken before the first came (issue #56: on multigpu30,
 #: 13 such pods refused before the cluster was 88 % full; none under binpack). Kept untouched, those nodes
 #: wait until the mix has seen enough to weigh the big kinds by their scarcity. The expected mix counts as
-#: EXPECTED_WEIGHT (1,000) pods: with it, this never applies. Chosen by scripts/tune_placement.py.
-FGD_WHOLE_UNTIL: Final = 1000.0
+#: EXPECTED_WEIGHT (1,000) pods: with it, this never applies. Chosen by scripts/tune_placement.py on its
+#: tuning set with no expected mix (fresh extenders), by the best worst margin against the paper's FGD: 0
+#: (as before) -0.54, 250 -0.04, 1,000 -0.09, 4,000 -0.13 (bench/results/tuning-whole-until.json).
+FGD_WHOLE_UNTIL: Final = 250.0
 
 #: Levels the fgd policy prices in: kube-scheduler's MaxNodeScore, to which the paper's FGD score plugin
 #: cuts a sigmoid of the fragment's growth.
@@ -363,8 +365,9 @@ SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need 
 #: Fragmentation gradient descent: the GPU and node where the expected fragment of the node's free GPU
 #: memory, for the mix of pods seen (each kind weighed by how scarce the nodes that could host it are) and
 #: the CPU left, grows least (gpushared.core.placement.fragmentation); among
-#: equal growths the node whose CPU and GPU stay most balanced, then best fit. With no mix yet it is best
-#: fit among balanced nodes.
+#: equal growths the node whose CPU and GPU stay most balanced, then best fit; while the mix knows of fewer
+#: than FGD_WHOLE_UNTIL pods, untouched nodes come after every node priced equal that has some GPU memory
+#: taken. With no mix yet it is best fit among balanced nodes, untouched nodes last.
 FGD: Final = fgd()
 
 
