@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.fragmentation import NodeClass, RequestMix
+from gpushared.core.placement.mixbook import EXPECTED_WEIGHT, ExpectedMix, MixBook
 from gpushared.core.placement.policies import (
     BALANCED,
     BINPACK,
@@ -106,6 +107,15 @@ def test_fgd_keeps_untouched_nodes_for_last_while_its_mix_is_young(pods_seen: in
     assert [s.growth(judge(s.ledger, request(4))[:1], 4) for s in settings] == [0.0, 0.0]
     assert [round(s.imbalance(4), 3) for s in settings] == [0.016, 0.25]
     assert node_scores([appraised(s.ledger, request(4), s, FGD) for s in settings]) == scores
+
+
+def test_an_expected_mix_of_the_default_weight_leaves_fgd_as_it_was() -> None:
+    """The untouched-last rule is for a fresh extender: an expected mix counts as EXPECTED_WEIGHT pods from
+    the start, so with one fgd never applies it, and the replay's figures with the expected mix stay
+    byte-identical."""
+    assert FGD_WHOLE_UNTIL <= EXPECTED_WEIGHT
+    book = MixBook(ExpectedMix.of_counts({(2000, 4, 1, None): 3, (8000, 16, 8, None): 1}))
+    assert len(book.take(nodes={})) >= FGD_WHOLE_UNTIL
 
 
 def test_policy_names() -> None:
