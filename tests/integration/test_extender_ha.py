@@ -35,23 +35,19 @@ def cluster() -> Iterator[FakeApiServer]:
 
 def over_capacity(api: FakeApiServer) -> list[str]:
     """Every GPU whose bound pods' annotations add up to more than it has, from the API server's truth."""
-    return bound_memory(api)[1]
+    return bound_memory(api)[2]
 
 
 def filled(api: FakeApiServer) -> float:
     """The share of the cluster's GPU memory that bound pods hold, from the API server's truth."""
-    capacity = sum(
-        g.memory
-        for node in api.objects("nodes")
-        for g in contract.parse_inventory(node["metadata"]["annotations"][contract.NODE_INVENTORY]).gpus
-    )
-    return bound_memory(api)[0] / capacity
+    held, capacity, _ = bound_memory(api)
+    return held / capacity
 
 
-def bound_memory(api: FakeApiServer) -> tuple[int, list[str]]:
-    """GiB held by bound pods, and every GPU over its capacity."""
+def bound_memory(api: FakeApiServer) -> tuple[int, int, list[str]]:
+    """GiB held by bound pods, GiB the GPUs have, and every GPU over its capacity."""
     problems = []
-    held = 0
+    held = capacity = 0
     pods_by_node: dict[str, list[dict[str, Any]]] = {}
     for body in api.objects("pods"):
         if body["spec"].get("nodeName"):
@@ -65,12 +61,13 @@ def bound_memory(api: FakeApiServer) -> tuple[int, list[str]]:
             assert holding is not None and not holding.pending, body["metadata"]["name"]
             ledger.add(holding)
         held += sum(ledger.used(g.index) for g in inv.gpus)
+        capacity += sum(g.memory for g in inv.gpus)
         problems += [
             f"{name} GPU {g.index}: {ledger.used(g.index)}/{g.memory}"
             for g in inv.gpus
             if ledger.used(g.index) > g.memory
         ]
-    return held, problems
+    return held, capacity, problems
 
 
 def schedule_all(api: FakeApiServer, replicas: list[Extender], *, seed: int) -> dict[str, int]:
@@ -131,7 +128,8 @@ def test_16_threads_binding_2000_pods_onto_200_nodes_overfill_no_gpu(
     extender.wait_ready(60)
     counts = schedule_all(cluster, [extender], seed=1)
     # 13,001 GiB asked of 7,424: whatever the races, the cluster fills (a pod gives up after 5 lost races).
-    assert filled(cluster) > FILL_FLOOR, (filled(cluster), counts)
+    fill = filled(cluster)
+    assert fill > FILL_FLOOR, (fill, counts)
     assert over_capacity(cluster) == []
     extender.stop()
 
@@ -151,7 +149,8 @@ def test_two_replicas_with_leader_election(cluster: FakeApiServer, spawn: Callab
     assert holder().endswith(f"http://127.0.0.1:{leader.port}")
     counts = schedule_all(cluster, [first, second], seed=2)
     # 13,001 GiB asked of 7,424: whatever the races, the cluster fills (a pod gives up after 5 lost races).
-    assert filled(cluster) > FILL_FLOOR, (filled(cluster), counts)
+    fill = filled(cluster)
+    assert fill > FILL_FLOOR, (fill, counts)
     assert over_capacity(cluster) == []
     assert "bound pod default/p-" not in follower.log()  # every bind was made by the leader
     assert "bound pod default/p-" in leader.log()

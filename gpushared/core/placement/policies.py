@@ -120,7 +120,7 @@ class Policy:
         self, price: float, chosen: Choice, request: PodRequest, context: PricingContext
     ) -> tuple[NodeRank, Choice]:
         tiebreak = context.imbalance(request.total) if self.balances else 0.0
-        if context.whole and context.mix_pods < self.whole_until:
+        if self.whole_until and context.mix_pods < self.whole_until and context.whole:  # (fgd alone reads it)
             tiebreak += WHOLE_NODE_LAST
         links = 0.0
         if request.gpus > 1:

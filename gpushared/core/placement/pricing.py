@@ -96,7 +96,7 @@ class PricingContext:
     @property
     def whole(self) -> bool:
         """Whether none of the node's healthy GPU memory is taken (and it has some)."""
-        return 0 < self._gpus[2] <= self._gpus[3]
+        return 0 < self.capacity <= self.free_total
 
     @property
     def free_total(self) -> int:
