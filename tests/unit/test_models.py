@@ -213,6 +213,53 @@ def test_pressure_of_pinned_pods_on_each_gpu_model(
     assert mix.pressure(None) == 0.0  # a node whose model is not known
 
 
+A10 = G2._replace(model="A10")
+
+
+@pytest.mark.parametrize(
+    ("kinds", "nodes", "projected"),
+    [
+        # 2 of 100 pods pinned to T4, all half a GPU: 2 % of the demand, 260 GPUs in all, 20 of them T4:
+        # a full cluster's pinned pods would want 0.02 x 260 / 20 of the T4s (the count alone says 1 of 20)
+        (
+            [(4000, 8, 1, frozenset({"T4"}))] * 2 + [(4000, 8, 1, None)] * 98,
+            {T4: 10, G2: 30},
+            {"T4": 0.26, "G2": 0.0},
+        ),
+        # 20 of 200 whole-GPU pods allowed on two of three models: 5 % of the demand on each of the two
+        (
+            [(4000, 16, 1, frozenset({"T4", "G2"}))] * 20 + [(4000, 16, 1, None)] * 180,
+            {T4: 10, G2: 5, A10: 1},
+            {"T4": 0.05 * 68 / 20, "G2": 0.05 * 68 / 40, "A10": 0.0},
+        ),
+        # pods without GPU count for no demand: the same 2 % as the first, beside 1,000 CPU pods
+        (
+            [(4000, 8, 1, frozenset({"T4"}))] * 2 + [(4000, 8, 1, None)] * 98 + [(4000, 0, 0, None)] * 1000,
+            {T4: 10, G2: 30},
+            {"T4": 0.26, "G2": 0.0},
+        ),
+        # every GPU pod pinned to T4: more than the T4s hold, so all of them (never above 1)
+        ([(4000, 8, 1, frozenset({"T4"}))] * 10, {T4: 10, G2: 30}, {"T4": 1.0, "G2": 0.0}),
+        # no pod pinned, or the cluster's nodes not known: none
+        ([(4000, 8, 1, None)] * 10, {T4: 10, G2: 30}, {"T4": 0.0, "G2": 0.0}),
+        ([(4000, 8, 1, frozenset({"T4"}))] * 10, {}, {"T4": 0.0}),
+    ],
+)
+def test_projected_pressure_follows_the_pinned_share_of_the_demand(
+    kinds: list[tuple[int, int, int, frozenset[str] | None]],
+    nodes: dict[NodeClass, int],
+    projected: dict[str, float],
+) -> None:
+    """What fgd keeps pinned models by (issue #56): the pinned pods' share of the GPU demand seen, over
+    the model's share of the cluster's GPUs. It does not wait for the pinned pods to arrive in numbers."""
+    mix = RequestMix(kinds, nodes=nodes)
+    assert {model: mix.projected_pressure(model) for model in projected} == pytest.approx(projected)
+    assert mix.projected_pressure(None) == 0.0
+    # the same share of a mix ten times as large presses as much
+    larger = RequestMix(kinds * 10, nodes=nodes)
+    assert {model: larger.projected_pressure(model) for model in projected} == pytest.approx(projected)
+
+
 @pytest.mark.parametrize(("policy", "weight"), [(BINPACK, BINPACK_PRESSURE), (FGD, FGD_PRESSURE)])
 def test_a_pod_that_may_run_anywhere_is_kept_off_the_model_pinned_pods_need(policy: Policy, weight: float) -> None:
     """An empty T4 node of 2 GPUs and an empty G2 node of 8, while the pods pinned to T4 want every T4 of
@@ -239,6 +286,32 @@ def test_a_pod_that_may_run_anywhere_is_kept_off_the_model_pinned_pods_need(poli
     assert node_scores(free) == [0, 10]
     if policy is BINPACK:
         assert node_scores(pinned) == [10, 0]  # best fit of the node alone: the smaller T4 node
+
+
+@pytest.mark.parametrize(
+    ("policy", "added"),
+    [
+        # binpack's strict order needs only that some pinned pod was seen: the count (2 pods, 1 of 20 GPUs)
+        (BINPACK, BINPACK_PRESSURE * 0.05),
+        # fgd weighs the pressure against its fragment's levels: what the share says a full cluster wants
+        (FGD, FGD_PRESSURE * 0.26),
+    ],
+)
+def test_fgd_prices_the_projected_pressure_and_binpack_the_counted(policy: Policy, added: float) -> None:
+    """2 of 100 pods seen are pinned to T4 (the first case of the table above): a pod that may run
+    anywhere pays for a T4 what each policy's pressure says, and a pinned pod nothing."""
+    kinds = [(1000, 8, 1, frozenset({"T4"}))] * 2 + [(1000, 8, 1, None)] * 98
+    mix = RequestMix(kinds, nodes={T4: 10, G2: 30})
+    req = PodRequest(containers=(ContainerRequest("c0", 4),))
+    ledger = Ledger.build(inventory(16, 16))
+    prices = []
+    for pinned in (False, True):
+        cpu = NodeCpu(allocatable=96_000, requested=0)
+        context = PricingContext(ledger, mix=mix, cpu=cpu, pod_cpu=1000, model="T4", pinned=pinned)
+        appraised = policy.price_node(judge(ledger, req), req, context)
+        assert appraised is not None
+        prices.append(appraised[0].price)
+    assert prices[0] - prices[1] == pytest.approx(added)
 
 
 def test_a_kind_weighs_by_the_nodes_that_could_host_it_now() -> None:

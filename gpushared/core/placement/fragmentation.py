@@ -146,8 +146,8 @@ class RequestMix:
     see one half-counted.
     """
 
-    #: per GPU model, counted on first use (:meth:`pressure`)
-    _pressures: dict[str, float] | None
+    #: per GPU model, counted on first use (:meth:`pressure`, :meth:`projected_pressure`)
+    _pressures: tuple[dict[str, float], dict[str, float]] | None
 
     def __init__(
         self,
@@ -234,7 +234,19 @@ class RequestMix:
             return 0.0
         if self._pressures is None:
             self._pressures = self._count_pressures()
-        return self._pressures.get(model, 0.0)
+        return self._pressures[0].get(model, 0.0)
+
+    def projected_pressure(self, model: str | None) -> float:
+        """How much of the cluster's GPUs of ``model`` the pods pinned to a few models would want of a full
+        cluster: their share of the GPU demand in the mix (spread over the models each allows, as in
+        :meth:`pressure`) times the cluster's GPUs, over the model's GPUs; at most 1. Where :meth:`pressure`
+        counts the pinned pods seen, and so starts near 0 while few have come, this is what their share of
+        the workload says they will want once the cluster is full (issue #56)."""
+        if model is None or not self._pinned or not self.nodes:
+            return 0.0
+        if self._pressures is None:
+            self._pressures = self._count_pressures()
+        return self._pressures[1].get(model, 0.0)
 
     def pressures(self) -> tuple[tuple[str, float], ...]:
         """Every GPU model's :meth:`pressure`, as one value two mixes can be compared by: a price that reads
@@ -243,24 +255,35 @@ class RequestMix:
             return ()
         if self._pressures is None:
             self._pressures = self._count_pressures()
-        return tuple(sorted((m, p) for m, p in self._pressures.items() if p))
+        return tuple(sorted((m, p) for m, p in self._pressures[0].items() if p))
 
-    def _count_pressures(self) -> dict[str, float]:
+    def _count_pressures(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(:meth:`pressure`, :meth:`projected_pressure`) of every GPU model the cluster has."""
         gpus: dict[str, int] = {}
         memory: dict[str, int] = {}
         for node, nodes in self.nodes.items():
             if node.model is not None:
                 gpus[node.model] = gpus.get(node.model, 0) + nodes * node.gpus
                 memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
+        all_gpus = sum(gpus.values())
+        mean_memory = sum(gpus[m] * memory[m] for m in gpus) / all_gpus if all_gpus else 0.0
         wanted: dict[str, float] = {}
+        demand = 0.0
         for (_, size, count, models), pods in self._kinds.items():
+            if size <= 0:
+                continue
+            demand += pods * count * (min(1.0, size / mean_memory) if mean_memory else 1.0)
             allowed = [m for m in gpus if models is not None and m in models]
-            if size <= 0 or not allowed or len(allowed) == len(gpus):
-                continue  # no GPU, no model the cluster has, or any the cluster has: pinned to none
+            if not allowed or len(allowed) == len(gpus):
+                continue  # no model the cluster has, or any the cluster has: pinned to none
             for m in allowed:
                 share = min(1.0, size / memory[m]) if memory[m] else 1.0
                 wanted[m] = wanted.get(m, 0.0) + pods * count * share / len(allowed)
-        return {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
+        counted = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
+        projected = {
+            m: min(1.0, wanted.get(m, 0.0) * all_gpus / (demand * g)) if demand else 0.0 for m, g in gpus.items() if g
+        }
+        return counted, projected
 
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any

@@ -261,16 +261,21 @@ FGD_WHOLE_UNTIL: Final = 250.0
 FGD_LEVELS: Final = 100
 
 
-#: What a node's GPU model being wanted in full by pinned pods (``PricingContext.pressure`` 1) adds to the
-#: price of placing a pod that may run anywhere there: for binpack in GPUs left, for fgd in its levels. A
-#: pod that may run anywhere then goes elsewhere unless that costs more than this. Chosen by
-#: scripts/tune_placement.py (issue #41) on its tuning set (gpuspec10, gpushare40; causal, with the expected
-#: mix), by the best worst margin against the paper, then the second worst...: binpack's margins rise with
-#: the pressure until it is a strict order (from 256 they stop moving: the worst point on gpuspec10 +0.88
-#: at 256, +0.89 at 512, against -0.03 at the 8 shipped before); fgd's peak at 32 (+0.54 worst on
-#: gpuspec10; 16: +0.27, 64: +0.42). bench/results/tuning-placement.json has every value tried.
+#: What a node's GPU model being wanted in full by pinned pods adds to the price of placing a pod that may
+#: run anywhere there: for binpack in GPUs left, for fgd in its levels. A pod that may run anywhere then goes
+#: elsewhere unless that costs more than this. binpack weighs the pressure counted from the pinned pods seen
+#: (``PricingContext.pressure``): at 512 it is a strict order, so any pinned pod seen keeps the model last.
+#: fgd weighs the pressure projected from their share of the demand (``PricingContext.projected_pressure``):
+#: the count starts near 0 while few pinned pods have come, and fgd had filled the pinned models before it
+#: grew (issue #56: gpuspec05, seed 42, 174 GPU tasks refused before 88 % full, most pinned to T4; 17 with
+#: the projection). Chosen by scripts/tune_placement.py on its tuning set (causal, with the expected mix), by
+#: the best worst margin against the paper, then the second worst...: binpack's margins rise with the
+#: pressure until it is a strict order (from 256 they stop moving: the worst point on gpuspec10 +0.88 at 256,
+#: +0.89 at 512, against -0.03 at the 8 shipped before; bench/results/tuning-placement.json); fgd's,
+#: projected, on gpuspec10 and gpuspec20, peak at 16 (+0.40 worst; 8: +0.37, 32: +0.34, 64: +0.30, 128:
+#: +0.03; bench/results/tuning-projected-pressure.json).
 BINPACK_PRESSURE: Final = 512.0
-FGD_PRESSURE: Final = 32.0
+FGD_PRESSURE: Final = 16.0
 
 
 def _fgd_levels(growth: float) -> float:
@@ -331,14 +336,16 @@ def binpack(pressure: float = BINPACK_PRESSURE) -> Policy:
 
 
 def fgd(pressure: float = FGD_PRESSURE, whole_until: float = FGD_WHOLE_UNTIL) -> Policy:
-    """fgd with a pinned model's ``pressure`` worth that many of its levels (see :func:`binpack`), keeping
-    untouched nodes for last among equals until the mix knows of ``whole_until`` pods."""
+    """fgd with a pinned model's projected pressure worth ``pressure`` of its levels (``FGD_PRESSURE``),
+    keeping untouched nodes for last among equals until the mix knows of ``whole_until`` pods."""
 
     def price(verdict: GpuVerdict, need: int, context: PricingContext) -> float:
-        return _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory) + pressure * context.pressure
+        levels = _fgd_levels(context.growth((verdict,), need) / verdict.gpu.memory)
+        return levels + pressure * context.projected_pressure
 
     def price_of_several(verdicts: Choice, need: int, context: PricingContext) -> float:
-        return _fgd_levels(context.growth(verdicts, need) / verdicts[0].gpu.memory) + pressure * context.pressure
+        levels = _fgd_levels(context.growth(verdicts, need) / verdicts[0].gpu.memory)
+        return levels + pressure * context.projected_pressure
 
     return Policy(
         name="fgd",
@@ -367,7 +374,9 @@ SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need 
 #: the CPU left, grows least (gpushared.core.placement.fragmentation); among
 #: equal growths the node whose CPU and GPU stay most balanced, then best fit; while the mix knows of fewer
 #: than FGD_WHOLE_UNTIL pods, untouched nodes come after every node priced equal that has some GPU memory
-#: taken. With no mix yet it is best fit among balanced nodes, untouched nodes last.
+#: taken. A pod that may run anywhere pays for a GPU model that pinned pods will want what their share of
+#: the demand projects (``FGD_PRESSURE``). With no mix yet it is best fit among balanced nodes, untouched
+#: nodes last.
 FGD: Final = fgd()
 
 

@@ -79,6 +79,12 @@ class PricingContext:
         return 0.0 if self.pinned else self._mix.pressure(self._model)
 
     @property
+    def projected_pressure(self) -> float:
+        """How much of this node's GPU model the pods pinned to few models would want of a full cluster
+        (``RequestMix.projected_pressure``), for a pod that may run anywhere; 0 for a pinned pod."""
+        return 0.0 if self.pinned else self._mix.projected_pressure(self._model)
+
+    @property
     def _gpus(self) -> tuple[dict[int, int], list[int], int, int]:
         """(GPU index -> position, free units per position, units in all, free units in all) of the healthy
         GPUs. A plain attribute check rather than functools.cached_property, whose lock (Python 3.11) cost
