@@ -289,6 +289,34 @@ def test_a_pod_that_may_run_anywhere_is_kept_off_the_model_pinned_pods_need(poli
 
 
 @pytest.mark.parametrize(
+    ("t4_free", "g2_free", "projected"),
+    [
+        # every GPU free: as without rooms, 0.02 x 260 / 20
+        (16, 16, 0.26),
+        # the T4s half full, the G2s untouched: 250 GPUs left, 10 of them T4
+        (8, 16, 0.02 * 250 / 10),
+        # the G2s half full, the T4s untouched: 140 left, 20 of them T4
+        (16, 8, 0.02 * 140 / 20),
+        # no T4 left: all of it wanted
+        (0, 16, 1.0),
+    ],
+)
+def test_projected_pressure_weighs_what_each_model_has_left(t4_free: int, g2_free: int, projected: float) -> None:
+    """A model filled faster than the cluster is pressed harder: the pinned share of the GPUs left in the
+    cluster, over the model's GPUs left (the rooms a recount tells the mix)."""
+    kinds = [(4000, 8, 1, frozenset({"T4"}))] * 2 + [(4000, 8, 1, None)] * 98
+    rooms = {
+        node_room([t4_free] * 2, model="T4", cpu_free=96_000): 10,
+        node_room([g2_free] * 8, model="G2", cpu_free=96_000): 30,
+    }
+    mix = RequestMix(kinds, nodes={T4: 10, G2: 30}, rooms=rooms)
+    assert mix.projected_pressure("T4") == pytest.approx(projected)
+    assert mix.projected_pressure("G2") == 0.0
+    # the counted pressure reads no rooms: 1 GPU of the 20 T4s wanted, full or not
+    assert mix.pressure("T4") == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize(
     ("policy", "added"),
     [
         # binpack's strict order needs only that some pinned pod was seen: the count (2 pods, 1 of 20 GPUs)

@@ -237,11 +237,13 @@ class RequestMix:
         return self._pressures[0].get(model, 0.0)
 
     def projected_pressure(self, model: str | None) -> float:
-        """How much of the cluster's GPUs of ``model`` the pods pinned to a few models would want of a full
-        cluster: their share of the GPU demand in the mix (spread over the models each allows, as in
-        :meth:`pressure`) times the cluster's GPUs, over the model's GPUs; at most 1. Where :meth:`pressure`
-        counts the pinned pods seen, and so starts near 0 while few have come, this is what their share of
-        the workload says they will want once the cluster is full (issue #56)."""
+        """How much of what is left of ``model``'s GPUs the pods pinned to a few models will want as the
+        cluster fills: their share of the GPU demand in the mix (spread over the models each allows, as in
+        :meth:`pressure`) times the GPUs left in the cluster, over the model's GPUs left; at most 1. With
+        ``rooms`` not known, what is left is every GPU. Where :meth:`pressure` counts the pinned pods seen,
+        and so starts near 0 while few have come, this follows their share of the workload from the first;
+        and a model filled faster than the cluster (by pods that could have run anywhere) is pressed the
+        harder for it (issue #56)."""
         if model is None or not self._pinned or not self.nodes:
             return 0.0
         if self._pressures is None:
@@ -280,9 +282,18 @@ class RequestMix:
                 share = min(1.0, size / memory[m]) if memory[m] else 1.0
                 wanted[m] = wanted.get(m, 0.0) + pods * count * share / len(allowed)
         counted = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
-        projected = {
-            m: min(1.0, wanted.get(m, 0.0) * all_gpus / (demand * g)) if demand else 0.0 for m, g in gpus.items() if g
-        }
+        left = {m: float(g) for m, g in gpus.items()}
+        if self.rooms is not None:
+            left = dict.fromkeys(gpus, 0.0)
+            for room, nodes in self.rooms.items():
+                if room.model in left and memory[room.model]:
+                    left[room.model] += nodes * sum(room.frees) / memory[room.model]
+        all_left = sum(left.values())
+        projected = {}
+        for m in gpus:
+            if wanted.get(m) and demand:
+                share = wanted[m] / demand
+                projected[m] = min(1.0, share * all_left / left[m]) if left[m] > 0 else 1.0
         return counted, projected
 
     def for_model(self, model: str | None) -> RequestMix:

@@ -265,17 +265,18 @@ FGD_LEVELS: Final = 100
 #: run anywhere there: for binpack in GPUs left, for fgd in its levels. A pod that may run anywhere then goes
 #: elsewhere unless that costs more than this. binpack weighs the pressure counted from the pinned pods seen
 #: (``PricingContext.pressure``): at 512 it is a strict order, so any pinned pod seen keeps the model last.
-#: fgd weighs the pressure projected from their share of the demand (``PricingContext.projected_pressure``):
-#: the count starts near 0 while few pinned pods have come, and fgd had filled the pinned models before it
-#: grew (issue #56: gpuspec05, seed 42, 174 GPU tasks refused before 88 % full, most pinned to T4; 17 with
-#: the projection). Chosen by scripts/tune_placement.py on its tuning set (causal, with the expected mix), by
-#: the best worst margin against the paper, then the second worst...: binpack's margins rise with the
-#: pressure until it is a strict order (from 256 they stop moving: the worst point on gpuspec10 +0.88 at 256,
-#: +0.89 at 512, against -0.03 at the 8 shipped before; bench/results/tuning-placement.json); fgd's,
-#: projected, on gpuspec10 and gpuspec20, peak at 16 (+0.40 worst; 8: +0.37, 32: +0.34, 64: +0.30, 128:
-#: +0.03; bench/results/tuning-projected-pressure.json).
+#: fgd weighs the pressure projected from their share of the demand and what each model has left
+#: (``PricingContext.projected_pressure``): the count starts near 0 while few pinned pods have come, and fgd
+#: had filled the pinned models before it grew (issue #56: gpuspec05, seed 42, 174 GPU tasks refused before
+#: 88 % full, most pinned to T4). Chosen by scripts/tune_placement.py on its tuning set (causal, with the
+#: expected mix), by the best worst margin against the paper, then the second worst...: binpack's margins
+#: rise with the pressure until it is a strict order (from 256 they stop moving: the worst point on
+#: gpuspec10 +0.88 at 256, +0.89 at 512, against -0.03 at the 8 shipped before;
+#: bench/results/tuning-placement.json); fgd's, projected, on gpuspec10 and gpuspec20, peak at 8 (+0.44
+#: worst; 2: -2.61, 4: +0.24, 16: +0.36, 32: +0.29, 64: +0.29; bench/results/tuning-projected-pressure.json):
+#: more keeps the pinned models freer at 50-90 % arrived and fills them less from 100 %.
 BINPACK_PRESSURE: Final = 512.0
-FGD_PRESSURE: Final = 16.0
+FGD_PRESSURE: Final = 8.0
 
 
 def _fgd_levels(growth: float) -> float:
