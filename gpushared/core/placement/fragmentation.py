@@ -230,11 +230,7 @@ class RequestMix:
         the mix does not know the cluster's nodes. Pods that may run anywhere are priced off the models
         pinned pods press on (``PricingContext.pressure``), so those find room there (docs/benchmarks.md,
         issue #25)."""
-        if model is None or not self._pinned or not self.nodes:
-            return 0.0
-        if self._pressures is None:
-            self._pressures = self._count_pressures()
-        return self._pressures[0].get(model, 0.0)
+        return 0.0 if model is None else self._pressure_tables()[0].get(model, 0.0)
 
     def projected_pressure(self, model: str | None) -> float:
         """How much of what is left of ``model``'s GPUs the pods pinned to a few models will want as the
@@ -244,20 +240,21 @@ class RequestMix:
         and so starts near 0 while few have come, this follows their share of the workload from the first;
         and a model filled faster than the cluster (by pods that could have run anywhere) is pressed the
         harder for it (issue #56)."""
-        if model is None or not self._pinned or not self.nodes:
-            return 0.0
-        if self._pressures is None:
-            self._pressures = self._count_pressures()
-        return self._pressures[1].get(model, 0.0)
+        return 0.0 if model is None else self._pressure_tables()[1].get(model, 0.0)
 
     def pressures(self) -> tuple[tuple[str, float], ...]:
         """Every GPU model's :meth:`pressure`, as one value two mixes can be compared by: a price that reads
         the mix only through the pressure is the same under both when these are (empty: none anywhere)."""
+        return tuple(sorted((m, p) for m, p in self._pressure_tables()[0].items() if p))
+
+    def _pressure_tables(self) -> tuple[dict[str, float], dict[str, float]]:
+        """(:meth:`pressure`, :meth:`projected_pressure`) per GPU model, counted on first use; empty where no
+        kind is pinned or the mix does not know the cluster's nodes."""
         if not self._pinned or not self.nodes:
-            return ()
+            return {}, {}
         if self._pressures is None:
             self._pressures = self._count_pressures()
-        return tuple(sorted((m, p) for m, p in self._pressures[0].items() if p))
+        return self._pressures
 
     def _count_pressures(self) -> tuple[dict[str, float], dict[str, float]]:
         """(:meth:`pressure`, :meth:`projected_pressure`) of every GPU model the cluster has."""

@@ -80,8 +80,8 @@ class PricingContext:
 
     @property
     def projected_pressure(self) -> float:
-        """How much of this node's GPU model the pods pinned to few models would want of a full cluster
-        (``RequestMix.projected_pressure``), for a pod that may run anywhere; 0 for a pinned pod."""
+        """How much of what is left of this node's GPU model the pods pinned to few models will want as the
+        cluster fills (``RequestMix.projected_pressure``), for a pod that may run anywhere; 0 for a pinned pod."""
         return 0.0 if self.pinned else self._mix.projected_pressure(self._model)
 
     @property
