@@ -5,7 +5,9 @@ trace (``bench_openb.MEMORY_FROM``); the traces it was not tuned on are judged a
 with the values chosen.
 
 Each candidate is a policy with a pressure and a weight (``--candidates``, ``policy:pressure:weight``; for fgd
-optionally ``:whole_until``, ``core.placement.policies.FGD_WHOLE_UNTIL``, and a weight of 0 is a fresh extender);
+optionally ``:whole_until``, ``core.placement.policies.FGD_WHOLE_UNTIL``, then ``:unseen``,
+``core.placement.mixbook.UNSEEN_WEIGHT``, what a mix with no expected one weighs of each whole-node kind; a
+weight of 0 is a fresh extender);
 every tuning trace is replayed with ``--seeds``; a candidate's margin at a point is our allocation less the
 paper's policy it is held against (binpack: BestFit, fgd: FGD) at every 10 % of arrived workload from 50 to
 130 %. Per policy the candidate chosen has the best worst margin over the tuning traces and points, then
@@ -44,6 +46,7 @@ from bench_openb import (
     run_all,
 )
 
+from gpushared.core.placement.mixbook import UNSEEN_WEIGHT
 from gpushared.core.placement.policies import binpack, fgd
 from gpushared.replay.run import replay
 
@@ -72,11 +75,12 @@ Job = tuple[str, str, str, int]
 
 def _run(job: Job) -> tuple[str, str, int, list[float]]:
     data, trace, candidate, seed = job
-    policy, pressure, weight, *whole = candidate.split(":")
+    policy, pressure, weight, *more = candidate.split(":")
     nodes, pods = inputs(data, trace)
     expected = expected_for(data, trace, weight=float(weight))
-    chosen = fgd(float(pressure), float(whole[0])) if whole else FACTORIES[policy](float(pressure))
-    result = replay(nodes, pods, policy=chosen, seed=seed, expected=expected)
+    chosen = fgd(float(pressure), float(more[0])) if more else FACTORIES[policy](float(pressure))
+    unseen = float(more[1]) if len(more) > 1 else UNSEEN_WEIGHT
+    result = replay(nodes, pods, policy=chosen, seed=seed, expected=expected, unseen=unseen)
     return trace, candidate, seed, result.allocation
 
 
@@ -123,14 +127,15 @@ def main() -> None:
     args = parser.parse_args()
     for candidate in args.candidates:
         policy, *numbers = candidate.split(":")
-        counts = (2, 3) if policy == "fgd" else (2,)
+        counts = (2, 3, 4) if policy == "fgd" else (2,)
         if (
             policy not in FACTORIES
             or len(numbers) not in counts
             or not all(n.replace(".", "", 1).isdigit() for n in numbers)
         ):
             parser.error(
-                f"candidate {candidate!r}: expected policy:pressure:weight (fgd: and :whole_until), policy one of "
+                f"candidate {candidate!r}: expected policy:pressure:weight (fgd: and :whole_until, then :unseen), "
+                f"policy one of "
                 f"{list(FACTORIES)}"
             )
     if not (args.data / NODE_LIST).exists():

@@ -34,7 +34,11 @@ class MixTaker:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="request-mix")
         counts = self.book.counts()
         self._building = self._pool.submit(
-            built_mix, counts, nodes=dict(nodes), rooms=None if rooms is None else dict(rooms)
+            built_mix,
+            counts,
+            nodes=dict(nodes),
+            rooms=None if rooms is None else dict(rooms),
+            unseen=self.book.unseen,
         )
 
     def collect(self) -> None:

@@ -108,7 +108,8 @@ class ClusterState:
             if taker is None:
                 self.book.take(nodes=self._node_classes(), rooms=rooms)
             elif not self.book.mix_generation:  # the first, here and now: the cache takes it before it is ready
-                self.book.install(built_mix(self.book.counts(), nodes=self._node_classes(), rooms=rooms))
+                counts, unseen = self.book.counts(), self.book.unseen
+                self.book.install(built_mix(counts, nodes=self._node_classes(), rooms=rooms, unseen=unseen))
             else:
                 taker.start(nodes=self._node_classes(), rooms=rooms)
         return self.book.mix

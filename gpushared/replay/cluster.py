@@ -29,7 +29,7 @@ from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.binding import holding_for
 from gpushared.core.placement.claimchoice import Resources, preference
 from gpushared.core.placement.fragmentation import RequestMix, node_class, node_room
-from gpushared.core.placement.mixbook import ExpectedMix, MixBook, kind_of
+from gpushared.core.placement.mixbook import UNSEEN_WEIGHT, ExpectedMix, MixBook, kind_of
 from gpushared.core.placement.policies import NodeRank, Policy, best_rank, ties
 from gpushared.core.placement.pricing import NodeCpu, PricingContext
 from gpushared.core.shared.ledger import Ledger
@@ -138,6 +138,7 @@ class SimCluster:
         expected: ExpectedMix | None = None,
         compute: bool = False,
         window: int = 0,
+        unseen: float = UNSEEN_WEIGHT,
     ) -> None:
         """``mix``: a request mix given from outside (the oracle: what the whole workload asks, known before
         the first task); None: the mix is counted as the extender counts it (``core.placement.mixbook``), from the
@@ -145,7 +146,9 @@ class SimCluster:
         mix where there is one (the extender's ``--expected-mix``). ``compute``: each GPU task also asks for
         its GPU share as a compute request (``TracePod.compute_request``), the ledger's second dimension.
         ``policy`` None: a subclass places without one (``replay.kubescheduler``); the mix is still counted.
-        ``window``: how many of the nodes kube-scheduler's filters pass it sends the extender (0: all)."""
+        ``window``: how many of the nodes kube-scheduler's filters pass it sends the extender (0: all).
+        ``unseen``: with no ``expected`` mix, the pods of each whole-node kind the counted mix weighs
+        (``core.placement.mixbook.UNSEEN_WEIGHT``)."""
         self.nodes = [SimNode(trace=n, ledger=Ledger.build(inventory_of(n, links=links))) for n in nodes]
         #: the sets multi-GPU tasks got, scored on each node's model links (``links``: whether placement saw them)
         self.links = LinkTally()
@@ -161,7 +164,7 @@ class SimCluster:
         #: the book the mix is taken from, as the extender keeps it (None: the mix was given)
         self.book: MixBook | None = None
         if mix is None:  # counted: the first mix, of no pods, before the first task (an extender's at a start)
-            self.book = MixBook(expected)
+            self.book = MixBook(expected, unseen=unseen)
             mix = self.book.take(nodes=self.classes)
         self.mix = mix
         #: whether the mix is taken again as tasks are placed: always when it is counted, and for a given

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpushared.core.placement.fragmentation import ModelKind, RequestMix, node_class
-from gpushared.core.placement.mixbook import ExpectedMix, request_kind
+from gpushared.core.placement.mixbook import UNSEEN_WEIGHT, ExpectedMix, request_kind
 from gpushared.core.placement.policies import Policy, policy_named
 from gpushared.replay import allocator, kubescheduler
 from gpushared.replay.cluster import LinkTally, SimCluster, inventory_of
@@ -75,6 +75,7 @@ def replay(
     expected: ExpectedMix | None = None,
     compute: bool = False,
     window: bool = False,
+    unseen: float = UNSEEN_WEIGHT,
 ) -> Replay:
     """``links``: the nodes carry the links of their model (``replay.layouts.model_layout``) and placement
     weighs them; without, placement sees none. Either way the sets chosen are scored on them.
@@ -91,7 +92,10 @@ def replay(
 
     ``window``: kube-scheduler sends the extender only the nodes its adaptive ``percentageOfNodesToScore``
     lets it find (497 of the trace's 1,213, from where its previous search stopped), as a cluster that does
-    not set that option to 100 does; without, every node, as the published figures have it."""
+    not set that option to 100 does; without, every node, as the published figures have it.
+
+    ``unseen``: causal with no ``expected`` mix, the pods of each whole-node kind the mix weighs as a fresh
+    extender's does (``core.placement.mixbook.UNSEEN_WEIGHT``; the tuning harness tries others)."""
     if expected is not None and not causal:
         raise ValueError("an expected mix is counted beside the pods seen: it needs the causal replay")
     rng = random.Random(seed)
@@ -124,7 +128,15 @@ def replay(
         name = chosen.name
         size = kubescheduler.nodes_to_find(len(nodes)) if window else 0
         cluster = SimCluster(
-            nodes, policy=chosen, mix=mix, rng=rng, links=links, expected=expected, compute=compute, window=size
+            nodes,
+            policy=chosen,
+            mix=mix,
+            rng=rng,
+            links=links,
+            expected=expected,
+            compute=compute,
+            window=size,
+            unseen=unseen,
         )
     typical = _typical(workload)
     allocation: list[float] = []

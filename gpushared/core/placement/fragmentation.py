@@ -46,6 +46,10 @@ TABLE_CELLS = 1 << 16
 #: Past this many (size, GPUs) groups of kinds on several GPUs, they are kept as sums too: each node's
 #: fragment would otherwise walk every group (the trace has a handful).
 GANG_GROUPS = 64
+#: At most this many whole-node kinds (``RequestMix.whole_node_kinds``; most GPUs first, then most CPU): every
+#: node class's view weighs each, so a cluster of thousands of shapes no other covers would cost classes
+#: times shapes on every mix. The Alibaba trace's 1,213 nodes have 13 shapes; one covers all the others.
+MAX_WHOLE_NODE_KINDS = 32
 
 
 class NodeClass(NamedTuple):
@@ -155,11 +159,14 @@ class RequestMix:
         *,
         nodes: Mapping[NodeClass, int] | None = None,
         rooms: Mapping[NodeRoom, int] | None = None,
+        unseen: float = 0.0,
     ) -> None:
         #: the cluster's nodes, counted by class (empty: not known, every kind weighs its share alone)
         self.nodes: dict[NodeClass, int] = {c: n for c, n in (nodes or {}).items() if n > 0}
         #: the same nodes by what they have left now (None: not known; the classes say who could host)
         self.rooms: Mapping[NodeRoom, int] | None = rooms
+        #: pods of each whole-node kind (:meth:`whole_node_kinds`) the views weigh beside the kinds counted
+        self.unseen = unseen
         #: for each kind, the nodes that could host it now (counted from ``rooms`` when first asked)
         self._able_now: dict[ModelKind, int] | None = None
         self._count(Counter(kinds))
@@ -171,9 +178,10 @@ class RequestMix:
         *,
         nodes: Mapping[NodeClass, int] | None = None,
         rooms: Mapping[NodeRoom, int] | None = None,
+        unseen: float = 0.0,
     ) -> RequestMix:
         """The mix of ``counts[kind]`` pods of each kind: what a cache that keeps counts hands over."""
-        mix = cls(nodes=nodes, rooms=rooms)
+        mix = cls(nodes=nodes, rooms=rooms, unseen=unseen)
         mix._count(counts)
         return mix
 
@@ -183,7 +191,32 @@ class RequestMix:
 
     def with_rooms(self, rooms: Mapping[NodeRoom, int]) -> RequestMix:
         """The same kinds and nodes, with what the nodes have left now."""
-        return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms)
+        return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms, unseen=self.unseen)
+
+    def whole_node_kinds(self) -> dict[ModelKind, float]:
+        """A pod that would take a whole node (all its CPU and GPUs, each GPU whole) of each shape no larger
+        node covers (no other has as many GPUs, as much CPU and as large GPUs), ``unseen`` pods of each:
+        what a mix that knows no workload yet assumes may come. A fresh extender's mix has not seen the rare
+        big kinds, and its fragment prices none of them; pods that fit best on the largest nodes (balanced
+        CPU and GPU) then break the few that could host them before the first comes (issue #56: cpu200, 3
+        seeds of 10, every node of 8 GPUs and 128 CPUs broken by one-GPU pods by 35 % arrived, the tasks of
+        8 GPUs and 120 CPUs refused from 40 %). Weighed by scarcity like any kind, it weighs most on the
+        few nodes that could take it. A shape that a larger node covers is not assumed: its whole node is
+        common, and weighing it kept many nodes whole for pods that never came (gpushare40: 0.7 points
+        lost from 100 % arrived, with every shape assumed). Empty where ``unseen`` is 0 or the nodes are
+        not known; these kinds are never counted as pods (``len``, the pressures)."""
+        if not self.unseen:
+            return {}
+        shapes = {(node.gpus, node.cpu, node.gpu_memory) for node in self.nodes if node.cpu is not None}
+        largest: list[tuple[int, int, int]] = []
+        # Largest first, so a shape's every dominator comes before it, and any that is not kept is dominated
+        # by one that is: checking the kept ones suffices.
+        for shape in sorted((shape for shape in shapes if shape[0] > 0 and shape[2] > 0), reverse=True):
+            if not any(all(mine >= theirs for mine, theirs in zip(kept, shape, strict=True)) for kept in largest):
+                largest.append(shape)
+                if len(largest) == MAX_WHOLE_NODE_KINDS:
+                    break
+        return {(cpu, memory, gpus, None): self.unseen for gpus, cpu, memory in largest}
 
     def for_node(self, node: NodeClass) -> RequestMix:
         """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
@@ -194,24 +227,31 @@ class RequestMix:
         view = self._views.get(node)
         if view is None:
             counts: dict[Kind, float] = {}
-            for kind, n in self._kinds.items():
+            whole = self.whole_node_kinds()
+            seen = ((kind, n, True) for kind, n in self._kinds.items())
+            assumed = ((kind, n, False) for kind, n in whole.items())
+            for kind, n, now in (*seen, *assumed):
                 cpu, size, gpus, models = kind
                 if models is not None and node.model is not None and node.model not in models:
                     key, weight = (cpu, 0, 0), 1.0
                 else:
-                    key, weight = (cpu, size, gpus), self._scarcity(kind) if size > 0 and hosts(node, kind) else 1.0
+                    scarce = size > 0 and hosts(node, kind)
+                    key, weight = (cpu, size, gpus), self._scarcity(kind, now=now) if scarce else 1.0
                 counts[key] = counts.get(key, 0.0) + n * weight
             view = self._views[node] = RequestMix()
-            view._count(counts, total=self._total)
+            view._count(counts, total=self._total + sum(whole.values()))
         return view
 
-    def _scarcity(self, kind: ModelKind) -> float:
+    def _scarcity(self, kind: ModelKind, *, now: bool = True) -> float:
         """The cluster's nodes per node that could host ``kind``: 1 for a kind every node could host; with
-        rooms known, per node that could host it now (at least one: a kind no node has room for now
-        weighs as if one had)."""
-        known = self._scarcities.get(kind)
+        rooms known and ``now``, per node that could host it now (at least one: a kind no node has room
+        for now weighs as if one had). A whole-node kind, assumed and not seen, weighs by the nodes that
+        could host it empty (``now`` False): by what is left now, the last whole nodes of a class would be
+        kept, at hundreds of times its weight, for a pod that may never come (issue #56: gpushare40, 0.7
+        points lost from 100 % arrived)."""
+        known = self._scarcities.get((kind, now))
         if known is None:
-            if self.rooms is not None:
+            if self.rooms is not None and now:
                 able_now = self._able_now
                 if able_now is None:
                     able_now = self._able_now = hosts_now(self.rooms, self._kinds)
@@ -219,7 +259,7 @@ class RequestMix:
             else:
                 able = sum(n for node, n in self.nodes.items() if hosts(node, kind))
                 known = sum(self.nodes.values()) / able if able else 1.0
-            self._scarcities[kind] = known
+            self._scarcities[(kind, now)] = known
         return known
 
     def pressure(self, model: str | None) -> float:
@@ -316,7 +356,7 @@ class RequestMix:
             self._kinds[full] = self._kinds.get(full, 0) + n
         self._pinned = any(models is not None for *_, models in self._kinds)
         self._views: dict[str | NodeClass, RequestMix] = {}
-        self._scarcities: dict[ModelKind, float] = {}
+        self._scarcities: dict[tuple[ModelKind, bool], float] = {}
         self._pressures = None
         self._able_now = None
         merged: dict[Kind, float] = {}

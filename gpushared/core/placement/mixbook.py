@@ -11,8 +11,10 @@ of the workload exactly what a running extender would, and nothing of the tasks 
 What a running extender may know before it has seen a pod is what its operator tells it: an
 :class:`ExpectedMix` (the extender's ``--expected-mix`` file, written by ``kubectl inspect gpushare
 --expected-mix`` from a cluster's pods, or from another trace for the replay), counted as ``weight`` pods
-beside the pods seen. Without it a fresh extender's mix is empty, and fgd prices no fragment for the big
-kinds it has not yet seen: the first pods break the few nodes that could host those (issue #41).
+beside the pods seen. Without it a fresh extender's mix would be empty, and fgd would price no fragment
+for the big kinds it has not yet seen: the first pods break the few nodes that could host those (issues
+#41, #56). So a book with no expected mix has every mix assume ``unseen`` pods that would each take a whole
+node of the largest shapes (``RequestMix.whole_node_kinds``), never counted as pods.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ EXPECTED_WEIGHT: Final = 1000.0
 #: 10,000 kinds, accepted then, held it 61 s); a larger file is refused at start (docs/benchmarks.md, "What
 #: an expected mix costs").
 MAX_EXPECTED_KINDS: Final = 2_000
+#: Pods of each whole-node kind (``RequestMix.whole_node_kinds``: a pod that would take a whole node of a
+#: class) a mix counts beside the pods seen where the operator gave no expected mix: what a fresh extender
+#: assumes may come before it has seen the rare big kinds. An expected mix says what to expect instead.
+#: Chosen by scripts/tune_placement.py on its tuning set with no expected mix (fresh extenders), by the
+#: best worst margin against the paper's FGD: 0 (none assumed) -0.04, 0.25 -0.11, 0.5 -0.08, 1 -0.02,
+#: 4 -0.13, 16 -0.03 (3 seeds: from 100 % arrived gpushare40 moves by a tenth from value to value;
+#: bench/results/tuning-unseen.json). Judged on every trace: docs/benchmarks.md.
+UNSEEN_WEIGHT: Final = 1.0
 
 
 def kind_of(cpu: int, holding: Holding | None, models: frozenset[str] | None) -> ModelKind:
@@ -145,13 +155,16 @@ def _expected_kind(entry: object, *, key: str) -> tuple[ModelKind, float]:
 
 
 class MixBook:
-    """``expected``: what the operator expects, counted in every mix beside the pods counted here."""
+    """``expected``: what the operator expects, counted in every mix beside the pods counted here; without
+    it (or of weight 0), ``unseen`` pods of each whole-node kind are weighed instead (``UNSEEN_WEIGHT``)."""
 
-    def __init__(self, expected: ExpectedMix | None = None) -> None:
+    def __init__(self, expected: ExpectedMix | None = None, *, unseen: float = UNSEEN_WEIGHT) -> None:
         #: pods counted, by kind
         self.kinds: Counter[ModelKind] = Counter()
         #: the expected mix as pods (none where its weight is 0)
         self._expected_counts = {k: n for k, n in (expected.counts() if expected else {}).items() if n > 0}
+        #: pods of each whole-node kind every mix taken weighs (``RequestMix.whole_node_kinds``)
+        self.unseen = 0.0 if self._expected_counts else unseen
         #: the mix taken last (empty until the first :meth:`take`)
         self.mix = RequestMix()
         #: counts the mixes taken: a rank that reads the mix is kept per mix
@@ -171,7 +184,7 @@ class MixBook:
     def take(self, *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None = None) -> RequestMix:
         """A new mix of the pods counted now, on the cluster's ``nodes`` by class (and what they have left,
         ``rooms``, for a policy that weighs scarcity); it costs the number of distinct kinds, not of pods."""
-        return self.install(RequestMix.of_counts(self.counts(), nodes=nodes, rooms=rooms))
+        return self.install(RequestMix.of_counts(self.counts(), nodes=nodes, rooms=rooms, unseen=self.unseen))
 
     def counts(self) -> dict[ModelKind, float]:
         """The pods counted now and the expected ones, by kind: what a mix is taken of (a copy)."""
@@ -190,11 +203,15 @@ class MixBook:
 
 
 def built_mix(
-    counts: Mapping[ModelKind, float], *, nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None
+    counts: Mapping[ModelKind, float],
+    *,
+    nodes: Mapping[NodeClass, int],
+    rooms: Mapping[NodeRoom, int] | None,
+    unseen: float = 0.0,
 ) -> RequestMix:
     """A mix with everything a node's price reads of it worked out already (the view of each node class, the
     pressures), for a caller that builds it away from where it is read: the extender, off its event loop."""
-    mix = RequestMix.of_counts(counts, nodes=nodes, rooms=rooms)
+    mix = RequestMix.of_counts(counts, nodes=nodes, rooms=rooms, unseen=unseen)
     for node in nodes:
         mix.for_node(node)
     mix.pressures()
