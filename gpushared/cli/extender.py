@@ -28,7 +28,12 @@ ENV = "GPUSHARED_EXTENDER"
 @click.option("--address", default="0.0.0.0", show_default=True, help="Listen address.")
 @click.option("--port", type=click.IntRange(1, 65535), default=39999, show_default=True, help="Listen port.")
 @click.option("--prefix", default="/gpushare-scheduler", show_default=True, help="URL prefix of the verbs.")
-@click.option("--policy", default="binpack", show_default=True, help="binpack, spread, fgd or balanced.")
+@click.option(
+    "--policy",
+    default="fgd",
+    show_default=True,
+    help="fgd, binpack (Aliyun's placement within a node), spread or balanced.",
+)
 @click.option("--resource-domain", default="aliyun.com", show_default=True, help="Domain of gpu-mem / gpu-count.")
 @click.option(
     "--gpu-model-label",
