@@ -58,8 +58,17 @@ def spawn(tmp_path: Path) -> Iterator[Callable[..., Extender]]:
 
 @pytest.fixture
 def extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
-    """An extender process on the module's ``api`` fixture, ready."""
+    """An extender process on the module's ``api`` fixture, ready, with the default policy (fgd)."""
     ext = spawn(api)
+    ext.wait_ready()
+    yield ext
+    ext.stop()
+
+
+@pytest.fixture
+def binpack_extender(api: FakeApiServer, spawn: Callable[..., Extender]) -> Iterator[Extender]:
+    """The same with ``--policy binpack``: for what is held to best fit, Aliyun's choice within a node."""
+    ext = spawn(api, args=["--policy", "binpack"])
     ext.wait_ready()
     yield ext
     ext.stop()

@@ -54,9 +54,12 @@ def test_filter_reasons_a_person_understands(api: FakeApiServer, extender: Exten
     assert result["FailedNodes"] == {"n1": "GPU 0 runs no MPS server; GPU 1 runs no MPS server"}
 
 
-def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: FakeApiServer, extender: Extender) -> None:
+def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(
+    api: FakeApiServer, binpack_extender: Extender
+) -> None:
     """gpu-count: the pod needs its share free on each of that many GPUs of one node, on a node whose device
     plugin can give a container several GPUs (not Aliyun's), and is bound with all of them in its allocation."""
+    extender = binpack_extender  # best fit is what these hold it to
     api.create(gpu_node("n4", 16, 16, 16, 16, address="10.0.0.4"))
     nodes = ("n1", "aliyun-node", "cpu-node", "n4")
     pair = api.create(on_gpus(pod("pair", 16), 2))  # 8 GiB on each of two GPUs
@@ -98,12 +101,13 @@ def test_a_pod_on_several_gpus_is_filtered_prioritized_and_bound_as_one(api: Fak
 
 
 def test_a_pod_on_several_gpus_goes_to_the_better_linked_node_and_its_best_linked_gpus(
-    api: FakeApiServer, extender: Extender
+    api: FakeApiServer, binpack_extender: Extender
 ) -> None:
     """Two nodes whose daemons published links: a DGX-1 with GPUs 1, 2, 5 and 6 full, and a 2-socket PCIe
     server with four GPUs at 12 of 16 GiB. Best fit alone would take the PCIe node, whose best pair meets at
     a PCIe switch (PIX); on the DGX-1 an NVLink pair is left (0-3: NV2), so prioritize puts the DGX-1 first
     and bind gives the pair GPUs 0 and 3."""
+    extender = binpack_extender  # best fit is what these hold it to
     dgx = layout_inventory("dgx1")
     api.create(gpu_node("dgx", inv=dgx, address="10.0.0.8"))
     pcie = layout_inventory("pcie-2-socket")
@@ -150,7 +154,8 @@ def test_keys_in_any_case_and_full_nodes_come_back_as_nodes(api: FakeApiServer, 
     assert set(result) == {"Nodes", "NodeNames", "FailedNodes", "FailedAndUnresolvableNodes", "Error"}
 
 
-def test_prioritize_scores_by_policy(api: FakeApiServer, extender: Extender) -> None:
+def test_prioritize_scores_by_policy(api: FakeApiServer, binpack_extender: Extender) -> None:
+    extender = binpack_extender  # best fit is what these hold it to
     body = created(api, "p", 8)
     status, result = extender.post("prioritize", {"Pod": body, "NodeNames": ["n1", "aliyun-node", "cpu-node"]})
     assert status == 200

@@ -138,6 +138,72 @@ def hosts(node: NodeClass, kind: ModelKind) -> bool:
     )
 
 
+def whole_node_kinds(nodes: Iterable[NodeClass], unseen: float) -> dict[ModelKind, float]:
+    """A pod that would take a whole node (all its CPU and GPUs, each GPU whole) of each shape no larger
+    node covers (no other has as many GPUs, as much CPU and as large GPUs), ``unseen`` pods of each:
+    what a mix that knows no workload yet assumes may come. A fresh extender's mix has not seen the rare
+    big kinds, and its fragment prices none of them; pods that fit best on the largest nodes (balanced
+    CPU and GPU) then break the few that could host them before the first comes (issue #56: cpu200, 3
+    seeds of 10, every node of 8 GPUs and 128 CPUs broken by one-GPU pods by 35 % arrived, the tasks of
+    8 GPUs and 120 CPUs refused from 40 %). Weighed by scarcity like any kind, it weighs most on the
+    few nodes that could take it. A shape that a larger node covers is not assumed: its whole node is
+    common, and weighing it kept many nodes whole for pods that never came (gpushare40: 0.7 points
+    lost from 100 % arrived, with every shape assumed). Empty where ``unseen`` is 0 or the nodes are
+    not known; these kinds are never counted as pods (``len``, the pressures)."""
+    if not unseen:
+        return {}
+    shapes = {(node.gpus, node.cpu, node.gpu_memory) for node in nodes if node.cpu is not None}
+    largest: list[tuple[int, int, int]] = []
+    # Largest first, so a shape's every dominator comes before it, and any that is not kept is dominated
+    # by one that is: checking the kept ones suffices.
+    for shape in sorted((shape for shape in shapes if shape[0] > 0 and shape[2] > 0), reverse=True):
+        if not any(all(mine >= theirs for mine, theirs in zip(kept, shape, strict=True)) for kept in largest):
+            largest.append(shape)
+            if len(largest) == MAX_WHOLE_NODE_KINDS:
+                break
+    return {(cpu, memory, gpus, None): unseen for gpus, cpu, memory in largest}
+
+
+def _model_pressures(
+    kinds: Mapping[ModelKind, float], nodes: Mapping[NodeClass, int], rooms: Mapping[NodeRoom, int] | None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(``RequestMix.pressure``, ``RequestMix.projected_pressure``) of every GPU model the cluster has."""
+    gpus: dict[str, int] = {}
+    memory: dict[str, int] = {}
+    for node, n in nodes.items():
+        if node.model is not None:
+            gpus[node.model] = gpus.get(node.model, 0) + n * node.gpus
+            memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
+    all_gpus = sum(gpus.values())
+    mean_memory = sum(gpus[m] * memory[m] for m in gpus) / all_gpus if all_gpus else 0.0
+    wanted: dict[str, float] = {}
+    demand = 0.0
+    for (_, size, count, models), pods in kinds.items():
+        if size <= 0:
+            continue
+        demand += pods * count * (min(1.0, size / mean_memory) if mean_memory else 1.0)
+        allowed = [m for m in gpus if models is not None and m in models]
+        if not allowed or len(allowed) == len(gpus):
+            continue  # no model the cluster has, or any the cluster has: pinned to none
+        for m in allowed:
+            share = min(1.0, size / memory[m]) if memory[m] else 1.0
+            wanted[m] = wanted.get(m, 0.0) + pods * count * share / len(allowed)
+    counted = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
+    left = {m: float(g) for m, g in gpus.items()}
+    if rooms is not None:
+        left = dict.fromkeys(gpus, 0.0)
+        for room, n in rooms.items():
+            if room.model in left and memory[room.model]:
+                left[room.model] += n * sum(room.frees) / memory[room.model]
+    all_left = sum(left.values())
+    projected = {}
+    for m in gpus:
+        if wanted.get(m) and demand:
+            share = wanted[m] / demand
+            projected[m] = min(1.0, share * all_left / left[m]) if left[m] > 0 else 1.0
+    return counted, projected
+
+
 class RequestMix:
     """The popularity of pod kinds among the pods seen: what the next ones will ask.
 
@@ -194,29 +260,8 @@ class RequestMix:
         return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms, unseen=self.unseen)
 
     def whole_node_kinds(self) -> dict[ModelKind, float]:
-        """A pod that would take a whole node (all its CPU and GPUs, each GPU whole) of each shape no larger
-        node covers (no other has as many GPUs, as much CPU and as large GPUs), ``unseen`` pods of each:
-        what a mix that knows no workload yet assumes may come. A fresh extender's mix has not seen the rare
-        big kinds, and its fragment prices none of them; pods that fit best on the largest nodes (balanced
-        CPU and GPU) then break the few that could host them before the first comes (issue #56: cpu200, 3
-        seeds of 10, every node of 8 GPUs and 128 CPUs broken by one-GPU pods by 35 % arrived, the tasks of
-        8 GPUs and 120 CPUs refused from 40 %). Weighed by scarcity like any kind, it weighs most on the
-        few nodes that could take it. A shape that a larger node covers is not assumed: its whole node is
-        common, and weighing it kept many nodes whole for pods that never came (gpushare40: 0.7 points
-        lost from 100 % arrived, with every shape assumed). Empty where ``unseen`` is 0 or the nodes are
-        not known; these kinds are never counted as pods (``len``, the pressures)."""
-        if not self.unseen:
-            return {}
-        shapes = {(node.gpus, node.cpu, node.gpu_memory) for node in self.nodes if node.cpu is not None}
-        largest: list[tuple[int, int, int]] = []
-        # Largest first, so a shape's every dominator comes before it, and any that is not kept is dominated
-        # by one that is: checking the kept ones suffices.
-        for shape in sorted((shape for shape in shapes if shape[0] > 0 and shape[2] > 0), reverse=True):
-            if not any(all(mine >= theirs for mine, theirs in zip(kept, shape, strict=True)) for kept in largest):
-                largest.append(shape)
-                if len(largest) == MAX_WHOLE_NODE_KINDS:
-                    break
-        return {(cpu, memory, gpus, None): self.unseen for gpus, cpu, memory in largest}
+        """The kinds this mix assumes beside those counted (:func:`whole_node_kinds`)."""
+        return whole_node_kinds(self.nodes, self.unseen)
 
     def for_node(self, node: NodeClass) -> RequestMix:
         """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
@@ -246,9 +291,8 @@ class RequestMix:
         """The cluster's nodes per node that could host ``kind``: 1 for a kind every node could host; with
         rooms known and ``now``, per node that could host it now (at least one: a kind no node has room
         for now weighs as if one had). A whole-node kind, assumed and not seen, weighs by the nodes that
-        could host it empty (``now`` False): by what is left now, the last whole nodes of a class would be
-        kept, at hundreds of times its weight, for a pod that may never come (issue #56: gpushare40, 0.7
-        points lost from 100 % arrived)."""
+        could host it empty (``now`` False): by what is left now, the last whole nodes would be kept, at
+        hundreds of times its weight, for a pod that may never come."""
         known = self._scarcities.get((kind, now))
         if known is None:
             if self.rooms is not None and now:
@@ -293,45 +337,8 @@ class RequestMix:
         if not self._pinned or not self.nodes:
             return {}, {}
         if self._pressures is None:
-            self._pressures = self._count_pressures()
+            self._pressures = _model_pressures(self._kinds, self.nodes, self.rooms)
         return self._pressures
-
-    def _count_pressures(self) -> tuple[dict[str, float], dict[str, float]]:
-        """(:meth:`pressure`, :meth:`projected_pressure`) of every GPU model the cluster has."""
-        gpus: dict[str, int] = {}
-        memory: dict[str, int] = {}
-        for node, nodes in self.nodes.items():
-            if node.model is not None:
-                gpus[node.model] = gpus.get(node.model, 0) + nodes * node.gpus
-                memory[node.model] = max(memory.get(node.model, 0), node.gpu_memory)
-        all_gpus = sum(gpus.values())
-        mean_memory = sum(gpus[m] * memory[m] for m in gpus) / all_gpus if all_gpus else 0.0
-        wanted: dict[str, float] = {}
-        demand = 0.0
-        for (_, size, count, models), pods in self._kinds.items():
-            if size <= 0:
-                continue
-            demand += pods * count * (min(1.0, size / mean_memory) if mean_memory else 1.0)
-            allowed = [m for m in gpus if models is not None and m in models]
-            if not allowed or len(allowed) == len(gpus):
-                continue  # no model the cluster has, or any the cluster has: pinned to none
-            for m in allowed:
-                share = min(1.0, size / memory[m]) if memory[m] else 1.0
-                wanted[m] = wanted.get(m, 0.0) + pods * count * share / len(allowed)
-        counted = {m: wanted.get(m, 0.0) / g for m, g in gpus.items() if g}
-        left = {m: float(g) for m, g in gpus.items()}
-        if self.rooms is not None:
-            left = dict.fromkeys(gpus, 0.0)
-            for room, nodes in self.rooms.items():
-                if room.model in left and memory[room.model]:
-                    left[room.model] += nodes * sum(room.frees) / memory[room.model]
-        all_left = sum(left.values())
-        projected = {}
-        for m in gpus:
-            if wanted.get(m) and demand:
-                share = wanted[m] / demand
-                projected[m] = min(1.0, share * all_left / left[m]) if left[m] > 0 else 1.0
-        return counted, projected
 
     def for_model(self, model: str | None) -> RequestMix:
         """The mix as a node of GPU ``model`` sees it: a kind that may not run on that model cannot use any
