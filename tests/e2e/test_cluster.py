@@ -53,6 +53,16 @@ def assert_no_gpu_over_capacity(kube: Kube) -> dict[int, int]:
     return dict(used)
 
 
+@pytest.fixture
+def binpack_extender(cluster: LocalCluster) -> Iterator[None]:
+    """The extender on ``--policy binpack`` (best fit, Aliyun's choice within a node), the default (fgd)
+    afterwards: for a test that names the GPU best fit takes."""
+    cluster.scheduling.restart_extender("--policy", "binpack")
+    yield
+    cluster.scheduling.restart_extender()
+
+
+@pytest.mark.usefixtures("binpack_extender")
 def test_compute_requests_share_a_gpu_up_to_all_of_its_compute(kube: Kube, namespace: str) -> None:
     """Three pods whose compute requests sum to 100 % share the 8 GiB GPU (best fit: memory is plentiful
     there); a pod that asks for 10 % of each of the four GPUs then stays Pending with the extender's
