@@ -135,8 +135,7 @@ def main() -> None:
         ):
             parser.error(
                 f"candidate {candidate!r}: expected policy:pressure:weight (fgd: and :whole_until, then :unseen), "
-                f"policy one of "
-                f"{list(FACTORIES)}"
+                f"policy one of {list(FACTORIES)}"
             )
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")

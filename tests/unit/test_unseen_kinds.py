@@ -130,3 +130,18 @@ def test_the_extender_builds_its_mixes_with_the_whole_node_kinds() -> None:
     finally:
         taker.close()
     assert book.mix.unseen == UNSEEN_WEIGHT and book.mix.whole_node_kinds() == {(96_000, 16, 8, None): UNSEEN_WEIGHT}
+
+
+def test_the_whole_node_kinds_are_found_once_per_mix(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every class's view reads them: found per view, 5,000 classes of their own shapes cost 29 s a mix
+    instead of 3 (bench/results/mix-build-5000-classes-issue56.json)."""
+    from gpushared.core.placement import fragmentation
+
+    calls = []
+    found = fragmentation.whole_node_kinds
+    monkeypatch.setattr(fragmentation, "whole_node_kinds", lambda *a: calls.append(a) or found(*a))
+    nodes = {G2._replace(cpu=1000 * i): 1 for i in range(1, 51)}
+    mix = RequestMix.of_counts({(4000, 8, 1, None): 10.0}, nodes=nodes, unseen=1.0)
+    for node in nodes:
+        mix.for_node(node)
+    assert len(calls) == 1

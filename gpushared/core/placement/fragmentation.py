@@ -233,6 +233,7 @@ class RequestMix:
         self.rooms: Mapping[NodeRoom, int] | None = rooms
         #: pods of each whole-node kind (:meth:`whole_node_kinds`) the views weigh beside the kinds counted
         self.unseen = unseen
+        self._whole: dict[ModelKind, float] | None = None
         #: for each kind, the nodes that could host it now (counted from ``rooms`` when first asked)
         self._able_now: dict[ModelKind, int] | None = None
         self._count(Counter(kinds))
@@ -260,8 +261,11 @@ class RequestMix:
         return RequestMix.of_counts(self._kinds, nodes=self.nodes, rooms=rooms, unseen=self.unseen)
 
     def whole_node_kinds(self) -> dict[ModelKind, float]:
-        """The kinds this mix assumes beside those counted (:func:`whole_node_kinds`)."""
-        return whole_node_kinds(self.nodes, self.unseen)
+        """The kinds this mix assumes beside those counted (:func:`whole_node_kinds`), found once per mix:
+        every class's view reads them."""
+        if self._whole is None:
+            self._whole = whole_node_kinds(self.nodes, self.unseen)
+        return self._whole
 
     def for_node(self, node: NodeClass) -> RequestMix:
         """The mix as a node of this class sees it: kinds that may not run on its GPU model as in
