@@ -98,6 +98,8 @@ class ClaimWorld:
     api: FakeApiServer
     settings: AllocatorSettings = field(default_factory=lambda: AllocatorSettings(policy=BINPACK))
     clock: Callable[[], float] = time.monotonic
+    #: the allocator's writes authenticate with it (``FakeApiServer.issue_token``: RBAC checked); None: admin
+    token: str | None = None
 
     async def start(self) -> ClaimAllocator:
         loop = asyncio.get_running_loop()
@@ -117,7 +119,7 @@ class ClaimWorld:
         while not (cache.listed() and book.listed()):
             await asyncio.sleep(0.01)
         cache.prepare()
-        self.aio = AsyncApi(self.api.credentials())
+        self.aio = AsyncApi(self.api.credentials(token=self.token))
         self.allocator = ClaimAllocator(cache, book, self.aio, self.settings, clock=self.clock)
         return self.allocator
 
@@ -146,8 +148,57 @@ class FirstFitScheduler:
     scheduler's are."""
 
     def __init__(self, api: FakeApiServer) -> None:
+        self.api = api
         self.rest = api.rest()
         self.allocated = 0
+        #: pods bound after PreBind reserved their claims; PreBind writes the API server refused
+        self.bound = 0
+        self.prebind_refused: list[str] = []
+
+    def bind_round(self) -> None:
+        """kube-scheduler's PreBind and Bind for each ungated, unbound pod whose claims are all allocated: each
+        claim gets the pod in ``reservedFor``, and from 1.36 (``DRADeviceBindingConditions`` with
+        ``DRAResourceClaimDeviceStatus``, both on by default) an ``allocationTimestamp`` where the allocation
+        lacks one, in one status write per claim; then the pod is bound to the allocation's node. A write the
+        API server refuses leaves the pod unbound (kube-scheduler tries it again later)."""
+        claims = {
+            c["metadata"]["name"]: c
+            for c in self.rest.request("list", "GET", "/apis/resource.k8s.io/v1/resourceclaims")["items"]
+        }
+        for pod in self.rest.request("list", "GET", "/api/v1/pods")["items"]:
+            if pod["spec"].get("schedulingGates") or pod["spec"].get("nodeName"):
+                continue
+            mine = [claims.get(ref.get("resourceClaimName")) for ref in pod["spec"].get("resourceClaims") or []]
+            if not mine or any(c is None or not (c.get("status") or {}).get("allocation") for c in mine):
+                continue
+            node = ""
+            for body in mine:
+                assert body is not None
+                node = body["status"]["allocation"]["nodeSelector"]["nodeSelectorTerms"][0]["matchFields"][0]
+                node = node["values"][0]
+                if not self._reserve(body, pod):
+                    break
+            else:
+                binding = {"target": {"kind": "Node", "name": node}, "metadata": {"name": pod["metadata"]["name"]}}
+                path = f"/api/v1/namespaces/default/pods/{pod['metadata']['name']}/binding"
+                self.rest.request("bind", "POST", path, body=binding)
+                self.bound += 1
+
+    def _reserve(self, body: dict[str, Any], pod: dict[str, Any]) -> bool:
+        status = dict(body.get("status") or {})
+        meta = pod["metadata"]
+        reserved = [r for r in status.get("reservedFor") or [] if r.get("uid") != meta["uid"]]
+        status["reservedFor"] = [*reserved, {"resource": "pods", "name": meta["name"], "uid": meta["uid"]}]
+        if self.api.version >= (1, 36) and "allocationTimestamp" not in status["allocation"]:
+            status["allocation"] = {**status["allocation"], "allocationTimestamp": "2026-01-02T03:04:05Z"}
+        try:
+            self.rest.request(
+                "reserve", "PUT", f"{CLAIMS}/{body['metadata']['name']}/status", body={**body, "status": status}
+            )
+        except Exception as exc:
+            self.prebind_refused.append(str(exc))
+            return False
+        return True
 
     def round(self) -> None:
         claims = self.rest.request("list", "GET", "/apis/resource.k8s.io/v1/resourceclaims")["items"]

@@ -176,6 +176,7 @@ class Extender:
             max_nodes=settings.server.max_nodes,
             claim_gating=None if self.book is None else self.book.gating_of,
             steer_gating=None if self.steerer is None else self._lease_held,
+            claims_problem=None if self.allocator is None else self._claims_problem,
         )
         self.app = self._application(scheduler)
 
@@ -232,6 +233,14 @@ class Extender:
             return False, "the cache has not synced with the API server yet"
         stale = self.cache.stale()
         return (False, f"the cache is stale: {stale}") if stale else (True, "")
+
+    def _claims_problem(self) -> str | None:
+        """What stops the claim allocator now: a permission the API server refuses it (on the leader, which
+        writes; a follower writes nothing and reports nothing)."""
+        allocator = self.allocator
+        if allocator is None or allocator.writes.refusals.why is None:
+            return None
+        return allocator.writes.refusals.reason()
 
     def leader(self) -> str | None:
         """Serve here when leading (or not electing); else the leader's URL, from its Lease identity."""

@@ -47,7 +47,7 @@ from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
 from gpushared.extender.claimfence import FENCED, ClaimFence
 from gpushared.extender.claimplacing import ClaimPlacer
-from gpushared.extender.claimwrites import ClaimWrites, Gate
+from gpushared.extender.claimwrites import ClaimWrites, Gate, refused_permission
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.errors import KubeError
@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 
 #: How long one step decides pods before it lets the event loop run the rest (the webhook, /healthz, writes).
 STEP_SECONDS = 0.02
+#: The outcomes that leave a pod's claims of this driver to kube-scheduler's first fit.
+HANDED_OVER = ("handover", "timeout")
+#: The Event a waiting pod is told when the API server refuses the allocator a permission (a warning).
+REFUSED_EVENT = "ClaimAllocationRefused"
 #: Who Events on pods say they come from.
 COMPONENT = "gpushared-claim-allocator"
 #: How often the leader looks at the gated pods.
@@ -144,7 +148,8 @@ class ClaimAllocator:
         self.told: dict[str, str] = {}
         #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
         self.written_for: dict[str, tuple[Key, str, float, ClaimAsk]] = {}
-        #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated
+        #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated,
+        #: not_ours, refused (``metrics.ClaimAllocations.OUTCOMES``)
         self.counts: Counter[str] = Counter()
         #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
         self.latencies: list[float] = []
@@ -205,15 +210,19 @@ class ClaimAllocator:
         budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
         decided = 0
+        refused = self.writes.refusals.holding(now)
         for key, pod in gated[start:] + gated[:start]:  # from where the last step stopped: no pod starves
             if time.perf_counter() > budget:
                 break  # the rest at the next step: the loop serves the webhook and /healthz between them
             decided += 1
             self.first_seen.setdefault(uid_of(pod), now)
             decision = self.decide(pod, now)
+            if refused and not (isinstance(decision, Ungate) and decision.outcome == "not_ours"):
+                self._tell(pod, self.writes.refusals.reason(), event=REFUSED_EVENT)
+                continue
             if isinstance(decision, Wait) and decision.reason == FENCED:
                 self.counts["fenced"] += 1
-            elif isinstance(decision, Ungate) and decision.outcome != "allocated" and not self._quiet(now):
+            elif isinstance(decision, Ungate) and decision.outcome in HANDED_OVER and not self._quiet(now):
                 decision = Wait("handed over to kube-scheduler once the allocator's last writes are seen")
             if isinstance(decision, Wait):
                 self._tell(pod, decision.reason)
@@ -261,6 +270,8 @@ class ClaimAllocator:
     def decide(self, pod: PodBody, now: float) -> Wait | Ungate | Allocate:
         namespace = key_of(pod)[0]
         read = read_pod(pod, self.book.claims.get(namespace, {}), device_class=self.settings.device_class)
+        if not read.ours:
+            return Ungate("none of its claims asks for gpushared's GPUs", "not_ours")
         if read.handover is not None:
             return Ungate(f"handed over to kube-scheduler: {read.handover.reason}", "handover")
         if read.waiting is None and not read.asks:
@@ -303,10 +314,18 @@ class ClaimAllocator:
                 try:
                     written = await self.api.put_claim_status(body)
                 except KubeError as exc:
+                    self._forget(decision.asks[number:])
+                    if refused_permission(exc):
+                        self.counts["refused"] += 1
+                        self.writes.refusals.refused(
+                            f"the allocation of claim {ask.namespace}/{ask.name}", exc, self.clock()
+                        )
+                        self._tell(pod, self.writes.refusals.reason(), event=REFUSED_EVENT)
+                        return
                     self.counts["conflict"] += 1
                     log.info("claim %s/%s not allocated (tried again): %s", ask.namespace, ask.name, exc)
-                    self._forget(decision.asks[number:])
                     return
+                self.writes.refusals.accepted()
                 self.book.written(written)
                 self.last_write = self.clock()
                 self.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
@@ -321,8 +340,15 @@ class ClaimAllocator:
     async def _ungate(self, pod: PodBody, decision: Ungate, *, inflight: bool = True) -> None:
         key = key_of(pod)
         try:
-            if await self.writes.remove_gate(pod) is not Gate.REMOVED:
-                return  # gone (its claims are released), removed already, or tried again at the next step
+            gate = await self.writes.remove_gate(pod)
+            if gate is Gate.REFUSED and self.writes.refused is not None:
+                self.counts["refused"] += 1
+                self.writes.refusals.refused(
+                    f"the removal of pod {key[0]}/{key[1]}'s gate", self.writes.refused, self.clock()
+                )
+                self._tell(pod, self.writes.refusals.reason(), event=REFUSED_EVENT)
+            if gate is not Gate.REMOVED:
+                return  # gone (its claims are released), removed already, refused, or tried again at the next step
             self.counts[decision.outcome] += 1
             self.fence.passed_by_us(uid_of(pod))
             started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
@@ -332,7 +358,9 @@ class ClaimAllocator:
                 self.latencies.append(self.clock() - started)
                 del self.latencies[:-10_000]
             self.told.pop(uid_of(pod), None)
-            if decision.outcome != "allocated":
+            if decision.outcome == "not_ours":
+                log.info("pod %s/%s: %s: ungated", *key, decision.reason)
+            elif decision.outcome != "allocated":
                 self.fence.handed_at[uid_of(pod)] = self.clock()
                 log.warning("pod %s/%s: %s", *key, decision.reason)
                 await self.event(pod, "ClaimsHandedOver", decision.reason)
@@ -368,13 +396,14 @@ class ClaimAllocator:
 
     # --- telling -------------------------------------------------------------------------------------------
 
-    def _tell(self, pod: PodBody, reason: str) -> None:
+    def _tell(self, pod: PodBody, reason: str, *, event: str = "WaitingForClaimAllocator") -> None:
         uid = uid_of(pod)
         if self.told.get(uid) == reason:
             return
         self.told[uid] = reason
-        log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
-        self._spawn(self.event(pod, "WaitingForClaimAllocator", reason))
+        if event == "WaitingForClaimAllocator":
+            log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
+        self._spawn(self.event(pod, event, reason))
 
     def _not_gated_event(self, pod: PodBody) -> None:
         message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"

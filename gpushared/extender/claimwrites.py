@@ -1,13 +1,20 @@
-"""The claim allocator's writes to the API server (issue #54): a claim's allocation, written as kube-scheduler
-writes it and guarded by the resourceVersion the allocator decided from; a pod's gate, removed with a JSON
-Patch that tests the pod's UID and the gate's place; an allocation released. Each is one call (the gate at
-most two, when the pod's gates moved meanwhile), on the extender's event loop, holding nothing.
+"""The claim allocator's writes to the API server: a claim's allocation, written as kube-scheduler writes it and
+guarded by the resourceVersion the allocator decided from; a pod's gate, removed with a JSON Patch that tests
+the pod's UID and the gate's place; an allocation released. Each is one call (the gate at most two, when the
+pod's gates moved meanwhile), on the extender's event loop, holding nothing.
+
+A write the API server refuses for want of a permission is not a conflict to try again at the next step: the
+same write is refused every time until an operator grants it. ``Refusals`` keeps it: the allocator writes
+nothing for ``REFUSED_RETRY_SECONDS`` after one, says so loudly (an error in the log, an Event on each waiting
+pod, a metric, ``/readyz/claim-allocator``), and tries one write again after that.
 """
 
 from __future__ import annotations
 
+import datetime
 import enum
 import logging
+import re
 import uuid
 
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
@@ -22,6 +29,59 @@ from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
 
+#: How long after the API server refused the allocator a permission it writes nothing, before trying once more.
+REFUSED_RETRY_SECONDS = 30.0
+#: What the allocator needs, said with each refusal: the RBAC that ships with it grants all of it.
+NEEDED = (
+    "the claim allocator's ServiceAccount needs update on resourceclaims/status and, from Kubernetes 1.36, on "
+    "resourceclaims/binding (KEP-4817), and patch on pods (deploy/dra/claim-allocator.yaml, the chart's "
+    "dra.claimAllocator)"
+)
+
+
+def refused_permission(exc: KubeError) -> bool:
+    """Whether the API server refused a write for want of a permission: 403, or the 422 with a ``Forbidden``
+    field error that kube-apiserver 1.36 answers a status write changing ``status.allocation`` or
+    ``status.reservedFor`` without ``resourceclaims/binding``."""
+    message = str(exc)
+    return exc.status == 403 or (exc.status == 422 and ": Forbidden: " in message and "permission" in message)
+
+
+class Refusals:
+    """The last permission the API server refused the allocator, and when: while it stands, nothing is written
+    (``holding``) but one write every ``REFUSED_RETRY_SECONDS``."""
+
+    def __init__(self) -> None:
+        #: what was refused, as the API server said it; None: nothing refused since the last write that landed
+        self.why: str | None = None
+        self.at = float("-inf")
+
+    def refused(self, what: str, exc: KubeError, now: float) -> None:
+        self.why, self.at = f"{what}: {exc}", now
+        log.error("the API server refused the claim allocator %s: %s; %s", what, exc, NEEDED)
+
+    def accepted(self) -> None:
+        if self.why is not None:
+            log.warning("the API server accepts the claim allocator's writes again")
+        self.why = None
+
+    def holding(self, now: float) -> bool:
+        return self.why is not None and now - self.at < REFUSED_RETRY_SECONDS
+
+    def reason(self) -> str:
+        """What pods waiting are told: the same words for every write refused the same permission."""
+        return f"the API server refuses the claim allocator {missing_permission(self.why or '')}; {NEEDED}"
+
+
+def missing_permission(message: str) -> str:
+    """The verb and resource an authorizer's refusal names (``cannot update resource "resourceclaims/binding"``,
+    in a 403 and inside 1.36's 422 alike), or "a permission" where it names none."""
+    found = _CANNOT.search(message)
+    return f"{found.group(1)} on {found.group(2)}" if found else "a permission"
+
+
+_CANNOT = re.compile(r'cannot (\w+) resource "([^"]+)"')
+
 
 class Gate(enum.Enum):
     """What became of a pod's gate: removed by this call, absent already, the pod gone, or not removed
@@ -31,6 +91,8 @@ class Gate(enum.Enum):
     ABSENT = "absent"
     GONE = "gone"
     FAILED = "failed"
+    #: the API server refused the permission to patch the pod
+    REFUSED = "refused"
 
 
 class ClaimWrites:
@@ -45,6 +107,10 @@ class ClaimWrites:
     ) -> None:
         self.cache, self.book, self.api = cache, book, api
         self.driver, self.class_config = driver, class_config
+        #: the refusal behind the last ``Gate.REFUSED``
+        self.refused: KubeError | None = None
+        #: the last permission the API server refused (the allocator's, read by its metric and readiness)
+        self.refusals = Refusals()
 
     def allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> Body | None:
         """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
@@ -67,6 +133,7 @@ class ClaimWrites:
             class_config=self.class_config,
             claim_config=claim_config,
             driver=self.driver,
+            allocated_at=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         )
         meta = {**(claim.get("metadata") or {}), "resourceVersion": ask.resource_version}
         return {**claim, "metadata": meta, "status": {**(claim.get("status") or {}), "allocation": allocation}}
@@ -92,6 +159,9 @@ class ClaimWrites:
             except KubeError as exc:
                 if exc.status == 404:
                     return Gate.GONE
+                if refused_permission(exc):
+                    self.refused = exc
+                    return Gate.REFUSED
                 if exc.status not in (409, 422):
                     log.warning("pod %s/%s: its gate was not removed (tried again): %s", namespace, name, exc)
                     return Gate.FAILED
@@ -109,7 +179,12 @@ class ClaimWrites:
         try:
             written = await self.api.put_claim_status({**claim, "status": status})
         except KubeError as exc:
-            log.info("claim %s not released (changed since): %s", meta_of(claim).get("name"), exc)
+            if refused_permission(exc):
+                log.error(
+                    "claim %s not released, the API server refused it: %s; %s", meta_of(claim).get("name"), exc, NEEDED
+                )
+            else:
+                log.info("claim %s not released (changed since): %s", meta_of(claim).get("name"), exc)
             return False
         self.book.written(written)
         return True

@@ -52,7 +52,7 @@ class ClaimAllocations(Collector):
     """The claim allocator's outcomes and waits (``claimallocator.ClaimAllocator``), read from it."""
 
     #: every outcome it counts, exposed from the start at 0
-    OUTCOMES = ("allocated", "handover", "timeout", "conflict", "released", "not_gated")
+    OUTCOMES = ("allocated", "handover", "timeout", "conflict", "released", "not_gated", "not_ours", "refused")
 
     def __init__(self) -> None:
         self.allocator: Any = None
@@ -66,7 +66,9 @@ class ClaimAllocations(Collector):
             "Pods the claim allocator dealt with, per outcome: allocated (claims written, gate removed), handover "
             "(left to kube-scheduler, with the reason in an Event), timeout (--claim-handover-after), conflict (a "
             "status write refused, tried again), released (claims of a pod deleted while gated), not_gated (pods "
-            "that reached kube-scheduler without the gate)",
+            "that reached kube-scheduler without the gate), not_ours (gated while its claims were not known yet, "
+            "ungated once none was ours), refused (a write the API server refused for want of a permission: "
+            "see gpushared_extender_claim_writes_refused)",
             labels=("outcome",),
         )
         for outcome in self.OUTCOMES:
@@ -84,6 +86,12 @@ class ClaimAllocations(Collector):
             "Seconds from the claim allocator first seeing a pod gated to its gate removed with its claims allocated",
             count_value=len(latencies),
             sum_value=sum(latencies),
+        )
+        yield GaugeMetricFamily(
+            "gpushared_extender_claim_writes_refused",
+            "1 while the API server refuses the claim allocator a permission it needs (it then writes nothing but "
+            "one write every 30 s; the log and /readyz/claim-allocator say which), else 0",
+            value=int(allocator.writes.refusals.why is not None),
         )
         yield GaugeMetricFamily(
             "gpushared_extender_claim_pods_waiting",

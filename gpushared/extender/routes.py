@@ -48,15 +48,20 @@ class Routes:
         max_nodes: int = wire.MAX_NODES,
         claim_gating: Callable[[PodBody, str], dict[ClaimRef, bool | None]] | None = None,
         steer_gating: Callable[[], bool] | None = None,
+        claims_problem: Callable[[], str | None] | None = None,
     ) -> None:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
         (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
         certificate too; ``claim_gating``: with the claim allocator, which claims and templates a new pod
         names gate it (``claimbook.ClaimBook.gating_of``), else None: no pod is gated; ``steer_gating``: with the
         steerer, whether a leader is there to steer (``<prefix>/mutate-steer`` gates CPU-only pods only then),
-        else None: that route gates nothing."""
+        else None: that route gates nothing; ``claims_problem``: with the claim allocator, what stops it now (a
+        permission the API server refuses it), else None: ``/readyz/claim-allocator`` answers 503 with it, and
+        ``/readyz``, which decides whether this replica gets verbs, names it and stays ready (the gpu-mem verbs
+        do not depend on it)."""
         self.claim_gating = claim_gating
         self.steer_gating = steer_gating
+        self.claims_problem = claims_problem
         self.scheduler = scheduler
         self.guard = guard
         self.metrics = metrics
@@ -77,6 +82,7 @@ class Routes:
             f"{prefix}/inspect": {"GET": self.inspect_all},
             "/healthz": {"GET": self.healthz},
             "/readyz": {"GET": self.readyz},
+            "/readyz/claim-allocator": {"GET": self.readyz_claims},
             "/metrics": {"GET": self.prometheus},
             "/version": {"GET": self.version},
         }
@@ -217,7 +223,16 @@ class Routes:
 
     async def readyz(self, call: Call) -> Answer:
         ok, why = self.guard.ready()
-        return Answer(200 if ok else 503, (("ok" if ok else why) + "\n").encode(), TEXT)
+        problem = None if self.claims_problem is None else self.claims_problem()
+        text = ("ok" if ok else why) + ("" if problem is None else f"\nclaim-allocator: {problem}")
+        return Answer(200 if ok else 503, (text + "\n").encode(), TEXT)
+
+    async def readyz_claims(self, call: Call) -> Answer:
+        """The claim allocator's own readiness: 503 with the reason while the API server refuses it a write."""
+        if self.claims_problem is None:
+            return Answer(404, b"no claim allocator runs here (--claim-allocator)\n", TEXT)
+        problem = self.claims_problem()
+        return Answer(200 if problem is None else 503, ("ok" if problem is None else problem).encode() + b"\n", TEXT)
 
     async def prometheus(self, call: Call) -> Answer:
         return Answer(200, generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST)

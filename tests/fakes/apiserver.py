@@ -14,6 +14,7 @@ side (paths, discovery, the request handler) is ``tests.fakes.apiserver_http``.
 from __future__ import annotations
 
 import base64
+import bisect
 import json
 import re
 import secrets
@@ -97,6 +98,10 @@ class FakeApiServer:
         #: what ``/version`` says; from 1.21 a request's ``?timeout=`` is its deadline all the way to storage,
         #: so a request held past it (a ``Fault`` delay) answers 504 and is not carried out
         self.version = (1, 36)
+        #: how long after a write its event reaches the watches (seconds): a real API server's watch cache
+        #: and the network deliver events some time after the write returned, and a list then a watch may
+        #: show an object the watch of another client does not show yet
+        self.watch_lag = 0.0
         self._server = QuietServer(("127.0.0.1", 0), handler_for(self))
         self._server.daemon_threads = True
         self._thread: threading.Thread | None = None
@@ -261,6 +266,32 @@ class FakeApiServer:
             self._changed.wait(timeout=0.5)
             return self._stalled and not watch.cut
 
+    def _shown_after(self, since: int, plural: str) -> tuple[list[Event], int]:
+        """The events of ``plural`` a watch shows after ``since``, and the resourceVersion it has seen up to:
+        everything stored (other kinds' events too: a node watch must not scan every pod event since the last
+        node changed on each wake), or with ``watch_lag`` only what was stored that long ago."""
+        if self.watch_lag <= 0:
+            return self.store.events_after(since, plural), self.store.current_rv
+        cutoff = time.monotonic() - self.watch_lag
+        seen = since
+        for event in reversed(self.store.events):
+            if event.rv <= since:
+                break
+            if event.at <= cutoff:
+                seen = event.rv
+                break
+        return [e for e in self.store.events_after(since, plural) if e.rv <= seen], seen
+
+    def _next_wake(self, since: int) -> float:
+        """How long a watch waits for a change: with ``watch_lag``, until the next stored event is shown."""
+        if self.watch_lag <= 0:
+            return 0.5
+        events = self.store.events
+        start = bisect.bisect_right(events, since, key=lambda e: e.rv)
+        if start >= len(events):
+            return 0.5
+        return max(0.001, min(0.5, events[start].at + self.watch_lag - time.monotonic()))
+
     def _events_of(
         self, resource: Resource, namespace: str | None, query: dict[str, str], fields: Any, labels: Any
     ) -> Iterator[dict[str, Any] | None]:
@@ -309,13 +340,10 @@ class FakeApiServer:
                     yield None
                     continue
                 with self.lock:
-                    pending = self.store.events_after(since, resource.plural)
+                    pending, seen = self._shown_after(since, resource.plural)
                     if not pending and not (watch.expire or watch.cut):
-                        self._changed.wait(timeout=min(0.5, max(0.0, deadline - time.monotonic())))
-                        pending = self.store.events_after(since, resource.plural)
-                    # Everything up to here is seen, other kinds' events too: a node watch must not scan
-                    # every pod event since the last node changed on each wake.
-                    seen = self.store.current_rv
+                        self._changed.wait(timeout=min(self._next_wake(since), max(0.0, deadline - time.monotonic())))
+                        pending, seen = self._shown_after(since, resource.plural)
                     cut, expired = watch.cut, watch.expire
                     if self._stalled and not cut:
                         continue  # stalled while it waited: what came meanwhile is held back too

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, urlsplit
 
 from tests.fakes.dra import Invalid, validate_slice
-from tests.fakes.store import REASONS, RESOURCES, ApiError, Resource, status_body
+from tests.fakes.rbac import check_claim_status, user_of
+from tests.fakes.store import REASONS, RESOURCES, ApiError, Guard, Resource, status_body
 
 if TYPE_CHECKING:
     from tests.fakes.apiserver import FakeApiServer
@@ -231,19 +232,35 @@ def handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
             assert scope is not None
             if method == "GET":
                 return 200, server.store.read(resource, scope, name)
+            guard = self._guard(method, resource.plural, sub, name)
             if method == "PUT":
                 new = _json(body)
                 rv = (new.get("metadata") or {}).get("resourceVersion")
-                return 200, server.store.update(resource, scope, name, new, subresource=sub, precondition_rv=rv)
+                return 200, server.store.update(
+                    resource, scope, name, new, subresource=sub, precondition_rv=rv, guard=guard
+                )
             if method == "PATCH":
                 content_type = (self.headers.get("Content-Type") or "").split(";")[0].strip()
-                return 200, server.store.patch(resource, scope, name, body, content_type, subresource=sub)
+                return 200, server.store.patch(resource, scope, name, body, content_type, subresource=sub, guard=guard)
             if method == "DELETE" and not sub:
                 options = _json(body) if body else {}
                 if "gracePeriodSeconds" in query:
                     options["gracePeriodSeconds"] = int(query["gracePeriodSeconds"])
                 return 200, server.store.delete(resource, scope, name, options)
             raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed here")
+
+        def _guard(self, method: str, plural: str, sub: str, name: str) -> Guard | None:
+            """What the caller's permissions refuse of this write (``tests.fakes.rbac``), checked on the stored
+            object under the store's lock."""
+            if plural != "resourceclaims" or sub != "status":
+                return None
+            user = user_of(self.headers.get("Authorization") or "", server.issued_tokens)
+            verb = "update" if method == "PUT" else "patch"
+
+            def guard(old: dict[str, Any], new: dict[str, Any]) -> None:
+                check_claim_status(server.store, user, version=server.version, verb=verb, name=name, old=old, new=new)
+
+            return guard
 
         def _send(self, code: int, payload: dict[str, Any]) -> None:
             data = json.dumps(payload).encode()

@@ -161,3 +161,13 @@ def allocate(
             "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]
         },
     }
+
+
+def check_claim_status_update(name: str, old: dict[str, Any], new: dict[str, Any]) -> None:
+    """kube-apiserver's invariants of a ResourceClaim's status (``validateResourceClaimStatusUpdate``): an
+    allocation, once written, is immutable (it may only be removed), and reservations need an allocation."""
+    invalid = f'ResourceClaim.resource.k8s.io "{name}" is invalid'
+    if old.get("allocation") and new.get("allocation") and old["allocation"] != new["allocation"]:
+        raise Invalid(f"{invalid}: status.allocation: Invalid value: {{...}}: field is immutable")
+    if new.get("reservedFor") and not new.get("allocation"):
+        raise Invalid(f"{invalid}: status.reservedFor: Forbidden: may not be specified when `allocated` is not set")

@@ -14,10 +14,13 @@ import datetime
 import itertools
 import json
 import threading
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from tests.fakes.dra import Invalid, check_claim_status_update
 from tests.fakes.patches import PatchError, json_patch, merge_patch, strategic_merge_patch
 from tests.fakes.selectors import SelectorError, field_selector, label_selector
 
@@ -50,6 +53,10 @@ RESOURCES = {
         Resource("resource.k8s.io", "v1", "resourceclaims", "ResourceClaim", namespaced=True, has_status=True),
         Resource("resource.k8s.io", "v1", "resourceclaimtemplates", "ResourceClaimTemplate", namespaced=True),
         Resource("resource.k8s.io", "v1", "deviceclasses", "DeviceClass", namespaced=False),
+        Resource("rbac.authorization.k8s.io", "v1", "clusterroles", "ClusterRole", namespaced=False),
+        Resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", namespaced=False),
+        Resource("rbac.authorization.k8s.io", "v1", "roles", "Role", namespaced=True),
+        Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", namespaced=True),
     )
 }
 
@@ -74,6 +81,9 @@ def status_body(code: int, reason: str, message: str) -> dict[str, Any]:
         "code": code,
     }
 
+
+#: A check of one write by who asks for it: given the stored object and the one to store, raises ApiError.
+Guard = Callable[[dict[str, Any], dict[str, Any]], None]
 
 REASONS = {
     400: "BadRequest",
@@ -100,6 +110,8 @@ class Event:
     plural: str
     obj: dict[str, Any]
     old: dict[str, Any] | None
+    #: when it was stored (``time.monotonic``): a lagging watch shows it only some time after
+    at: float = 0.0
 
 
 def now() -> str:
@@ -169,12 +181,12 @@ class Store:
             gone = clone(old)
             gone["metadata"]["resourceVersion"] = str(rv)
             del self.objects[key]
-            event = Event(rv, "DELETED", resource.plural, gone, old)
+            event = Event(rv, "DELETED", resource.plural, gone, old, time.monotonic())
             result = gone
         else:
             obj["metadata"]["resourceVersion"] = str(rv)
             self.objects[key] = obj
-            event = Event(rv, kind, resource.plural, clone(obj), old)
+            event = Event(rv, kind, resource.plural, clone(obj), old, time.monotonic())
             result = obj
         self.events.append(event)
         if len(self.events) > self.history:
@@ -225,8 +237,10 @@ class Store:
         *,
         subresource: str,
         precondition_rv: str | None,
+        guard: Guard | None = None,
     ) -> dict[str, Any]:
-        """Store ``new`` in place of the current object, keeping what this endpoint may not change."""
+        """Store ``new`` in place of the current object, keeping what this endpoint may not change.
+        ``guard`` (old, new) refuses a write by raising ApiError, under the lock (the caller's permissions)."""
         with self.lock:
             old = self.current(resource, namespace, name)
             current_rv = old["metadata"]["resourceVersion"]
@@ -256,6 +270,13 @@ class Store:
                     new["status"] = clone(old.get("status"))
             if resource.plural == "pods" and subresource != "status":
                 _check_pod_spec_update(old.get("spec") or {}, new.get("spec") or {})
+            if resource.plural == "resourceclaims" and subresource == "status":
+                try:
+                    check_claim_status_update(name, old.get("status") or {}, new.get("status") or {})
+                except Invalid as exc:
+                    raise ApiError(422, "Invalid", str(exc)) from None
+            if guard is not None:
+                guard(old, new)
             if new == old:
                 return clone(old)  # a no-op write does not bump resourceVersion
             return self._commit(resource, "MODIFIED", (resource.plural, namespace, name), new, clone(old))
@@ -269,6 +290,7 @@ class Store:
         content_type: str,
         *,
         subresource: str,
+        guard: Guard | None = None,
     ) -> dict[str, Any]:
         try:
             patch = json.loads(body or b"null")
@@ -296,7 +318,9 @@ class Store:
             if not isinstance(patched, dict):
                 raise ApiError(422, "Invalid", "the patch did not produce an object")
             wanted_rv = (patched.get("metadata") or {}).get("resourceVersion")
-            return self.update(resource, namespace, name, patched, subresource=subresource, precondition_rv=wanted_rv)
+            return self.update(
+                resource, namespace, name, patched, subresource=subresource, precondition_rv=wanted_rv, guard=guard
+            )
 
     def delete(self, resource: Resource, namespace: str, name: str, options: dict[str, Any]) -> dict[str, Any]:
         with self.lock:

@@ -233,6 +233,7 @@ def test_never_past_a_gpu_as_kube_scheduler_counts_it(asks: list[ClaimAsk], poli
                 GivenDevice(p.request, dra.device_name(inv.gpus[p.index].uuid), p.units * GI, p.compute, f"s-{n}")
                 for n, p in enumerate(result.picks)
             ],
+            allocated_at="2026-01-02T03:04:05Z",
         )
         read = allocated_devices({"status": {"allocation": body}})
         assert len({d.device for d in read}) == len(read) == ask.devices

@@ -65,7 +65,27 @@ CASES: list[tuple[str, dict[str, Any], dict[ClaimRef, bool | None], list[dict[st
     ("gated already", with_claims(by_name("gpu"), gates=[{"name": CLAIM_GATE}]), {CLAIM: True}, None, "gated already"),
     ("only another driver's", with_claims(by_name("nic")), {NIC: False}, None, "no claim of ours"),
     ("no claims", with_claims(), {}, None, "no claim of ours"),
-    ("a claim not known yet", with_claims(by_name("gpu")), {}, None, "claims gpu not known yet: not gated"),
+    (
+        "a claim not known yet (applied with its pod)",
+        with_claims(by_name("gpu")),
+        {},
+        [{"name": CLAIM_GATE}],
+        "claims gpu not known yet: gated until the claim allocator reads them",
+    ),
+    (
+        "a template not known yet",
+        with_claims(by_template("gpu-tpl")),
+        {TEMPLATE: None},
+        [{"name": CLAIM_GATE}],
+        "claims gpu-tpl not known yet: gated until the claim allocator reads them",
+    ),
+    (
+        "another driver's known, one unknown",
+        with_claims(by_name("nic"), by_name("gpu")),
+        {NIC: False},
+        [{"name": CLAIM_GATE}],
+        "claims gpu not known yet: gated until the claim allocator reads them",
+    ),
     ("an entry naming nothing", with_claims({"name": "c"}), {}, None, "no claim of ours"),
 ]
 

@@ -121,3 +121,29 @@ def test_malformed_pods_are_read_without_raising() -> None:
     assert (
         claim_names({"spec": {"resourceClaims": [{"name": "a", "resourceClaimName": "c"}] * 100}}) == [("a", "c")] * 32
     )
+
+
+@pytest.mark.parametrize(
+    ("claims", "ours", "waiting"),
+    [
+        # another driver's claim, pending or allocated: not ours, the gate goes at once
+        ([claim("a", cls="nic.example.com")], False, None),
+        ([claim("a", cls="nic.example.com", node="n1")], False, None),
+        # ours, allocated: ours (nothing left to allocate)
+        ([claim("a", node="n1")], True, None),
+        # one of ours beside another driver's: ours
+        ([claim("a", cls="nic.example.com", node="n1"), claim("b")], True, None),
+        # a claim not made yet: nothing is known, the pod waits (it may be ours)
+        ([claim("a", cls="nic.example.com")], True, "claim b does not exist yet"),
+    ],
+)
+def test_a_pod_none_of_whose_claims_is_ours_is_told_apart(
+    claims: list[dict[str, Any]], ours: bool, waiting: str | None
+) -> None:
+    """A pod gated because its claims were not known when it was created (the webhook gates those) is let go
+    once they are known to be another driver's; one that still misses a claim waits."""
+    refs = [named(c["metadata"]["name"], f"r{n}") for n, c in enumerate(claims)]
+    if waiting is not None:
+        refs.append(named("b", "missing"))
+    read = read_pod(pod(*refs), {c["metadata"]["name"]: c for c in claims})
+    assert (read.ours, read.waiting) == (ours, waiting)

@@ -11,7 +11,11 @@ theirs (``resource.k8s.io/v1`` ``AllocationResult``):
   claim's own (``FromClaim``), each for the requests it names: the order in which they apply
   (``core.dra.claims`` reads them so, the claim's winning);
 - ``nodeSelector``: the node, by ``metadata.name`` (a node-local pool): kube-scheduler's PreFilter keeps the
-  pod to it, and the kubelet there prepares the claim.
+  pod to it, and the kubelet there prepares the claim;
+- ``allocationTimestamp``: when it was allocated. kube-scheduler 1.36 (``DRADeviceBindingConditions`` and
+  ``DRAResourceClaimDeviceStatus``, beta, on by default) sets it in PreBind on an allocation that lacks it,
+  and the API server refuses that change (an allocation is immutable once written): written here, it is
+  never changed, and kube-scheduler only adds the pod to ``reservedFor``. Older API servers drop the field.
 """
 
 from __future__ import annotations
@@ -45,9 +49,11 @@ def allocation_body(
     class_config: Sequence[Mapping[str, Any]] = (),
     claim_config: Sequence[Mapping[str, Any]] = (),
     driver: str = dra.DRIVER,
+    allocated_at: str,
 ) -> dict[str, Any]:
     """The claim's ``status.allocation`` for ``devices`` on ``node``. ``class_config`` / ``claim_config``:
-    the DeviceClass's ``spec.config`` and the claim's ``spec.devices.config`` entries, as written there."""
+    the DeviceClass's ``spec.config`` and the claim's ``spec.devices.config`` entries, as written there;
+    ``allocated_at``: the time, RFC 3339 in UTC to the second (``2026-01-02T03:04:05Z``, a ``metav1.Time``)."""
     results = [
         {
             "request": given.request,
@@ -72,6 +78,7 @@ def allocation_body(
         "nodeSelector": {
             "nodeSelectorTerms": [{"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}]
         },
+        "allocationTimestamp": allocated_at,
     }
 
 

@@ -240,6 +240,9 @@ class PodClaims:
     #: why nothing can be decided yet (a claim not created yet), or None
     waiting: str | None = None
     handover: Handover | None = None
+    #: whether any of its claims asks for this driver's class; False: gated only because its claims were not
+    #: known when it was created, and none is ours
+    ours: bool = True
 
 
 def claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str | None]]:
@@ -274,14 +277,20 @@ def read_pod(
       and only kube-scheduler allocates both together): hand the whole pod over, saying why;
     - claims of this driver allocated already on one node: the pending ones go there; on two nodes (only
       another allocator writes that), hand over;
-    - nothing pending of this driver: nothing to allocate (the gate goes).
+    - nothing pending of this driver: nothing to allocate (the gate goes);
+    - no claim of this driver's class at all: not ours (``ours`` False), the gate goes.
     """
-    asks: list[ClaimAsk] = []
-    nodes: set[str] = set()
+    bodies: list[tuple[str, Mapping[str, Any]]] = []
     for pod_name, name in claim_names(pod):
         body = claims.get(name) if name is not None else None
         if body is None:
             return PodClaims(waiting=f"claim {name or pod_name} does not exist yet")
+        bodies.append((str(name), body))
+    if not any(asks_class(body, device_class) for _, body in bodies):
+        return PodClaims(ours=False)
+    asks: list[ClaimAsk] = []
+    nodes: set[str] = set()
+    for name, body in bodies:
         read = read_pending(body, device_class=device_class)
         if isinstance(read, Handover):
             return PodClaims(handover=Handover(f"claim {name}: {read.reason}"))
