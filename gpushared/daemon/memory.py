@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from gpushared.contract import MemoryUnit, ResourceNames
-from gpushared.core.dra.allowances import claim_allowances
+from gpushared.core.dra.allowances import claim_allowances, combination_problem
 from gpushared.core.dra.claimusers import ClaimUse, claim_users
 from gpushared.core.dra.prepare import PreparedClaim
 from gpushared.core.node.cgroups import CgroupOwner, owner_of
@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 
 EVENT_OVER_LIMIT = "GPUMemoryOverLimit"
 EVENT_BAD_ANNOTATION = "GPUMemoryEnforcementInvalid"
+EVENT_COMBINATION = "DRAClaimsCombinedOtherwise"
 MIB = 2**20
 
 
@@ -295,6 +296,12 @@ class MemoryWatcher:
                 if problem is not None and (known is None or known[0] != version):
                     log.warning("pod %s: %s", qualified_name(pod), problem)
                     self.outbox.event(pod, EVENT_BAD_ANNOTATION, problem, warning=True)
+                combined = combination_problem(pod, prepared) if prepared else None
+                if combined is not None and (known is None or known[0] != version):
+                    # a pod the driver never saw (docs/dra.md, "What the container gets"): said, not silent
+                    message = f"its containers may be told GPUs they hold no claim to: {combined}"
+                    log.warning("pod %s: %s", qualified_name(pod), message)
+                    self.outbox.event(pod, EVENT_COMBINATION, message, warning=True)
             kept[uid] = (version, basis, found)
             allowances.update(found)
         self._known = kept

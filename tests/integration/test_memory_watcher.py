@@ -18,7 +18,7 @@ import pytest
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit, dra
 from gpushared.core.dra.claims import ClaimRef
-from gpushared.core.dra.prepare import DraNode, PreparedClaim, decide
+from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, decide, decide_all
 from gpushared.core.node.exposure import ExposurePolicy
 from gpushared.core.node.memory import Enforcement, MemoryPolicy
 from gpushared.core.placement.binding import bind_annotations
@@ -344,3 +344,53 @@ def test_a_dra_pods_containers_may_use_what_their_claims_hold(
     version[0] += 1
     after = watch.poll()
     assert [(u.ref.pod, u.gpu, u.used_mib, u.allocated_mib) for u in after.usages] == [("trainer", 1, 3000, 3072)]
+
+
+def test_a_running_pod_combining_prepared_claims_otherwise_than_their_specs_is_named_once(
+    backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path
+) -> None:
+    """The kubelet prepares a claim once per node: a pod reserved later, with no claim left to prepare, never
+    reaches the driver. Its container that uses claim a alone, where a's spec was written for containers
+    given a and b, would be told b's GPU too: the watcher says so on the pod, once."""
+    inventory = contract.GpuInventory(
+        unit=MemoryUnit.GIB,
+        gpus=tuple(
+            contract.GpuInfo(i, g.uuid, "m", g.memory_mib // 1024, g.memory_mib) for i, g in enumerate(fake_nvml.gpus)
+        ),
+    )
+    node = DraNode(name="n1", inventory=inventory, exposure=ExposurePolicy(device_nodes=False))
+    refs = [ClaimRef("default", name, f"uid-{name}") for name in ("a", "b")]
+
+    def claim_on(ref: ClaimRef, gpu: int) -> dict[str, Any]:
+        device = {
+            "request": "gpu",
+            "driver": dra.DRIVER,
+            "pool": "n1",
+            "device": dra.device_name(fake_nvml.gpus[gpu].uuid),
+        }
+        return {"metadata": {"uid": ref.uid}, "status": {"allocation": {"devices": {"results": [device]}}}}
+
+    def using(name: str, uid: str, *claims: str) -> dict[str, Any]:
+        body = pod(name, 0, node="n1", uid=uid)
+        body["metadata"]["resourceVersion"] = "3"
+        body["spec"]["resourceClaims"] = [{"name": c, "resourceClaimName": c} for c in claims]
+        body["spec"]["containers"][0]["resources"] = {"claims": [{"name": c} for c in claims]}
+        running(body, body["spec"]["containers"][0]["name"], ID_A)
+        return body
+
+    first = using("first", UID_A, "a", "b")
+    reads = [ClaimRead(ref, claim_on(ref, gpu), [first]) for ref, gpu in zip(refs, (0, 1), strict=True)]
+    book = {("default", uid.removeprefix("uid-")): c for uid, c in decide_all(reads, node).items()}
+    assert all(isinstance(c, PreparedClaim) for c in book.values())
+    later = using("later", UID_B, "a")
+    events = Events()
+    watch = watcher(backend, fake_nvml, [first, later], tmp_path / "proc", events, now=[0.0])
+    watch.claims = ClaimsView(claims=lambda: dict(book), version=lambda: 1)  # type: ignore[arg-type]
+    watch.poll()
+    watch.poll()
+    assert [(name, reason) for name, reason, _ in events.sent] == [("later", "DRAClaimsCombinedOtherwise")]
+    assert "may be told GPUs they hold no claim to" in events.sent[0][2]
+    assert (
+        "was prepared for containers that use claims default/a (request gpu), default/b (request gpu)"
+        in (events.sent[0][2])
+    )

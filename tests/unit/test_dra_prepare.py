@@ -168,6 +168,7 @@ def test_a_fractional_claim_gets_its_gpu_by_device_file_and_variable() -> None:
         "ALIYUN_COM_GPU_MEM_CONTAINER=4",
         "ALIYUN_COM_GPU_MEM_DEV=15",
         "ALIYUN_COM_GPU_MEM_IDX=1",
+        "GPUSHARED_CLAIM_UID1_GPU=GPU-1bbb",  # the claim's own: no other CDI device sets it
         "NVIDIA_VISIBLE_DEVICES=GPU-1bbb",
     ]
     assert cdi["containerEdits"]["deviceNodes"] == [

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from gpushared import contract
 from gpushared.core.dra.claimusers import ClaimUse, claim_users, container_claims, sharers, uses_request
+from gpushared.core.dra.companions import DriverClaim, companions
 from gpushared.core.dra.prepare import PreparedClaim
 from gpushared.core.node.memory import Allowance, Enforcement, pod_enforcement
 from gpushared.core.shared.bodies import PodBody, annotations_of, uid_of
@@ -47,3 +48,23 @@ def claim_allowances(
         if allocated:
             allowances[(uid, str(container.get("name", "")))] = Allowance(dict(allocated), enforcement, mps)
     return allowances
+
+
+def combination_problem(pod: PodBody, claims: Mapping[tuple[str, str], PreparedClaim]) -> str | None:
+    """Why a running container of ``pod`` may be told GPUs it holds no claim to, or None. The kubelet prepares
+    a claim once per node: a pod reserved after it was prepared, with no claim of its own left to prepare,
+    is never seen by the driver, and a container of it that combines the claims otherwise than their CDI
+    specs were written for (``core.dra.companions``) is told what the last device applied says. Only for a
+    running pod, whose claims are all prepared (while it starts, a claim not yet in ``claims`` would look
+    like another driver's)."""
+    if (pod.get("status") or {}).get("phase") != "Running":
+        return None
+    known = {
+        key: DriverClaim(
+            claim.ref,
+            tuple(dict.fromkeys(d.request for d in claim.devices)),
+            {cdi.name: cdi.combination for cdi in claim.cdi},
+        )
+        for key, claim in claims.items()
+    }
+    return companions([pod], known).problems.get(uid_of(pod))

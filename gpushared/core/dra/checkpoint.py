@@ -80,6 +80,7 @@ def _claim(claim: PreparedClaim) -> dict[str, Any]:
                 "env": dict(c.env),
                 "deviceNodes": [[f.container_path, f.host_path, f.permissions] for f in c.device_nodes],
                 "mounts": [[m.container_path, m.host_path, m.read_only] for m in c.mounts],
+                "companions": list(c.companions),
             }
             for c in claim.cdi
         ],
@@ -112,6 +113,8 @@ def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
             env={_str(k): _str(v) for k, v in _dict(c["env"]).items()},
             device_nodes=tuple(DeviceFile(_str(a), _str(b), _str(p)) for a, b, p in c["deviceNodes"]),
             mounts=tuple(Mount(_str(a), _str(b), bool(ro)) for a, b, ro in c["mounts"]),
+            # records written before companions were: each device alone, as its spec was written
+            companions=tuple(_str(n) for n in _list(c.get("companions", []))),
         )
         for c in entry["cdi"]
     )
@@ -134,6 +137,12 @@ def _positive(value: object) -> int:
 def _dict(value: object) -> dict[Any, Any]:
     if not isinstance(value, dict):
         raise TypeError(f"expected an object, got {str(value)[:80]}")
+    return value
+
+
+def _list(value: object) -> list[Any]:
+    if not isinstance(value, list):
+        raise TypeError(f"expected a list, got {str(value)[:80]}")
     return value
 
 

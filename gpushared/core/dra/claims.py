@@ -30,6 +30,11 @@ class ClaimRef:
         return f"{self.namespace}/{self.name}"
 
 
+def cdi_name(ref: ClaimRef, request: str) -> str:
+    """The claim's CDI device for one request: ``<claim UID>-<request>`` (a subrequest's ``/`` as ``_``)."""
+    return f"{ref.uid}-{request.replace('/', '_')}"
+
+
 @dataclass(frozen=True)
 class AllocatedDevice:
     """One device the scheduler gave the claim, with what it consumed of it."""

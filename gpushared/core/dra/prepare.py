@@ -6,8 +6,10 @@ still give it (each device is a GPU of this node, healthy; the claims prepared h
 stay within each GPU's memory and compute; an MPS claim has one GPU, a daemon that answers and room for a
 client) and says what each request's containers get: the GPU in the form the node's runtime reads
 (``core.node.exposure``, as for a device-plugin pod), Aliyun's env, and for MPS the daemon's pipe and limits
-(``core.node.allocate.mps_client``). Pure, a table test per refusal (tests/unit/test_dra_prepare.py); the
-daemon's driver gathers the facts, writes the CDI spec and the checkpoint, and answers the kubelet.
+(``core.node.allocate.mps_client``). The claims of one call are decided together (``decide_all``): a
+container given devices of several claims is told all their GPUs by each (``core.dra.companions``). Pure, a
+table test per refusal (tests/unit/test_dra_prepare.py, tests/unit/test_dra_companions.py); the daemon's
+driver gathers the facts, writes the CDI spec and the checkpoint, and answers the kubelet.
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ from typing import Any, Final
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, dra
-from gpushared.core.dra.claims import AllocatedDevice, ClaimRef, allocated_devices
-from gpushared.core.dra.claimusers import ClaimUse, sharers
+from gpushared.core.dra.claims import AllocatedDevice, ClaimRef, allocated_devices, cdi_name
+from gpushared.core.dra.claimusers import ClaimUse, claim_users, sharers
+from gpushared.core.dra.companions import Combination, DriverClaim, companions
 from gpushared.core.node.allocate import Mount, MpsDaemon, mps_client, thread_percentage
 from gpushared.core.node.exposure import CannotExpose, DeviceFile, ExposedGpu, ExposurePolicy, exposure
+from gpushared.core.shared.bodies import PodBody, uid_of
 from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 
 #: The CDI spec version written: 0.5.0 has device nodes' host paths, and containerd 1.7 reads it.
 CDI_VERSION: Final = "0.5.0"
+#: Each CDI device's own variable, ``<prefix><claim UID>_<REQUEST>`` = its GPUs' UUIDs: no other device sets it.
+CLAIM_VARIABLE_PREFIX: Final = "GPUSHARED_CLAIM_"
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,13 @@ class CdiDevice:
     env: Mapping[str, str]
     device_nodes: tuple[DeviceFile, ...] = ()
     mounts: tuple[Mount, ...] = ()
+    #: the CDI devices every container given this one is given too, itself included, sorted: its shared
+    #: variables name all their GPUs (``core.dra.companions``); empty: itself alone (records of releases before)
+    companions: tuple[str, ...] = ()
+
+    @property
+    def combination(self) -> Combination:
+        return frozenset(self.companions or (self.name,))
 
 
 @dataclass(frozen=True)
@@ -93,12 +106,113 @@ class PrepareRefusal:
     message: str
 
 
+@dataclass(frozen=True)
+class ClaimRead:
+    """A claim of one NodePrepareResources call, as read from the API server."""
+
+    ref: ClaimRef
+    claim: Mapping[str, Any]
+    #: the pods it is reserved for, as read: their containers share its memory and say which claims each uses
+    #: with it; None: not read (one container, given nothing else of this driver)
+    pods: Sequence[PodBody] | None = None
+
+
 def decide(
     ref: ClaimRef, claim: Mapping[str, Any], node: DraNode, *, users: Counter[ClaimUse] | None = None
 ) -> PreparedClaim | PrepareRefusal:
-    """The claim as prepared on ``node``; or why not, in words for the pod's events. ``users``: the
-    containers of the pods it is reserved for (``core.dra.claimusers.claim_users``), among which each request's
-    memory is split (None: one container)."""
+    """One claim as prepared on ``node``, its containers given nothing else of this driver; or why not, in
+    words for the pod's events. ``users``: the containers of the pods it is reserved for
+    (``core.dra.claimusers.claim_users``), among which each request's memory is split (None: one container)."""
+    devices = _devices(ref, claim, node, users)
+    if isinstance(devices, PrepareRefusal):
+        return devices
+    return _with_cdi(ref, devices, node, {}, _by_cdi_device(ref, devices))
+
+
+def decide_all(
+    reads: Sequence[ClaimRead], node: DraNode, *, unread: Collection[ClaimRef] = ()
+) -> dict[str, PreparedClaim | PrepareRefusal]:
+    """The claims of one call (the kubelet sends a pod's unprepared claims of this driver together), each as
+    prepared or why not, by UID. Each is checked against ``node``'s claims and those decided before it; then
+    every CDI device is told the GPUs of its companions (``core.dra.companions``), among the claims of the
+    call and those prepared here. A claim is refused where a pod it is reserved for has containers that
+    cannot each be told their own GPUs, and where it is used beside a claim that is refused or ``unread``
+    (claims of the call not read in time): a claim is never prepared without the others its containers use."""
+    decided: dict[str, list[PreparedDevice] | PrepareRefusal] = {}
+    so_far: list[PreparedClaim] = []
+    for read in reads:
+        users = claim_users(read.pods) if read.pods is not None else None
+        devices = _devices(read.ref, read.claim, dataclasses.replace(node, prepared=[*node.prepared, *so_far]), users)
+        decided[read.ref.uid] = devices
+        if not isinstance(devices, PrepareRefusal):
+            so_far.append(PreparedClaim(read.ref, tuple(devices)))
+    # the driver's claims the containers may name: prepared here (with the companions their specs were written
+    # for), unread, and those of the call (a refused one as unready)
+    claims: dict[tuple[str, str], DriverClaim] = {}
+    for prepared in node.prepared:
+        written = {cdi.name: cdi.combination for cdi in prepared.cdi}
+        claims[(prepared.ref.namespace, prepared.ref.name)] = DriverClaim(
+            prepared.ref, _requests(prepared.devices), written
+        )
+    for ref in unread:
+        claims[(ref.namespace, ref.name)] = DriverClaim(ref, None)
+    for read in reads:
+        outcome = decided[read.ref.uid]
+        requests = None if isinstance(outcome, PrepareRefusal) else _requests(outcome)
+        claims[(read.ref.namespace, read.ref.name)] = DriverClaim(read.ref, requests)
+    devices_of: dict[str, list[PreparedDevice]] = {}
+    owners: dict[str, ClaimRef] = {}  # CDI device -> its claim
+    for prepared in [*node.prepared, *so_far]:
+        devices_of.update(_by_cdi_device(prepared.ref, prepared.devices))
+        owners.update({cdi_name(prepared.ref, d.request): prepared.ref for d in prepared.devices})
+    pods = {uid_of(pod): pod for read in reads for pod in read.pods or ()}
+    mps = {name for name, members in devices_of.items() if any(d.mps for d in members)}
+    found = companions(pods.values(), claims, mps=mps)
+    refused = {uid: outcome for uid, outcome in decided.items() if isinstance(outcome, PrepareRefusal)}
+    for read in reads:
+        problem = next((found.problems[uid_of(p)] for p in read.pods or () if uid_of(p) in found.problems), None)
+        if problem is not None:
+            refused.setdefault(read.ref.uid, PrepareRefusal(f"claim {read.ref.key} cannot be prepared: {problem}"))
+    changed = True
+    while changed:  # a claim used beside one refused is refused too, so that none is prepared without the other
+        changed = False
+        for read in reads:
+            mine = [name for name, ref in owners.items() if ref.uid == read.ref.uid]
+            others = refused.keys() - {read.ref.uid}
+            beside = sorted(
+                owners[c] for name in mine for c in found.of.get(name, ()) if c in owners and owners[c].uid in others
+            )
+            if beside and read.ref.uid not in refused:
+                refused[read.ref.uid] = PrepareRefusal(
+                    f"claim {read.ref.key} is used beside claim {beside[0].key}, which cannot be prepared now (its "
+                    "own error says why): a claim used with others is prepared with them"
+                )
+                changed = True
+    answers: dict[str, PreparedClaim | PrepareRefusal] = {}
+    for read in reads:
+        outcome = decided[read.ref.uid]
+        if isinstance(outcome, PrepareRefusal) or read.ref.uid in refused:
+            answers[read.ref.uid] = refused[read.ref.uid]
+        else:
+            answers[read.ref.uid] = _with_cdi(read.ref, outcome, node, found.of, devices_of)
+    return answers
+
+
+def _requests(devices: Sequence[PreparedDevice]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(d.request for d in devices))
+
+
+def _by_cdi_device(ref: ClaimRef, devices: Sequence[PreparedDevice]) -> dict[str, list[PreparedDevice]]:
+    found: dict[str, list[PreparedDevice]] = {}
+    for device in devices:
+        found.setdefault(cdi_name(ref, device.request), []).append(device)
+    return found
+
+
+def _devices(
+    ref: ClaimRef, claim: Mapping[str, Any], node: DraNode, users: Counter[ClaimUse] | None
+) -> list[PreparedDevice] | PrepareRefusal:
+    """The claim's devices as prepared on ``node``, each request's memory split among ``users``; or why not."""
     uid = (claim.get("metadata") or {}).get("uid")
     if uid != ref.uid:
         return PrepareRefusal(
@@ -131,7 +245,7 @@ def decide(
             f"claim {ref.key} asks for MPS on GPUs {gpus}: an MPS client reaches one GPU's daemon only; "
             "ask for one GPU per MPS claim"
         )
-    return _with_cdi(ref, devices, node)
+    return devices
 
 
 def _device(
@@ -212,9 +326,17 @@ def _device(
     )
 
 
-def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> PreparedClaim | PrepareRefusal:
+def _with_cdi(
+    ref: ClaimRef,
+    devices: list[PreparedDevice],
+    node: DraNode,
+    combinations: Mapping[str, Combination],
+    devices_of: Mapping[str, Sequence[PreparedDevice]],
+) -> PreparedClaim | PrepareRefusal:
     """One CDI device per request, named on the request's first device; each GPU's own CDI name from
-    NVIDIA's toolkit (the ``cdi-cri`` or ``cdi-annotations`` strategy) on its device."""
+    NVIDIA's toolkit (the ``cdi-cri`` or ``cdi-annotations`` strategy) on its device. Its device files, mounts
+    and own variable are its GPUs'; the variables every device sets are its companions' (``combinations``:
+    CDI device -> companions, itself alone where not named; ``devices_of``: every companion's devices)."""
     requests: dict[str, list[PreparedDevice]] = {}
     for device in devices:
         requests.setdefault(device.request, []).append(device)
@@ -222,7 +344,8 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
     first: dict[str, str] = {}
     nvidia: dict[str, tuple[str, ...]] = {}
     for request, members in requests.items():
-        gpus = [node.inventory.by_index(d.index) for d in members]
+        name = cdi_name(ref, request)
+        together = sorted(combinations.get(name) or {name})
         try:
             given = exposure(
                 node.exposure,
@@ -231,17 +354,12 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
             )
         except CannotExpose as exc:
             return PrepareRefusal(f"claim {ref.key}: {exc}")
-        env = {
-            **given.envs,
-            contract.ENV_GPU_MEM_IDX: ",".join(str(d.index) for d in members),
-            # each container's part: the request's memory split among the containers that share it
-            contract.ENV_GPU_MEM_CONTAINER: str(sum(d.memory // d.sharers for d in members)),
-            contract.ENV_GPU_MEM_DEV: str(gpus[0].memory if gpus[0] is not None else 0),
-        }
+        every = [d for companion in together for d in (members if companion == name else devices_of[companion])]
+        env = {**_shared_variables(every, node), _claim_variable(ref, request): ",".join(d.uuid for d in members)}
         mounts = [Mount(container_path=inside, host_path=outside, read_only=True) for inside, outside in given.mounts]
         mps = [d for d in members if d.mps]
-        if mps:
-            device, gpu = mps[0], gpus[0]
+        if mps:  # alone: an MPS device with companions is refused (core.dra.companions)
+            device, gpu = mps[0], node.inventory.by_index(mps[0].index)
             assert node.mps is not None, "checked in _device"
             assert gpu is not None, "checked in _device"
             assert device.mps_threads is not None, "checked in _device"
@@ -253,8 +371,10 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
             )
             env.update(mps_env)
             mounts += mps_mounts
-        name = cdi_name(ref, request)
-        cdi.append(CdiDevice(name=name, env=env, device_nodes=given.devices, mounts=tuple(mounts)))
+        companions = tuple(together) if len(together) > 1 else ()
+        cdi.append(
+            CdiDevice(name=name, env=env, device_nodes=given.devices, mounts=tuple(mounts), companions=companions)
+        )
         first[request] = members[0].device
         for device, cdi_id in zip(members, given.cdi_names, strict=False):
             nvidia[device.device] = (cdi_id,)
@@ -269,9 +389,29 @@ def _with_cdi(ref: ClaimRef, devices: list[PreparedDevice], node: DraNode) -> Pr
     return PreparedClaim(ref=ref, devices=answered, cdi=tuple(cdi))
 
 
-def cdi_name(ref: ClaimRef, request: str) -> str:
-    """The claim's CDI device for one request: ``<claim UID>-<request>`` (a subrequest's ``/`` as ``_``)."""
-    return f"{ref.uid}-{request.replace('/', '_')}"
+def _shared_variables(every: Sequence[PreparedDevice], node: DraNode) -> dict[str, str]:
+    """The variables all the CDI devices of a container set, made from all of its devices (``every``): its
+    GPUs in the form the node's runtime reads, once each by index, and Aliyun's: their indexes, the first
+    one's size, and the container's part of every device's memory (two claims on one GPU: both parts)."""
+    gpus = sorted({d.uuid: d for d in every}.values(), key=lambda d: d.index)
+    # only the variables: each device's files and mounts are its own, and the runtime adds them all up
+    told = exposure(
+        dataclasses.replace(node.exposure, device_nodes=False), [ExposedGpu(d.uuid, None) for d in gpus], present=()
+    )
+    first = node.inventory.by_index(gpus[0].index)
+    return {
+        **told.envs,
+        contract.ENV_GPU_MEM_IDX: ",".join(str(d.index) for d in gpus),
+        # each container's part: each request's memory split among the containers that share it
+        contract.ENV_GPU_MEM_CONTAINER: str(sum(d.memory // d.sharers for d in every)),
+        contract.ENV_GPU_MEM_DEV: str(first.memory if first is not None else 0),
+    }
+
+
+def _claim_variable(ref: ClaimRef, request: str) -> str:
+    """The CDI device's own variable: the claim's UID and the request, in the letters a variable name has."""
+    suffix = request.upper().replace("-", "_").replace("/", "__")
+    return f"{CLAIM_VARIABLE_PREFIX}{ref.uid.replace('-', '').upper()}_{suffix}"
 
 
 def cdi_spec(claim: PreparedClaim) -> dict[str, Any]:

@@ -5,10 +5,11 @@ Two parts, both fed by the manager's GPU inventory:
 - :class:`SlicePublisher` keeps the node's ResourceSlice equal to its healthy GPUs (``core.dra.slices``),
   changing the pool's generation only when the devices change;
 - :class:`DraDriver` answers the kubelet's NodePrepareResources / NodeUnprepareResources: it reads each
-  claim's allocation from the API server, lets ``core.dra.prepare.decide`` check it against the claims already
-  prepared here, records the claim (CDI spec, then checkpoint: ``daemon.dra.book``) and answers with the CDI
-  devices. Both calls are idempotent: a claim already prepared gets the same answer without another read,
-  and unpreparing a claim that is not prepared succeeds.
+  claim's allocation and the pods it is reserved for from the API server, lets ``core.dra.prepare.decide_all``
+  check the call's claims together against those already prepared here (a container given several claims is
+  told all their GPUs by each), records each claim (CDI spec, then checkpoint: ``daemon.dra.book``) and
+  answers with the CDI devices. Both calls are idempotent: a claim already prepared gets the same answer
+  without another read, and unpreparing a claim that is not prepared succeeds.
 """
 
 from __future__ import annotations
@@ -18,15 +19,13 @@ import logging
 import math
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from typing import Any
 
 from gpushared.contract import GpuInventory
 from gpushared.core.dra.claims import ClaimRef, reserved_pods
-from gpushared.core.dra.claimusers import ClaimUse, claim_users
-from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
+from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, PrepareRefusal, decide_all
 from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.shared.bodies import PodBody, uid_of
 from gpushared.daemon.devfiles import CharLinks
@@ -49,8 +48,8 @@ RETRY_PAUSE_SECONDS = 0.5
 #: Claims of one call read at once: a pod names a few; one slow read does not hold back the others.
 READERS = 8
 
-#: A claim as read, and the containers of the pods it is reserved for (None: not read, one container).
-Read = tuple[Mapping[str, Any], "Counter[ClaimUse] | None"]
+#: A claim as read, and the pods it is reserved for (None: not read; one container, given no other claim).
+Read = tuple[Mapping[str, Any], "list[PodBody] | None"]
 
 
 def _other_claim(ref: ClaimRef, done: PreparedClaim) -> str:
@@ -109,13 +108,17 @@ class DraDriver:
             else:
                 answers[ref.uid] = done if done.ref == ref else _other_claim(ref, done)
         bodies = self._read_all(wanted, deadline)
-        facts = self.facts() if wanted else None
+        if not wanted:
+            return answers
+        reads: list[ClaimRead] = []
         for ref in wanted:
             read = bodies[ref.uid]
-            if isinstance(read, str) or facts is None:
-                answers[ref.uid] = str(read)
+            if isinstance(read, str):
+                answers[ref.uid] = read
             else:
-                answers[ref.uid] = self._prepare(ref, read, facts)
+                reads.append(ClaimRead(ref, read[0], read[1]))
+        unread = [ref for ref in wanted if ref.uid in answers]
+        answers.update(self._prepare(reads, unread, self.facts()))
         return answers
 
     def _read_all(self, refs: Sequence[ClaimRef], deadline: float) -> dict[str, Read | str]:
@@ -139,7 +142,8 @@ class DraDriver:
         return answers
 
     def _read(self, ref: ClaimRef, deadline: float) -> Read | str:
-        """One claim, and the containers of the pods it is reserved for; why not, in words."""
+        """One claim, and the pods it is reserved for (whose containers share it, and say which claims each
+        uses with it); why not, in words."""
         claim = self._tried(
             f"claim {ref.key}", lambda t: self.api.get_claim(ref.namespace, ref.name, timeout=t), deadline
         )
@@ -159,7 +163,7 @@ class DraDriver:
                 return pod
             if pod is not None and uid_of(pod) == pod_ref.uid:  # gone or re-created: not using it any more
                 pods.append(pod)
-        return claim, claim_users(pods)
+        return claim, pods
 
     def _tried(self, what: str, read: Callable[[float], Any], deadline: float) -> Any:
         """``read`` once per try, again after a broken connection, a 429 or a 5xx while the deadline allows;
@@ -176,14 +180,24 @@ class DraDriver:
                     return f"{what}: {exc}"
             self.sleep(RETRY_PAUSE_SECONDS)
 
-    def _prepare(self, ref: ClaimRef, read: Read, facts: NodeFacts) -> PreparedClaim | str:
-        claim, users = read
-        with self._lock:  # decided against the claims in the book and those being written, no I/O
-            if ref.uid in self._deciding:
-                return f"claim {ref.key} is being prepared by another call; the kubelet asks again"
-            done = self.book.get(ref.uid)
-            if done is not None:  # another call prepared it while this one read it
-                return done if done.ref == ref else _other_claim(ref, done)
+    def _prepare(
+        self, reads: Sequence[ClaimRead], unread: Sequence[ClaimRef], facts: NodeFacts
+    ) -> dict[str, PreparedClaim | str]:
+        """The call's claims decided together, against the claims in the book and those being written (no
+        I/O under the lock), then each written; ``unread``: claims of the call not read, which no claim used
+        beside them is prepared without."""
+        answers: dict[str, PreparedClaim | str] = {}
+        with self._lock:
+            wanted: list[ClaimRead] = []
+            for read in reads:
+                ref = read.ref
+                done = self.book.get(ref.uid)
+                if ref.uid in self._deciding:
+                    answers[ref.uid] = f"claim {ref.key} is being prepared by another call; the kubelet asks again"
+                elif done is not None:  # another call prepared it while this one read it
+                    answers[ref.uid] = done if done.ref == ref else _other_claim(ref, done)
+                else:
+                    wanted.append(read)
             node = DraNode(
                 name=self.node,
                 inventory=facts.inventory,
@@ -193,12 +207,21 @@ class DraDriver:
                 present_devices=facts.present_devices,
                 mps=facts.mps,
             )
-            outcome = decide(ref, claim, node, users=users)
-            if isinstance(outcome, PrepareRefusal):
-                # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
-                log.warning("NodePrepareResources refused: %s", outcome.message)
-                return outcome.message
-            self._deciding[ref.uid] = outcome
+            outcomes = decide_all(wanted, node, unread=unread)
+            for uid, outcome in outcomes.items():
+                if isinstance(outcome, PrepareRefusal):
+                    # The kubelet puts the message in the pod's FailedPrepareDynamicResources event.
+                    log.warning("NodePrepareResources refused: %s", outcome.message)
+                    answers[uid] = outcome.message
+                else:
+                    self._deciding[uid] = outcome
+        for uid, outcome in outcomes.items():
+            if isinstance(outcome, PreparedClaim):
+                answers[uid] = self._record(outcome, facts)
+        return answers
+
+    def _record(self, outcome: PreparedClaim, facts: NodeFacts) -> PreparedClaim | str:
+        ref = outcome.ref
         try:
             self.book.record(outcome)
         except (OSError, BookFull) as exc:
