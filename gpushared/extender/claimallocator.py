@@ -161,10 +161,10 @@ class ClaimAllocator:
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
         self._cursor = 0
         self.undecided = 0
-        #: kube-scheduler's pods: the nodes the allocator leaves to it meanwhile, the pods it counts not gated
+        #: kube-scheduler's pods: the room the allocator keeps free for them meanwhile, the pods it counts not gated
         self.fence = ClaimFence(
             lambda namespace: book.claims.get(namespace, {}),
-            self.placer.fitting,
+            self.placer,
             device_class=settings.device_class,
             counts=self.counts,
             told=self._not_gated_event,
@@ -205,7 +205,7 @@ class ClaimAllocator:
                 gated.append((key, pod))
             else:
                 self.fence.look_at(key, pod, now, gated_before=uid_of(pod) in self.first_seen)
-        if gated:  # the nodes held, worked out only when a pod is to be placed
+        if gated:  # the room kept for kube-scheduler, worked out only when a pod is to be placed
             self.fence.hold()
         budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
@@ -242,11 +242,11 @@ class ClaimAllocator:
 
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
-        kept = len(self.first_seen) + len(self.fence.handed_at) + len(self.told)
-        if kept <= 3 * len(self.cache.claiming) + 100:
+        books = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told)
+        if sum(len(book) for book in books) <= 4 * len(self.cache.claiming) + 100:
             return
         waiting = {uid_of(pod) for pod in self.cache.claiming.values()}
-        for book in (self.first_seen, self.fence.handed_at, self.told):
+        for book in books:
             for uid in [uid for uid in book if uid not in waiting]:
                 del book[uid]
 
@@ -278,13 +278,15 @@ class ClaimAllocator:
             return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
         if read.waiting is not None:
             return self._timed_out(pod, now, read.waiting)
-        held = self.fence.held
-        if held is None:
+        fenced = self.fence.holds(uid_of(pod), now)
+        choice = self.placer.choose(pod, read.asks, read.node, fenced=fenced)
+        # room only in what kube-scheduler's pods could take: the pod waits
+        held = fenced and isinstance(choice, NoRoom)
+        held = held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom)
+        self.fence.held_back(uid_of(pod), now, held=held)
+        if held:
             return Wait(FENCED)
-        choice = self.placer.choose(pod, read.asks, read.node, held=held)
         if isinstance(choice, NoRoom):
-            if held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom):
-                return Wait(FENCED)  # room only where kube-scheduler may be allocating
             return self._timed_out(pod, now, choice.reason)
         return Allocate(choice, read.asks)
 

@@ -1,13 +1,25 @@
 """The claim allocator's fence (issue #54): the pods kube-scheduler may be allocating claims of this driver
-for, the nodes the allocator leaves to it meanwhile, and the pods it counts as having reached kube-scheduler
-without the gate.
+for, the room the allocator keeps free for them meanwhile, and the pods it counts as having reached
+kube-scheduler without the gate.
 
 kube-scheduler allocates first fit the claims of the pods it is given ungated (the webhook skipped or down,
 a hand-over, a timeout), and two allocators writing different claims could each take the same GPU's last
-room. So for ``KUBE_WINDOW_SECONDS`` after such a pod reached kube-scheduler, the allocator writes nothing
-on the nodes where its pending claims fit as kube-scheduler may see them (``ClaimPlacer.fitting``: the
-claims the watch shows, without the allocator's writes it may not show yet). A pod that fits nowhere holds
-nothing; with more than ``MOST_FENCED_PODS`` of them every node is held.
+room. So for ``KUBE_WINDOW_SECONDS`` after such a pod reached kube-scheduler, the allocator keeps free on
+each GPU what the pod's pending claims could take there as kube-scheduler may see the node (the claims the
+watch shows, without the allocator's writes it may not show yet), and on each GPU the sum over such pods,
+never more than the GPU's free room (``core.placement.claimroom``: kube-scheduler never puts its own pods
+past a GPU's capacity). A gated pod is placed where it fits with that room counted; one that fits only in
+it waits (``FENCED``). The fence holds room, never whole nodes: a tenant's pods that kube-scheduler can
+never place (a node selector no node matches) but whose claims fit everywhere keep 1 GiB per pod on each
+GPU, not every node, and an ordinary pod still fits beside them.
+
+Bounded, and never starving the gated pods: the fence weighs ``MOST_FENCED_KINDS`` kinds of pod (the same
+claims' shape, CPU, memory and node selection: the pods of one kind take the same room each), those with
+the pods kube-scheduler was given last; a node's room is worked out again only when its ledger or CPU,
+or the pods weighed, changed. A flood of pods of one kind holds as much of a GPU as its free room at most,
+so the fence holds a gated pod back ``KUBE_WINDOW_SECONDS`` at most in a row: past that it is placed
+without the room kept, as a pod past its window is, and the driver's check at prepare (every claim on the
+GPU counted from the allocations) stops a GPU going past its memory or compute.
 
 Owned by the allocator, on the extender's event loop, like everything it keeps.
 """
@@ -15,51 +27,73 @@ Owned by the allocator, on the extender's event loop, like everything it keeps.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, NamedTuple
 
+from gpushared.core.placement.claimroom import Room, could_take, kept_room
 from gpushared.core.placement.claims import ClaimAsk, asks_class, claim_names, read_pod
 from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
+from gpushared.extender.claimplacing import NO_ROOM_KEPT, ClaimPlacer, KeptRoom, PodAsk
 
 #: A namespace's claims by name (``ClaimBook.claims``).
 Claims = Callable[[str], Mapping[str, Any]]
-#: The nodes where a pod's pending claims fit as kube-scheduler may see them (``ClaimPlacer.fitting``).
-Fitting = Callable[[PodBody, Sequence[ClaimAsk], str | None], set[str]]
 
 #: How long after a pod with pending claims of this driver reached kube-scheduler (handed over, or never
-#: gated) the allocator writes nothing on the nodes where that pod's claims fit: kube-scheduler tries a pod
-#: within moments of its gate going. Past it (a pod kube-scheduler keeps trying), the driver's check at
-#: prepare is what stops a GPU going past its capacity, so one such pod never stops the allocator for good.
+#: gated) the allocator keeps free the room its claims could take: kube-scheduler tries a pod within moments
+#: of its gate going. Past it (a pod kube-scheduler keeps trying), the driver's check at prepare is what stops
+#: a GPU going past its capacity, so one such pod never stops the allocator for good. It is also the longest
+#: the fence holds one gated pod back in a row.
 KUBE_WINDOW_SECONDS = 10.0
-#: Pods kube-scheduler may be allocating for that the fence looks at one by one; past them it holds every node.
-MOST_FENCED_PODS = 32
-#: Why a pod waits while the fence holds the nodes it fits.
+#: Kinds of pod kube-scheduler may be allocating for that the fence weighs, those it was given last: the
+#: fence's work is these kinds on the nodes that changed. Pods of further kinds are left to the driver's
+#: check at prepare, as pods past the window are.
+MOST_FENCED_KINDS = 32
+#: Why a pod waits while the fence keeps the room it would fit in.
 FENCED = (
-    "kube-scheduler may be allocating claims of pods it was given on the nodes with room for it; "
+    "kube-scheduler may be allocating claims of pods it was given in the room left for the pod; "
     "the allocator waits so that the two never take one GPU between them"
 )
+
+
+class NodeRoom(NamedTuple):
+    """One node's room kept, and what it was worked out from."""
+
+    #: the ids and versions of what it read: the node's ledger as kube-scheduler may see it, its CPU, memory
+    #: and model, the GPUs its slices publish
+    stamp: tuple[Any, ...]
+    #: the objects the stamp names by id, kept alive so that no object made since has the same id
+    alive: tuple[Any, ...]
+    #: what each kind weighed could take of each GPU there
+    takes: dict[PodAsk, dict[int, Room]]
+    room: dict[int, Room]
 
 
 class ClaimFence:
     def __init__(
         self,
         claims: Claims,
-        fitting: Fitting,
+        placer: ClaimPlacer,
         *,
         device_class: str,
         counts: Counter[str],
         told: Callable[[PodBody], None],
     ) -> None:
         """``counts``: the allocator's, where pods not gated are counted; ``told``: tells such a pod why."""
-        self.claims, self.fitting, self.device_class = claims, fitting, device_class
+        self.claims, self.placer, self.device_class = claims, placer, device_class
         self.counts, self.told = counts, told
         #: pods kube-scheduler may be allocating claims of this driver for (ungated, claims pending), with their
         #: pending asks and the node an allocated claim fixes
         self.kube_allocating: dict[Key, tuple[PodBody, tuple[ClaimAsk, ...], str | None]] = {}
-        #: the nodes held this step (``hold``; None: every node)
-        self.held: frozenset[str] | None = frozenset()
+        #: the room kept this step (``hold``): node -> GPU -> room
+        self.kept: KeptRoom = NO_ROOM_KEPT
+        #: the kinds weighed at the last ``hold``, and how many pods of each
+        self._weighed: dict[PodAsk, int] = {}
+        #: node -> its room as last worked out (``NodeRoom``)
+        self._rooms: dict[str, NodeRoom] = {}
         #: pod UID -> when it reached kube-scheduler with pending claims of this driver
         self.handed_at: dict[str, float] = {}
+        #: gated pod UID -> since when the fence holds it back, without a break
+        self.held_since: dict[str, float] = {}
         #: UIDs of ungated pods seen with claims of this driver the allocator did not ungate: counted once
         self.not_gated: set[str] = set()
         #: UIDs of pods whose gate the allocator removed (bounded): never counted as not gated
@@ -97,14 +131,65 @@ class ClaimFence:
             self.kube_allocating[key] = (pod, read.asks, read.node)
 
     def hold(self) -> None:
-        """Work out the nodes held this step: those where the pending claims of kube-scheduler's pods fit."""
-        if len(self.kube_allocating) > MOST_FENCED_PODS:
-            self.held = None
-            return
-        held: set[str] = set()
+        """Work out the room kept this step (``kept``) from the pods kube-scheduler may be allocating for, and
+        hand it to the placer (``ClaimPlacer.look``)."""
+        kinds: dict[PodAsk, tuple[tuple[ClaimAsk, ...], int, float]] = {}
         for pod, asks, fixed in self.kube_allocating.values():
-            held |= self.fitting(pod, asks, fixed)
-        self.held = frozenset(held)
+            ask = self.placer.ask_of(pod, asks, fixed)
+            when = self.handed_at.get(uid_of(pod), 0.0)
+            known = kinds.get(ask)
+            kinds[ask] = (asks, 1, when) if known is None else (known[0], known[1] + 1, max(known[2], when))
+        latest = sorted(kinds.items(), key=lambda item: item[1][2], reverse=True)[:MOST_FENCED_KINDS]
+        weighed = {ask: count for ask, (_, count, _) in latest}
+        asks_of = {ask: asks for ask, (asks, _, _) in latest}
+        if not weighed:
+            self._rooms.clear()
+            self.kept = NO_ROOM_KEPT
+        else:
+            self._keep(weighed, asks_of)
+        self._weighed = weighed
+        self.placer.look(self.kept)
+
+    def _keep(self, weighed: dict[PodAsk, int], asks_of: dict[PodAsk, tuple[ClaimAsk, ...]]) -> None:
+        """Each node's room, worked out again where its ledger, CPU or memory changed or the kinds weighed did
+        (what a kind could take there, only where the node changed); ``kept`` stays the same object while no
+        node's room changed."""
+        rooms: dict[str, NodeRoom] = {}
+        changed = False
+        for name, node, ledger, given in self.placer.shown():
+            stamp = (id(ledger), ledger.version, node.cpu_version, node.memory_allocatable, node.model, id(given))
+            known = self._rooms.get(name)
+            same = known is not None and known.stamp == stamp
+            if known is not None and same and weighed == self._weighed:
+                rooms[name] = known
+                continue
+            before = known.takes if known is not None and same else {}
+            takes = {
+                ask: before[ask]
+                if ask in before
+                else (could_take(asks_of[ask], ledger, given) if self.placer.admits(node, ask) else {})
+                for ask in weighed
+            }
+            room = kept_room(((takes[ask], count) for ask, count in weighed.items()), ledger)
+            rooms[name] = NodeRoom(stamp, (ledger, given), takes, room)
+            changed = changed or known is None or known.room != room
+        changed = changed or rooms.keys() != self._rooms.keys() or self.kept is NO_ROOM_KEPT
+        self._rooms = rooms
+        if changed:
+            self.kept = {name: node_room.room for name, node_room in rooms.items() if node_room.room}
+
+    def holds(self, uid: str, now: float) -> bool:
+        """Whether the room kept is counted for the gated pod ``uid``: while any is kept, unless the fence has
+        held the pod back ``KUBE_WINDOW_SECONDS`` in a row (then it is placed as if none were)."""
+        since = self.held_since.get(uid)
+        return bool(self.kept) and (since is None or now - since < KUBE_WINDOW_SECONDS)
+
+    def held_back(self, uid: str, now: float, *, held: bool) -> None:
+        """Whether the fence held the gated pod back this time: a pod that went a step unheld starts again."""
+        if held:
+            self.held_since.setdefault(uid, now)
+        else:
+            self.held_since.pop(uid, None)
 
     def _uses_ours(self, pod: PodBody, claims: Mapping[str, Any]) -> bool:
         """Whether a claim of the pod asks for this driver's class, allocated or not."""

@@ -7,13 +7,20 @@ selection allows the node's GPU model. Each node's placement for a kind of ask (
 memory and compute, MPS, NVLink) is kept until the node's ledger of claims, its CPU or the request mix
 changes: a burst of a thousand pods alike prices each node once per change, not once per pod (the
 extender's filter index keeps its ranks the same way).
+
+While kube-scheduler may be allocating claims of pods it was given, a gated pod is placed on each node's
+ledger with the room kept for them counted (``core.placement.claimroom``, worked out by
+``extender.claimfence``). And a pod that found no room finds none until something a placement reads changes:
+once a step (``look``) the placer sees whether anything did, and until then the pods of a kind that found no
+room are not priced again: two thousand pods waiting for room cost a step a lookup each, not a pricing.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
-from typing import Any
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.slices import nvlink_domains
@@ -24,19 +31,35 @@ from gpushared.core.placement.claimchoice import (
     Resources,
     Setting,
     best_of,
-    may_fit,
     place_on,
     preference,
 )
+from gpushared.core.placement.claimroom import Room, with_kept
 from gpushared.core.placement.claims import ClaimAsk
 from gpushared.core.placement.cpu import cpu_of, memory_request
+from gpushared.core.placement.nodes import NodeState
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import PodBody, gpu_models
+from gpushared.core.shared.ledger import Ledger
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import ClaimBook
 
 #: Placements kept at most; past it they are all worked out again (a bound on any mix of ask kinds).
 MAX_KEPT = 100_000
+#: The room kept for kube-scheduler, per node and GPU (``core.placement.claimroom``).
+KeptRoom = Mapping[str, Mapping[int, Room]]
+NO_ROOM_KEPT: KeptRoom = {}
+
+
+class PodAsk(NamedTuple):
+    """What a placement reads of a pod: its pending claims' shape, its CPU (milli) and memory requests, the GPU
+    models its node selection allows (None: any), and the node an allocated claim of it fixes (None: any)."""
+
+    shape: tuple[Any, ...]
+    cpu: int
+    memory: int
+    models: frozenset[str] | None
+    fixed: str | None
 
 
 class ClaimPlacer:
@@ -45,28 +68,75 @@ class ClaimPlacer:
     ) -> None:
         self.cache, self.book, self.policy = cache, book, policy
         self.model_label, self.rng = model_label, rng
-        #: (node, kind of ask) -> (what the placement read, the placement or None)
-        self._kept: dict[tuple[str, Any], tuple[Any, ClaimChoice | None]] = {}
+        #: (node, kind of ask) -> (the ledger priced, weakly: a ledger gone never matches one made since; what
+        #: else the placement read; the placement or None)
+        self._placements: dict[tuple[str, Any], tuple[weakref.ref[Ledger], Any, ClaimChoice | None]] = {}
         #: node -> (its inventory and published devices, as last seen: compared by identity, the GPUs given
         #: out and their NVLink domains worked out from them)
         self._static: dict[str, tuple[GpuInventory, frozenset[str], Mapping[int, str], Mapping[int, str]]] = {}
+        #: the room kept for kube-scheduler this step (``look``), counted for the pods placed ``fenced``
+        self.kept: KeptRoom = NO_ROOM_KEPT
+        #: node -> (its ledger and version, the room kept, the ledger with that room counted), while the same
+        self._with_kept: dict[str, tuple[Ledger, int, Mapping[int, Room], Ledger]] = {}
+        #: what every placement read at the last ``look`` (the objects it names kept alive, so that no object
+        #: made since has the same id), and how many times that changed
+        self._world: list[Any] = []
+        self._alive: list[Any] = []
+        self.generation = 0
+        #: (what a placement reads of a pod, fenced) -> why pods of that kind found no room this generation
+        self._no_room: dict[tuple[PodAsk, bool], NoRoom] = {}
+        #: pricings of a pod (its kind's placement on every candidate), for the tests' count of the work
+        self.pricings = 0
+
+    def look(self, kept: KeptRoom) -> None:
+        """Once a step, before its placements: the room kept for kube-scheduler (``kept``), and whether anything
+        a placement reads changed since the last step: the nodes published, each one's ledger, CPU, memory,
+        model and GPUs, the request mix, the room kept. When nothing did, a kind of pod that found no room
+        finds none now. Within a step the allocator's own choices only take room."""
+        state = self.cache.state
+        published = self.book.published()
+        mix = state.mix_generation if self.policy.reads_mix or self.policy.reads_pressure else 0
+        alive: list[Any] = [published, kept]
+        world: list[Any] = [id(published), id(kept), mix]
+        for name, node, inventory, _ in self._nodes():
+            ledger = self.book.ledger(name, inventory)
+            alive.append(ledger)
+            cpu_and_memory = (node.cpu_version, node.memory_allocatable, node.memory_requested)
+            world.append((name, id(ledger), ledger.version, *cpu_and_memory, node.model, inventory))
+        if world != self._world:
+            self._world, self.generation = world, self.generation + 1
+            self._no_room.clear()
+        if not kept:
+            self._with_kept.clear()
+        self._alive, self.kept = alive, kept
+
+    def ask_of(self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None) -> PodAsk:
+        shape = tuple(
+            (a.mps, a.linked, tuple((r.request, r.count, r.memory, r.compute) for r in a.requests)) for a in asks
+        )
+        return PodAsk(shape, cpu_of(pod), memory_request(pod), gpu_models(pod, self.model_label), fixed)
 
     def choose(
-        self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, *, held: frozenset[str] = frozenset()
+        self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, *, fenced: bool = False
     ) -> ClaimChoice | NoRoom:
-        """The best node for the pod's claims (``fixed``: the one an allocated claim of the pod is on), none of
-        ``held``."""
-        candidates = [c for c in self.candidates(pod, fixed) if c.name not in held]
+        """The best node for the pod's claims (``fixed``: the one an allocated claim of the pod is on); with the
+        room kept for kube-scheduler (``look``) counted where ``fenced``. A kind of pod that found no room
+        since the last change ``look`` saw is told so again without being priced."""
+        ask = self.ask_of(pod, asks, fixed)
+        known = self._no_room.get((ask, fenced))
+        if known is not None:
+            return known
+        choice = self._choose(ask, asks, fenced=fenced)
+        if isinstance(choice, NoRoom) and self.generation:
+            self._no_room[(ask, fenced)] = choice
+        return choice
+
+    def _choose(self, ask: PodAsk, asks: Sequence[ClaimAsk], *, fenced: bool) -> ClaimChoice | NoRoom:
+        self.pricings += 1
+        candidates = self.candidates(ask, kept=self.kept if fenced else NO_ROOM_KEPT)
         if not candidates:
             return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
-        pinned = gpu_models(pod, self.model_label) is not None
-        kind = (
-            tuple(
-                (a.mps, a.linked, tuple((r.request, r.count, r.memory, r.compute) for r in a.requests)) for a in asks
-            ),
-            cpu_of(pod) if self.policy.reads_cpu else 0,
-            pinned,
-        )
+        kind = (ask.shape, ask.cpu if self.policy.reads_cpu else 0, ask.models is not None)
         mix = self.cache.state.mix_generation if self.policy.reads_mix or self.policy.reads_pressure else 0
         by_name = {c.name: c for c in candidates}
         placed = [self._placed(candidate, asks, kind, mix) for candidate in candidates]
@@ -79,58 +149,83 @@ class ClaimPlacer:
 
     def _placed(self, candidate: Candidate, asks: Sequence[ClaimAsk], kind: Any, mix: int) -> ClaimChoice | None:
         node = self.cache.state.nodes[candidate.name]
-        stamp = (id(candidate.ledger), candidate.ledger.version, node.cpu_version, mix, len(candidate.devices))
+        ledger = candidate.ledger
+        stamp = (ledger.version, node.cpu_version, mix, len(candidate.devices))
         key = (candidate.name, kind)
-        known = self._kept.get(key)
-        if known is not None and known[0] == stamp:
-            return known[1]
+        known = self._placements.get(key)
+        if known is not None and known[0]() is ledger and known[1] == stamp:
+            return known[2]
         placed = place_on(asks, candidate, self.policy)
-        if len(self._kept) >= MAX_KEPT:
-            self._kept.clear()
-        self._kept[key] = (stamp, placed)
+        if len(self._placements) >= MAX_KEPT:
+            self._placements.clear()
+        self._placements[key] = (weakref.ref(ledger), stamp, placed)
         return placed
 
-    def fitting(self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None) -> set[str]:
-        """The nodes where the pod's claims could be allocated as kube-scheduler may see them: the claims the
-        watch shows, without the allocator's writes it does not show yet (kube-scheduler's own watch may not
-        show them either), and the pod's CPU, memory and node selection passing there."""
-        return {c.name for c in self.candidates(pod, fixed, shown=True) if may_fit(asks, c.ledger, c.devices)}
-
-    def candidates(self, pod: PodBody, fixed: str | None, *, shown: bool = False) -> list[Candidate]:
+    def candidates(self, ask: PodAsk, *, kept: KeptRoom = NO_ROOM_KEPT) -> list[Candidate]:
         """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far
-        as the extender counts them (CPU, memory, GPU model), each with its ledger of claims (``shown``: only
-        those the watch shows)."""
-        pod_cpu, pod_memory = cpu_of(pod), memory_request(pod)
-        models = gpu_models(pod, self.model_label)
+        as the extender counts them (``admits``), each with its ledger of claims, the allocator's writes the
+        watch does not show yet counted, and the room ``kept`` on the node's GPUs."""
         mix = self.cache.state.request_mix() if self.policy.reads_mix or self.policy.reads_pressure else None
         found = []
-        for name, devices in self.book.published().items():
-            node = self.cache.state.nodes.get(name)
-            if (fixed is not None and name != fixed) or node is None or node.inventory is None or node.problem:
+        for name, node, inventory, devices in self._nodes():
+            if not self.admits(node, ask):
                 continue
             cpu, memory = node.cpu, node.memory_allocatable
-            if cpu is not None and cpu.requested + pod_cpu > cpu.allocatable:
-                continue
-            if memory is not None and node.memory_requested + pod_memory > memory:
-                continue
-            if models is not None and node.model not in models:
-                continue
-            inventory = node.inventory
             given, domains = self._given(name, inventory, devices)
             resources = None
             if cpu is not None and memory is not None:
                 resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
+            ledger = self.book.ledger(name, inventory)
+            room = kept.get(name)
             found.append(
                 Candidate(
                     name=name,
-                    ledger=self.book.ledger(name, inventory, assumed=not shown),
+                    ledger=self._kept_on(name, ledger, room) if room else ledger,
                     devices=given,
                     domains=domains,
-                    setting=Setting(mix=mix, cpu=cpu, pod_cpu=pod_cpu, model=node.model, pinned=models is not None),
-                    preference=preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory),
+                    setting=Setting(mix=mix, cpu=cpu, pod_cpu=ask.cpu, model=node.model, pinned=ask.models is not None),
+                    preference=preference(resources, pod_cpu=ask.cpu, pod_memory=ask.memory),
                 )
             )
         return found
+
+    def shown(self) -> Iterator[tuple[str, NodeState, Ledger, Mapping[int, str]]]:
+        """The nodes claims may be allocated on as kube-scheduler may see them: the claims the watch shows,
+        without the allocator's writes it does not show yet (kube-scheduler's own watch may not show them
+        either), and the GPUs their slices publish."""
+        for name, node, inventory, devices in self._nodes():
+            yield name, node, self.book.ledger(name, inventory, assumed=False), self._given(name, inventory, devices)[0]
+
+    def admits(self, node: NodeState, ask: PodAsk) -> bool:
+        """Whether kube-scheduler's filters would pass the node for the pod as far as the extender counts them:
+        its CPU and memory requests fit, its node selection allows the node's GPU model, and no allocated claim
+        of the pod fixes another node."""
+        if ask.fixed is not None and node.name != ask.fixed:
+            return False
+        cpu, memory = node.cpu, node.memory_allocatable
+        if cpu is not None and cpu.requested + ask.cpu > cpu.allocatable:
+            return False
+        if memory is not None and node.memory_requested + ask.memory > memory:
+            return False
+        return ask.models is None or node.model in ask.models
+
+    def _nodes(self) -> Iterator[tuple[str, NodeState, GpuInventory, frozenset[str]]]:
+        """The nodes publishing this driver's GPUs whose inventory the extender reads, with their devices."""
+        nodes = self.cache.state.nodes
+        for name, devices in self.book.published().items():
+            node = nodes.get(name)
+            if node is not None and node.inventory is not None and not node.problem:
+                yield name, node, node.inventory, devices
+
+    def _kept_on(self, name: str, ledger: Ledger, room: Mapping[int, Room]) -> Ledger:
+        """The node's ledger with the room kept for kube-scheduler counted, the same object while neither
+        changes (its placements are kept by it)."""
+        known = self._with_kept.get(name)
+        if known is not None and known[0] is ledger and known[1] == ledger.version and known[2] == room:
+            return known[3]
+        made = with_kept(ledger, room)
+        self._with_kept[name] = (ledger, ledger.version, room, made)
+        return made
 
     def _given(
         self, name: str, inventory: GpuInventory, devices: frozenset[str]

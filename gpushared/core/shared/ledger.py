@@ -59,6 +59,9 @@ class Holding:
     problem: str | None = None
     #: percent of the compute of each GPU in ``gpus`` (of the node's, while ``pending``) guaranteed to it
     compute: int = 0
+    #: not a pod: room the claim allocator keeps free for kube-scheduler (``core.placement.claimroom``),
+    #: counted against the GPU's memory and compute and never as a pod on it (no sharer, no MPS or plain mode)
+    kept: bool = False
 
 
 def holds_gpu_memory(pod: PodBody) -> bool:
@@ -296,7 +299,8 @@ class Ledger:
             self._unplaced_compute += sign * holding.compute
         for index, amount in holding.gpus.items():
             _bump(self._used, index, sign * amount)
-            _bump(modes, index, sign)
+            if not holding.kept:
+                _bump(modes, index, sign)
             if holding.compute:
                 _bump(self._compute, index, sign * holding.compute)
 
