@@ -1,5 +1,14 @@
 """The local cluster's simulated GPUs: what the fake ``libnvidia-ml.so.1`` shows (a JSON file it re-reads
-on change), the processes it lists on each GPU, and the GPUs' device files under the daemon's devRoot."""
+on change), the processes it lists on each GPU, and the GPUs' device files under the daemon's devRoot.
+
+The node's GPUs (16, 12, 24 and 8 GiB) are joined in two NVLink pairs, 0-2 and 1-3, each by two links, and
+meet nowhere closer than across the sockets otherwise (``nvidia-smi topo -m``: NV2 and SYS). Those pairs are
+the ones best fit already takes for two GPUs (8 GiB on each of two: GPUs 3 and 1; then 12 GiB on each: GPUs
+0 and 2, tests/e2e/test_cluster.py), so the device-plugin cases place as without links, while a DRA claim for
+two linked GPUs (``matchAttribute: gpu.gpushared.io/nvlinkDomain``) has two domains to choose from, and the
+claim allocator's policy takes another pair than kube-scheduler's first fit (tests/e2e/test_dra_allocator.py).
+One-GPU pods never look at links.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,12 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
+from gpushared.core.shared.topology import Link, LinkKind, Topology
 from tests.fakes.nvml import FakeNvml, build_library
+
+#: The node's NVLink pairs (by NVML index) and the links joining each.
+NVLINK_PAIRS = ((0, 2), (1, 3))
+NVLINKS_PER_PAIR = 2
 
 
 class SimulatedGpus:
@@ -19,8 +33,15 @@ class SimulatedGpus:
         #: the daemon's devRoot: device files for ``deviceNodes``, the real /dev left alone
         self.dev_root = state / "dev-root"
 
-    def write_gpus(self, sizes_mib: Sequence[int]) -> FakeNvml:
-        return FakeNvml.with_sizes(self.file, build_library(self.file.parent), *sizes_mib)
+    def write_gpus(self, sizes_mib: Sequence[int], nvlink: Sequence[tuple[int, int]] = NVLINK_PAIRS) -> FakeNvml:
+        """GPUs of these sizes, joined by NVLink as ``nvlink`` says (pairs past the GPUs left out; none: no
+        link known, as a driver that does not say)."""
+        fake = FakeNvml.with_sizes(self.file, build_library(self.file.parent), *sizes_mib)
+        pairs = [(a, b) for a, b in nvlink if max(a, b) < len(sizes_mib)]
+        if pairs:
+            links = {frozenset(pair): Link(LinkKind.NVLINK, NVLINKS_PER_PAIR) for pair in pairs}
+            fake.set_layout(Topology(links=links))
+        return fake
 
     def write_layout(self, layout: str, size_mib: int) -> FakeNvml:
         """GPUs of ``size_mib`` linked as a layout of ``tests.fakes.topologies`` ("dgx1"...)."""
