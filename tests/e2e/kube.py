@@ -24,7 +24,8 @@ GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
 #: otherwise ignore it and every deletion would take the whole grace period).
 #: DEVICES= lists the NVIDIA device files the container has (deviceNodes).
 PRINT_ENV = (
-    "env | grep -E '^(NVIDIA|ALIYUN|CUDA)' | sort; echo DEVICES=$(ls /dev | grep '^nvidia' | sort | tr '\\n' ' '); "
+    "env | grep -E '^(NVIDIA|ALIYUN|CUDA|GPUSHARED)' | sort; "
+    "echo DEVICES=$(ls /dev | grep '^nvidia' | sort | tr '\\n' ' '); "
     "echo READY; trap 'exit 0' TERM; sleep 3600 & wait"
 )
 

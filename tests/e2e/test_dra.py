@@ -120,6 +120,45 @@ def claim_pod(name: str, claim: str) -> dict[str, Any]:
     }
 
 
+def claims_pod(name: str, *claims: str, only: dict[str, list[str]] | None = None) -> dict[str, Any]:
+    """A pod whose container ``name`` names every claim (by the claim's own name), and whose containers in
+    ``only`` name those claims alone."""
+    body = claim_pod(name, claims[0])
+    body["spec"]["resourceClaims"] = [{"name": c, "resourceClaimName": c} for c in claims]
+    (container,) = body["spec"]["containers"]
+    container["resources"] = {"claims": [{"name": c} for c in claims]}
+    for other, named in (only or {}).items():
+        body["spec"]["containers"].append(
+            {**container, "name": other, "resources": {"claims": [{"name": c} for c in named]}}
+        )
+    return body
+
+
+def told_every_gpu(cluster: LocalCluster, kube: Kube, namespace: str, pod: str, claims: tuple[str, ...]) -> list[int]:
+    """The GPU indexes the claims were allocated, after checking the container named ``pod`` is told each of
+    them once, whatever order containerd applied the claims' CDI devices in: in NVIDIA_VISIBLE_DEVICES and
+    ALIYUN_COM_GPU_MEM_IDX, with the sum of the claims' memory in ALIYUN_COM_GPU_MEM_CONTAINER, and each
+    claim's own GPU in its own variable (GPUSHARED_CLAIM_<UID>_<REQUEST>)."""
+    devices = {d["name"]: d["attributes"] for s in slices(cluster) for d in s["spec"]["devices"]}
+    bodies = {c["metadata"]["name"]: c for c in get(cluster, "-n", namespace, "resourceclaims")["items"]}
+    allocated = allocations(cluster, namespace)
+    env = kube.env_of(namespace, pod)
+    gpus: dict[int, str] = {}
+    memory = 0
+    for name in claims:
+        (result,) = allocated[name]
+        attributes = devices[result["device"]]
+        uuid = attributes["uuid"]["string"]
+        gpus[attributes["index"]["int"]] = uuid
+        memory += parse_whole_quantity("memory", result["consumedCapacity"]["memory"]) // GI
+        own = "GPUSHARED_CLAIM_" + bodies[name]["metadata"]["uid"].replace("-", "").upper() + "_GPU"
+        assert env[own] == uuid, (own, env)
+    assert sorted(env["NVIDIA_VISIBLE_DEVICES"].split(",")) == sorted(gpus.values()), env
+    assert env["ALIYUN_COM_GPU_MEM_IDX"] == ",".join(str(i) for i in sorted(gpus)), env
+    assert env["ALIYUN_COM_GPU_MEM_CONTAINER"] == str(memory), env
+    return sorted(gpus)
+
+
 def apply(cluster: LocalCluster, namespace: str, *bodies: dict[str, Any]) -> None:
     cluster.kubectl("-n", namespace, "apply", "-f", "-", input=yaml.safe_dump_all(bodies))
 
@@ -204,6 +243,40 @@ def test_a_claim_from_a_template_and_an_mps_claim(dra_node: LocalCluster, kube: 
         env = kube.env_of(namespace, "mps-client")
         assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
         assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=3072M"
+
+
+def test_a_container_with_two_claims_is_told_both_gpus(dra_node: LocalCluster, kube: Kube, namespace: str) -> None:
+    """Two 10 GiB claims named by one container, allocated by kube-scheduler alone: no GPU but the 24 GiB
+    one holds both, and first fit puts them on GPUs 0 and 1. containerd applies the claims' CDI devices one
+    after the other and keeps the last device's variables; each claim's spec names the other's GPU too, so
+    the container is told both (docs/dra.md, "What the container gets")."""
+    cluster = dra_node
+    if not containerd_applies_cdi(cluster):
+        pytest.skip("no runtime here applies CDI specs (containerd < 1.7): nothing gives the container its env")
+    apply(
+        cluster, namespace, claim_body("left", "10Gi"), claim_body("right", "10Gi"), claims_pod("both", "left", "right")
+    )
+    kube.wait_running(namespace, "both", timeout=120)
+    assert len(told_every_gpu(cluster, kube, namespace, "both", ("left", "right"))) == 2
+
+
+def test_containers_that_combine_a_claim_differently_are_refused_with_the_reason(
+    dra_node: LocalCluster, kube: Kube, namespace: str
+) -> None:
+    """One container names claims a and b, another a alone: a's CDI spec, the same for both, cannot tell
+    each its own GPUs, so the driver refuses to prepare the pod's claims, and the kubelet says why."""
+    cluster = dra_node
+    apply(
+        cluster, namespace, claim_body("a", "1Gi"), claim_body("b", "1Gi"),
+        claims_pod("mixed", "a", "b", only={"only-a": ["a"]}),
+    )  # fmt: skip
+    message = kube.wait_event(
+        namespace, "mixed", lambda reason, _: reason == "FailedPrepareDynamicResources", timeout=120
+    )
+    assert "cannot tell each its own GPUs" in message, message
+    assert "container only-a of pod" in message or "container mixed of pod" in message, message
+    assert kube.pod(namespace, "mixed")["status"].get("phase") == "Pending"
+    assert not cluster.node.daemon_status().get("claims"), "neither claim is prepared"
 
 
 def test_a_restarted_daemon_unprepares_what_it_prepared_before(

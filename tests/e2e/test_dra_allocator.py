@@ -29,9 +29,13 @@ from tests.e2e.test_dra import (
     assert_no_gpu_over_capacity,
     claim_body,
     claim_pod,
+    claims_pod,
+    containerd_applies_cdi,
     dra_node,
+    get,
     slices,
     template_body,
+    told_every_gpu,
 )
 
 __all__ = ["dra_node"]  # the node in DRA mode, the fixture this module's own builds on
@@ -70,6 +74,23 @@ def device_index(cluster: LocalCluster) -> dict[str, int]:
 
 def gates(kube: Kube, namespace: str, name: str) -> list[str]:
     return [g["name"] for g in kube.pod(namespace, name)["spec"].get("schedulingGates") or []]
+
+
+def allocated_count(cluster: LocalCluster) -> float:
+    """The extender's count of pods whose claims its allocator allocated."""
+    for line in cluster.scheduling.extender_metrics().splitlines():
+        if line.startswith('gpushared_extender_claim_pods_total{outcome="allocated"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def assert_gated_not_handed_over(cluster: LocalCluster, kube: Kube, namespace: str, name: str) -> None:
+    """The pod reached kube-scheduler through the allocator: no ClaimsNotGated Event on it (the allocator
+    writes one, a moment later, for a pod that reached kube-scheduler ungated), none counted."""
+    time.sleep(3)
+    reasons = [reason for reason, _ in kube.events(namespace, name)]
+    assert "ClaimsNotGated" not in reasons, reasons
+    assert 'gpushared_extender_claim_pods_total{outcome="not_gated"} 0.0' in cluster.scheduling.extender_metrics()
 
 
 def test_claims_first_fit_strands_are_placed(allocating: LocalCluster, kube: Kube, namespace: str) -> None:
@@ -127,14 +148,19 @@ def test_a_template_and_an_mps_claim_through_the_allocator(
 
 
 def test_two_linked_gpus(allocating: LocalCluster, kube: Kube, namespace: str) -> None:
+    """The node's GPUs are two NVLink pairs, 0-2 (16 and 24 GiB) and 1-3 (12 and 8 GiB: tests/e2e/gpus.py).
+    Two linked GPUs of 2 GiB each: kube-scheduler's first fit would take GPUs 0 and 2, the first device and
+    the next of its domain; binpack takes the pair with the least room, 1 and 3."""
     cluster = allocating
     domains = {
         d["name"]: d["attributes"].get("nvlinkDomain", {}).get("string")
         for s in slices(cluster)
         for d in s["spec"]["devices"]
     }
-    if sum(1 for domain in domains.values() if domain) < 2:
-        pytest.skip("the simulated GPUs of this node are not joined by NVLink")
+    index = device_index(cluster)
+    by_index = {index[name]: domain for name, domain in domains.items()}
+    assert by_index[0] == by_index[2] != by_index[1] == by_index[3], by_index
+    assert None not in by_index.values(), by_index
     linked = claim_body("linked", "2Gi")
     linked["spec"]["devices"]["requests"][0]["exactly"]["count"] = 2
     linked["spec"]["devices"]["constraints"] = [{"matchAttribute": "gpu.gpushared.io/nvlinkDomain"}]
@@ -142,6 +168,54 @@ def test_two_linked_gpus(allocating: LocalCluster, kube: Kube, namespace: str) -
     kube.wait_running(namespace, "linked", timeout=120)
     results = allocations(cluster, namespace)["linked"]
     assert len({domains[r["device"]] for r in results}) == 1 and len({r["device"] for r in results}) == 2
+    assert sorted(index[r["device"]] for r in results) == [1, 3]
+
+
+def test_a_manifest_of_a_claim_and_its_pod_applied_whole(allocating: LocalCluster, kube: Kube, namespace: str) -> None:
+    """How users write it: the claim and the pod in one file, one `kubectl apply -f`. The pod is created a
+    moment after the claim, and is gated and allocated all the same: 8 GiB goes to the 8 GiB GPU, 3 (best
+    fit), where kube-scheduler's first fit would take GPU 0."""
+    cluster = allocating
+    apply(cluster, namespace, claim_body("whole", "8Gi"), claim_pod("whole", "whole"))
+    kube.wait_running(namespace, "whole", timeout=120)
+    (result,) = allocations(cluster, namespace)["whole"]
+    assert device_index(cluster)[result["device"]] == 3
+    assert_gated_not_handed_over(cluster, kube, namespace, "whole")
+
+
+def test_a_pod_of_a_template_is_gated_and_allocated(allocating: LocalCluster, kube: Kube, namespace: str) -> None:
+    """A template and the pod that uses it, in one `kubectl apply`: the resourceclaim controller makes the
+    claim only once the pod exists, so the allocator finds the pod gated before its claim; it allocates the
+    claim when it is made (8 GiB: GPU 3, best fit) and kube-scheduler binds the pod there."""
+    cluster = allocating
+    before = allocated_count(cluster)
+    pod = claim_pod("templated-8", "unused")
+    pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu-8gi"}]
+    apply(cluster, namespace, template_body("gpu-8gi", "8Gi"), pod)
+    (running,) = kube.wait_running(namespace, "templated-8", timeout=120)
+    (status,) = running["status"]["resourceClaimStatuses"]
+    claim = get(cluster, "-n", namespace, "resourceclaim", status["resourceClaimName"])
+    assert [o["uid"] for o in claim["metadata"]["ownerReferences"]] == [running["metadata"]["uid"]]
+    (result,) = allocations(cluster, namespace)[status["resourceClaimName"]]
+    assert device_index(cluster)[result["device"]] == 3
+    assert allocated_count(cluster) == before + 1
+    assert_gated_not_handed_over(cluster, kube, namespace, "templated-8")
+
+
+def test_a_container_with_two_claims_through_the_allocator(
+    allocating: LocalCluster, kube: Kube, namespace: str
+) -> None:
+    """Two 6 GiB claims named by one container: binpack puts one on the 8 GiB GPU 3 and the other on the
+    12 GiB GPU 1, and the container is told both (each claim's CDI spec names the other's GPU too)."""
+    cluster = allocating
+    if not containerd_applies_cdi(cluster):
+        pytest.skip("no runtime here applies CDI specs (containerd < 1.7): nothing gives the container its env")
+    apply(cluster, namespace, claim_body("first", "6Gi"), claim_body("second", "6Gi"))
+    time.sleep(2)  # the extender's book sees the claims before the pod is created
+    apply(cluster, namespace, claims_pod("both", "first", "second"))
+    kube.wait_running(namespace, "both", timeout=120)
+    assert told_every_gpu(cluster, kube, namespace, "both", ("first", "second")) == [1, 3]
+    assert_gated_not_handed_over(cluster, kube, namespace, "both")
 
 
 def test_the_leader_killed_during_allocations_allocates_each_claim_once(
