@@ -299,7 +299,7 @@ class MemoryWatcher:
                 combined = combination_problem(pod, prepared) if prepared else None
                 if combined is not None and (known is None or known[0] != version):
                     # a pod the driver never saw (docs/dra.md, "What the container gets"): said, not silent
-                    message = f"its containers may be told GPUs they hold no claim to: {combined}"
+                    message = f"its containers may be told other GPUs than their claims hold: {combined}"
                     log.warning("pod %s: %s", qualified_name(pod), message)
                     self.outbox.event(pod, EVENT_COMBINATION, message, warning=True)
             kept[uid] = (version, basis, found)

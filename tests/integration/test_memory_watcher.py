@@ -389,7 +389,7 @@ def test_a_running_pod_combining_prepared_claims_otherwise_than_their_specs_is_n
     watch.poll()
     watch.poll()
     assert [(name, reason) for name, reason, _ in events.sent] == [("later", "DRAClaimsCombinedOtherwise")]
-    assert "may be told GPUs they hold no claim to" in events.sent[0][2]
+    assert "may be told other GPUs than their claims hold" in events.sent[0][2]
     assert (
         "was prepared for containers that use claims default/a (request gpu), default/b (request gpu)"
         in (events.sent[0][2])

@@ -228,6 +228,13 @@ def test_a_claim_used_beside_one_refused_or_unread_is_refused_too() -> None:
     assert "uses claim team/b beside claim team/a (request gpu), and it cannot be prepared now" in past[A.uid]
     unread = decide_all([ClaimRead(A, claim_of(A, result(G0)), [app])], NODE, unread=[B])
     assert isinstance(unread[A.uid], PrepareRefusal) and "claim team/b" in unread[A.uid].message
+    # refused once its spec is made: GPU 1's device file is missing
+    no_file = DraNode(**{**NODE.__dict__, "present_devices": ("/dev/nvidia0", "/dev/nvidiactl")})
+    late = refusals(
+        [ClaimRead(A, claim_of(A, result(G0)), [app]), ClaimRead(B, claim_of(B, result(G1)), [app])], no_file
+    )
+    assert "does not exist" in late[B.uid]
+    assert "claim team/a is used beside claim team/b, which cannot be prepared now" in late[A.uid]
 
 
 def test_an_mps_claim_with_a_companion_is_refused() -> None:

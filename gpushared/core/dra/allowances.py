@@ -51,12 +51,12 @@ def claim_allowances(
 
 
 def combination_problem(pod: PodBody, claims: Mapping[tuple[str, str], PreparedClaim]) -> str | None:
-    """Why a running container of ``pod`` may be told GPUs it holds no claim to, or None. The kubelet prepares
-    a claim once per node: a pod reserved after it was prepared, with no claim of its own left to prepare,
-    is never seen by the driver, and a container of it that combines the claims otherwise than their CDI
-    specs were written for (``core.dra.companions``) is told what the last device applied says. Only for a
-    running pod, whose claims are all prepared (while it starts, a claim not yet in ``claims`` would look
-    like another driver's)."""
+    """Why a running container of ``pod`` may be told other GPUs than its claims hold (some it holds no claim
+    to, or only some of its own), or None. The kubelet prepares a claim once per node: a pod reserved after
+    it was prepared, with no claim of its own left to prepare, is never seen by the driver, and a container
+    of it that combines the claims otherwise than their CDI specs were written for (``core.dra.companions``)
+    is told what the last device applied says. Only for a running pod, whose claims are all prepared (while
+    it starts, a claim not yet in ``claims`` would look like another driver's)."""
     if (pod.get("status") or {}).get("phase") != "Running":
         return None
     known = {

@@ -146,8 +146,37 @@ def decide_all(
         decided[read.ref.uid] = devices
         if not isinstance(devices, PrepareRefusal):
             so_far.append(PreparedClaim(read.ref, tuple(devices)))
-    # the driver's claims the containers may name: prepared here (with the companions their specs were written
-    # for), unread, and those of the call (a refused one as unready)
+    devices_of: dict[str, list[PreparedDevice]] = {}
+    owners: dict[str, ClaimRef] = {}  # CDI device -> its claim
+    for prepared in [*node.prepared, *so_far]:
+        devices_of.update(_by_cdi_device(prepared.ref, prepared.devices))
+        owners.update({cdi_name(prepared.ref, d.request): prepared.ref for d in prepared.devices})
+    pods = {uid_of(pod): pod for read in reads for pod in read.pods or ()}
+    mps = {name for name, members in devices_of.items() if any(d.mps for d in members)}
+    found = companions(pods.values(), _driver_claims(reads, decided, node, unread), mps=mps)
+    outcomes: dict[str, PreparedClaim | PrepareRefusal] = {}
+    for read in reads:
+        outcome = decided[read.ref.uid]
+        problem = next((found.problems[uid_of(p)] for p in read.pods or () if uid_of(p) in found.problems), None)
+        if isinstance(outcome, PrepareRefusal):
+            outcomes[read.ref.uid] = outcome
+        elif problem is not None:
+            outcomes[read.ref.uid] = PrepareRefusal(f"claim {read.ref.key} cannot be prepared: {problem}")
+        else:
+            outcomes[read.ref.uid] = _with_cdi(read.ref, outcome, node, found.of, devices_of)
+    _refuse_beside_refused(outcomes, owners, found.of)
+    return outcomes
+
+
+def _driver_claims(
+    reads: Sequence[ClaimRead],
+    decided: Mapping[str, list[PreparedDevice] | PrepareRefusal],
+    node: DraNode,
+    unread: Collection[ClaimRef],
+) -> dict[tuple[str, str], DriverClaim]:
+    """The driver's claims a container may name, by namespace and name: those prepared here (with the
+    companions their specs were written for), the call's unread ones, and the call's (a refused one as one
+    that cannot be prepared now)."""
     claims: dict[tuple[str, str], DriverClaim] = {}
     for prepared in node.prepared:
         written = {cdi.name: cdi.combination for cdi in prepared.cdi}
@@ -160,42 +189,34 @@ def decide_all(
         outcome = decided[read.ref.uid]
         requests = None if isinstance(outcome, PrepareRefusal) else _requests(outcome)
         claims[(read.ref.namespace, read.ref.name)] = DriverClaim(read.ref, requests)
-    devices_of: dict[str, list[PreparedDevice]] = {}
-    owners: dict[str, ClaimRef] = {}  # CDI device -> its claim
-    for prepared in [*node.prepared, *so_far]:
-        devices_of.update(_by_cdi_device(prepared.ref, prepared.devices))
-        owners.update({cdi_name(prepared.ref, d.request): prepared.ref for d in prepared.devices})
-    pods = {uid_of(pod): pod for read in reads for pod in read.pods or ()}
-    mps = {name for name, members in devices_of.items() if any(d.mps for d in members)}
-    found = companions(pods.values(), claims, mps=mps)
-    refused = {uid: outcome for uid, outcome in decided.items() if isinstance(outcome, PrepareRefusal)}
-    for read in reads:
-        problem = next((found.problems[uid_of(p)] for p in read.pods or () if uid_of(p) in found.problems), None)
-        if problem is not None:
-            refused.setdefault(read.ref.uid, PrepareRefusal(f"claim {read.ref.key} cannot be prepared: {problem}"))
+    return claims
+
+
+def _refuse_beside_refused(
+    outcomes: dict[str, PreparedClaim | PrepareRefusal], owners: Mapping[str, ClaimRef], of: Mapping[str, Combination]
+) -> None:
+    """Refuse every claim of ``outcomes`` used beside one refused (its CDI devices' companions, ``of``, name
+    a device of that claim: ``owners``), and so on: none is prepared without the others its containers use,
+    whose GPUs its spec would name."""
     changed = True
-    while changed:  # a claim used beside one refused is refused too, so that none is prepared without the other
+    while changed:
         changed = False
-        for read in reads:
-            mine = [name for name, ref in owners.items() if ref.uid == read.ref.uid]
-            others = refused.keys() - {read.ref.uid}
+        refused = {uid for uid, outcome in outcomes.items() if isinstance(outcome, PrepareRefusal)}
+        for uid, outcome in outcomes.items():
+            if isinstance(outcome, PrepareRefusal):
+                continue
             beside = sorted(
-                owners[c] for name in mine for c in found.of.get(name, ()) if c in owners and owners[c].uid in others
+                owners[c]
+                for cdi in outcome.cdi
+                for c in of.get(cdi.name, ())
+                if c in owners and owners[c].uid in refused - {uid}
             )
-            if beside and read.ref.uid not in refused:
-                refused[read.ref.uid] = PrepareRefusal(
-                    f"claim {read.ref.key} is used beside claim {beside[0].key}, which cannot be prepared now (its "
-                    "own error says why): a claim used with others is prepared with them"
+            if beside:
+                outcomes[uid] = PrepareRefusal(
+                    f"claim {outcome.ref.key} is used beside claim {beside[0].key}, which cannot be prepared now "
+                    "(its own error says why): a claim used with others is prepared with them"
                 )
                 changed = True
-    answers: dict[str, PreparedClaim | PrepareRefusal] = {}
-    for read in reads:
-        outcome = decided[read.ref.uid]
-        if isinstance(outcome, PrepareRefusal) or read.ref.uid in refused:
-            answers[read.ref.uid] = refused[read.ref.uid]
-        else:
-            answers[read.ref.uid] = _with_cdi(read.ref, outcome, node, found.of, devices_of)
-    return answers
 
 
 def _requests(devices: Sequence[PreparedDevice]) -> tuple[str, ...]:
