@@ -157,7 +157,15 @@ class ClaimFence:
         rooms: dict[str, NodeRoom] = {}
         changed = False
         for name, node, ledger, given in self.placer.shown():
-            stamp = (id(ledger), ledger.version, node.cpu_version, node.memory_allocatable, node.model, id(given))
+            stamp = (
+                id(ledger),
+                ledger.version,
+                node.cpu_version,
+                node.memory_allocatable,
+                node.model,
+                id(given),
+                node.facts,
+            )
             known = self._rooms.get(name)
             same = known is not None and known.stamp == stamp
             if known is not None and same and weighed == self._weighed:
@@ -167,7 +175,7 @@ class ClaimFence:
             takes = {
                 ask: before[ask]
                 if ask in before
-                else (could_take(asks_of[ask], ledger, given) if self.placer.admits(node, ask) else {})
+                else (could_take(asks_of[ask], ledger, given) if self.placer.admits(node, ask, generous=True) else {})
                 for ask in weighed
             }
             room = kept_room(((takes[ask], count) for ask, count in weighed.items()), ledger)

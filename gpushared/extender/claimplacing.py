@@ -17,10 +17,11 @@ room are not priced again: two thousand pods waiting for room cost a step a look
 
 from __future__ import annotations
 
+import json
 import random
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.slices import nvlink_domains
@@ -37,6 +38,7 @@ from gpushared.core.placement.claimchoice import (
 from gpushared.core.placement.claimroom import Room, with_kept
 from gpushared.core.placement.claims import ClaimAsk
 from gpushared.core.placement.cpu import cpu_of, memory_request
+from gpushared.core.placement.nodefit import admits, within_bounds
 from gpushared.core.placement.nodes import NodeState
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import PodBody, gpu_models
@@ -44,6 +46,8 @@ from gpushared.core.shared.ledger import Ledger
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import ClaimBook
 
+#: A pod with no node selection and no toleration, as ``nodefit.admits`` reads it.
+NO_SELECTION: PodBody = {"spec": {}}
 #: Placements kept at most; past it they are all worked out again (a bound on any mix of ask kinds).
 MAX_KEPT = 100_000
 #: The room kept for kube-scheduler, per node and GPU (``core.placement.claimroom``).
@@ -53,13 +57,31 @@ NO_ROOM_KEPT: KeptRoom = {}
 
 class PodAsk(NamedTuple):
     """What a placement reads of a pod: its pending claims' shape, its CPU (milli) and memory requests, the GPU
-    models its node selection allows (None: any), and the node an allocated claim of it fixes (None: any)."""
+    models its node selection allows (None: any), the node an allocated claim of it fixes (None: any), and its
+    node selection (``selection_of``: its nodeSelector, required node affinity and tolerations)."""
 
     shape: tuple[Any, ...]
     cpu: int
     memory: int
     models: frozenset[str] | None
     fixed: str | None
+    selection: str = ""
+
+
+#: The part of a pod's node affinity kube-scheduler filters nodes by.
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+
+
+def selection_of(pod: PodBody) -> str:
+    """The pod's node selection as one comparable text ("": none), in the shape of a pod's spec (only the
+    required part of its node affinity): pods alike in it are admitted alike."""
+    spec: Mapping[str, Any] = pod.get("spec") or {}
+    chosen = {key: spec[key] for key in ("nodeSelector", "tolerations") if spec.get(key)}
+    affinity = spec.get("affinity")
+    required = ((affinity or {}).get("nodeAffinity") or {}) if isinstance(affinity, Mapping) else {}
+    if isinstance(required, Mapping) and required.get(REQUIRED) is not None:
+        chosen["affinity"] = {"nodeAffinity": {REQUIRED: required[REQUIRED]}}
+    return json.dumps(chosen, sort_keys=True, separators=(",", ":")) if chosen else ""
 
 
 class ClaimPlacer:
@@ -87,6 +109,8 @@ class ClaimPlacer:
         self._no_room: dict[tuple[PodAsk, bool], NoRoom] = {}
         #: pricings of a pod (its kind's placement on every candidate), for the tests' count of the work
         self.pricings = 0
+        #: a pod's node selection (``selection_of``) -> the part of its spec ``nodefit.admits`` reads
+        self._selections: dict[str, PodBody] = {}
 
     def look(self, kept: KeptRoom) -> None:
         """Once a step, before its placements: the room kept for kube-scheduler (``kept``), and whether anything
@@ -102,7 +126,7 @@ class ClaimPlacer:
             ledger = self.book.ledger(name, inventory)
             alive.append(ledger)
             cpu_and_memory = (node.cpu_version, node.memory_allocatable, node.memory_requested)
-            world.append((name, id(ledger), ledger.version, *cpu_and_memory, node.model, inventory))
+            world.append((name, id(ledger), ledger.version, *cpu_and_memory, node.model, inventory, node.facts))
         if world != self._world:
             self._world, self.generation = world, self.generation + 1
             self._no_room.clear()
@@ -114,7 +138,12 @@ class ClaimPlacer:
         shape = tuple(
             (a.mps, a.linked, tuple((r.request, r.count, r.memory, r.compute) for r in a.requests)) for a in asks
         )
-        return PodAsk(shape, cpu_of(pod), memory_request(pod), gpu_models(pod, self.model_label), fixed)
+        selection = selection_of(pod)
+        if selection and selection not in self._selections:
+            if len(self._selections) >= MAX_KEPT:
+                self._selections.clear()
+            self._selections[selection] = cast(PodBody, {"spec": json.loads(selection)})
+        return PodAsk(shape, cpu_of(pod), memory_request(pod), gpu_models(pod, self.model_label), fixed, selection)
 
     def choose(
         self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, *, fenced: bool = False
@@ -196,11 +225,17 @@ class ClaimPlacer:
         for name, node, inventory, devices in self._nodes():
             yield name, node, self.book.ledger(name, inventory, assumed=False), self._given(name, inventory, devices)[0]
 
-    def admits(self, node: NodeState, ask: PodAsk) -> bool:
+    def admits(self, node: NodeState, ask: PodAsk, *, generous: bool = False) -> bool:
         """Whether kube-scheduler's filters would pass the node for the pod as far as the extender counts them:
-        its CPU and memory requests fit, its node selection allows the node's GPU model, and no allocated claim
-        of the pod fixes another node."""
+        its node selection and tolerations let it onto the node's labels, taints and cordon (``nodefit``), its
+        CPU and memory requests fit, its node selection allows the node's GPU model, and no allocated claim of
+        the pod fixes another node. A claim allocated where its pod cannot go would hold the GPU's room for as
+        long as the pod exists, and the pod would never be bound. ``generous`` (the fence, which must count
+        every node kube-scheduler may place the pod on): a node selection too large to read whole admits."""
         if ask.fixed is not None and node.name != ask.fixed:
+            return False
+        selection = self._selections.get(ask.selection, NO_SELECTION)
+        if node.facts is not None and not admits(node.facts, selection) and (not generous or within_bounds(selection)):
             return False
         cpu, memory = node.cpu, node.memory_allocatable
         if cpu is not None and cpu.requested + ask.cpu > cpu.allocatable:

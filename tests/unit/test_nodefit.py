@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.nodefit import NodeFacts, admits, facts_of, tolerates
+from gpushared.core.placement.nodefit import MOST, NodeFacts, admits, facts_of, tolerates, within_bounds
 
 GPU = NodeFacts(name="gpu-1", labels={"pool": "gpu", "gen": "9"})
 TAINTED = NodeFacts(name="gpu-2", labels={"pool": "gpu"}, taints=(("nvidia.com/gpu", "present", "NoSchedule"),))
@@ -119,3 +119,44 @@ def test_an_equal_toleration_without_a_key_matches_by_value_as_upstream() -> Non
     assert tolerates({"value": "v"}, ("any", "v", "NoSchedule"))
     assert not tolerates({"value": "w"}, ("any", "v", "NoSchedule"))
     assert not tolerates({"key": "k", "operator": "Sometimes"}, ("k", "", "NoSchedule"))
+
+
+@pytest.mark.parametrize(
+    ("spec", "whole"),
+    [
+        ({}, True),
+        ({"tolerations": [{"operator": "Exists"}] * MOST}, True),
+        ({"tolerations": [{"operator": "Exists"}] * (MOST + 1)}, False),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [{"matchExpressions": [{"key": "a", "operator": "Exists"}]}]
+                            * (MOST + 1)
+                        }
+                    }
+                }
+            },
+            False,
+        ),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {"matchExpressions": [{"key": "a", "operator": "Exists"}] * (MOST + 1)}
+                            ]
+                        }
+                    }
+                }
+            },
+            False,
+        ),
+    ],
+)
+def test_within_bounds_says_when_admits_read_the_selection_whole(spec: dict[str, Any], whole: bool) -> None:
+    """Past the bounds ``admits`` says no: the claim allocator's fence, which must count every node
+    kube-scheduler may place a pod on, counts such a pod as fitting anywhere instead."""
+    assert within_bounds({"spec": spec}) is whole

@@ -80,6 +80,28 @@ def admits(node: NodeFacts, pod: PodBody) -> bool:
     return all(any(tolerates(t, taint) for t in tolerations) for taint in taints)
 
 
+def within_bounds(pod: PodBody) -> bool:
+    """Whether ``admits`` reads the pod's node selection whole (at most :data:`MOST` tolerations, terms, and
+    expressions in a term). Past them it judges the pod not to fit: the safe side where a node wrongly
+    counted as fitting costs, the wrong side where one wrongly counted as not fitting does (the claim
+    allocator's fence, which must count every node kube-scheduler may place a pod on)."""
+    spec: Any = pod.get("spec") or {}
+    tolerations = spec.get("tolerations") or []
+    required = ((spec.get("affinity") or {}).get("nodeAffinity") or {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    )
+    terms = (required or {}).get("nodeSelectorTerms") or [] if isinstance(required, Mapping) else []
+    if not isinstance(tolerations, list) or len(tolerations) > MOST or not isinstance(terms, list):
+        return False
+    if len(terms) > MOST:
+        return False
+    return all(
+        not isinstance(term, Mapping)
+        or len(term.get("matchExpressions") or []) + len(term.get("matchFields") or []) <= MOST
+        for term in terms
+    )
+
+
 def matches_terms(node: NodeFacts, terms: Sequence[Any]) -> bool:
     """Whether any of the node selector terms matches the node (none: it matches no node)."""
     if not isinstance(terms, list) or len(terms) > MOST:
