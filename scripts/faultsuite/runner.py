@@ -18,8 +18,9 @@ extenders' books or answers:
   slowest that answered.
 
 Each scenario has a deadline (``--deadline``, 300 s): one that does not finish in time is a failure
-("hung"), its processes are killed and the next scenario runs. The last scenario drives the node daemon and
-counts from what the kubelet got.
+("hung"), its processes are killed and the next scenario runs. Then one scenario drives the node daemon and
+counts from what the kubelet got, and the last the claim allocator beside a tenant whose pods kube-scheduler
+never places (``faultsuite.tenant``): another tenant's pod must be allocated within 2 s.
 
     .venv/bin/python scripts/chaos.py [--pods 200] [--nodes 30] [--threads 8] [--only NAME ...] [--json FILE]
 
@@ -42,6 +43,7 @@ from faultsuite.harness import Hung, World, deadline, healthz_probe, loop_lag, s
 from faultsuite.node import NodeOutcome, run_node_within
 from faultsuite.scenarios import SCENARIOS
 from faultsuite.scenarios.failover import WaitingAtFailover
+from faultsuite.tenant import TENANT_SCENARIO, WITHIN_SECONDS, TenantOutcome, run_tenant_within
 from tests.builders import pod
 from tests.pki import Authority, Pair
 
@@ -120,7 +122,7 @@ def table(path: Path) -> str:
         "|---" * 14 + "|",
     ]
     for name, runs in by_name.items():
-        if "containers" in runs[0]:  # the node daemon's: summarized below the table
+        if "containers" in runs[0] or "waits" in runs[0]:  # the node daemon's and the tenant's: below the table
             continue
         bound = sorted(r["bound"] for r in runs)
         worst = [max(len(r[key]) for r in runs) for key in counts]
@@ -159,6 +161,16 @@ def table(path: Path) -> str:
             f"Allocate {max(r['allocate_max_ms'] for r in nodes):.0f} ms; "
             f"{min(r['seconds'] for r in nodes):.0f}-{max(r['seconds'] for r in nodes):.0f} s.",
         ]
+    tenants = [r for r in records if "waits" in r]
+    if tenants:
+        waits = [wait for r in tenants for wait in r["waits"]]
+        lines += [
+            "",
+            f"Claim allocator beside a tenant's unschedulable pods, {len(tenants)} runs: ordinary pods allocated "
+            f"{min(waits):.2f}-{max(waits):.2f} s after creation (pass: {WITHIN_SECONDS:g} s); late "
+            f"{sum(len(r['late']) for r in tenants)}; GPUs over capacity "
+            f"{max(len(r['over_capacity']) for r in tenants)}; hung {sum(r['hung'] for r in tenants)}.",
+        ]
     return "\n".join(lines)
 
 
@@ -191,11 +203,13 @@ def main() -> int:
     print(f"{'scenario':<54} {'bound':>7} {'over':>5} {'no-alloc':>8} {'unbound':>7} {'lost':>5} {'unauth':>6} "
           f"{'5xx':>4} {'probes':>6} {'healthz':>9} {'loop':>8} {'secs':>6}")  # fmt: skip
     nodes: list[NodeOutcome] = []
+    tenants: list[TenantOutcome] = []
 
     def save() -> None:
         """The outcomes so far into --json, after every scenario: a long series stopped early keeps its runs."""
         if args.json:
             records = [o.__dict__ for o in outcomes] + [node.__dict__ for node in nodes]
+            records += [tenant.__dict__ for tenant in tenants]
             args.json.write_text(json.dumps(records, indent=1) + "\n")
 
     for run_number in range(args.runs):
@@ -238,7 +252,12 @@ def main() -> int:
                   + ("  HUNG" if node.hung else ""))  # fmt: skip
             for problem in (node.wrong_gpu + node.over_capacity + node.overcommits_admitted + node.forgeries_left)[:8]:
                 print(f"    {problem}")
+        if not args.only or any(word in TENANT_SCENARIO for word in args.only):
+            tenant = run_tenant_within(args, work / f"tenant-{run_number}")
+            tenants.append(tenant)
+            save()
+            print(f"\n{tenant.summary()}")
     save()
-    clean = all(o.clean for o in outcomes) and all(node.clean for node in nodes)
+    clean = all(o.clean for o in outcomes) and all(node.clean for node in nodes) and all(t.clean for t in tenants)
     print("all counts 0" if clean else "SOME COUNTS ARE NOT 0", f"(work files in {work})")
     return 0 if clean else 1
