@@ -52,6 +52,7 @@ import json
 import os
 import platform
 import random
+import re
 import shlex
 import signal
 import subprocess
@@ -85,7 +86,10 @@ from tests.e2e.versions import serves_dra
 ROOT = Path(__file__).resolve().parent.parent
 DRA = ROOT / "deploy" / "dra"
 #: The processes whose CPU is counted, by the name LocalCluster spawns them under.
-PROCESSES = ("kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd", "kube-controller-manager")
+PROCESSES = (
+    "kube-scheduler", "gpushared-extender", "kube-apiserver", "etcd", "kube-controller-manager",
+    "kubelet", "containerd", "gpushared",
+)  # fmt: skip
 #: Pods scheduled after each mode change, not measured: the extender's informers, its Lease and the webhook in
 #: place, kube-scheduler's caches warm.
 WARM_PODS = 10
@@ -159,6 +163,8 @@ def counters(cluster: LocalCluster) -> dict[str, float]:
             found[f"cpuSeconds.{name}"] = times.user + times.system
     own = psutil.Process().cpu_times()
     found["cpuSeconds.benchmark"] = own.user + own.system
+    machine = psutil.cpu_times()
+    found["machineBusySeconds"] = machine.user + machine.nice + machine.system + machine.irq + machine.softirq
     return found
 
 
@@ -193,6 +199,7 @@ def run(
         report["createdToBound"] = latencies(sent, watch.bound)
         if mode == "gated":
             report["createdToUngated"] = latencies(sent, watch.ungated)
+            report["ungatedToBound"] = latencies(watch.ungated, watch.bound)
         if real:
             report["createdToRunning"] = latencies(sent, watch.running)
         report["admission"] = percentiles(creation.admission) if creation.admission else {}
@@ -201,6 +208,10 @@ def run(
             for key in sorted(after)
             if after[key] - before.get(key, 0.0)
         }
+        counts = report["counts"]
+        ours = sum(v for k, v in counts.items() if k.startswith("cpuSeconds."))
+        report["otherCpuSeconds"] = round(counts.pop("machineBusySeconds", 0.0) - ours, 2)  # others' work here
+        report["schedulerErrors"] = scheduler_errors(cluster, ns)
         report["overCapacity"] = over_capacity(api, ns)
         for problem, value in (("error", error), ("createErrors", creation.errors[:5]), ("watchErrors", watch.errors)):
             if value:
@@ -209,6 +220,18 @@ def run(
     finally:
         watch.stop()
         remove_namespace(api, cluster, ns, real=real)
+
+
+def scheduler_errors(cluster: LocalCluster, ns: str) -> dict[str, int]:
+    """kube-scheduler's failed attempts for the run's pods, counted by its error (the claim's name left out)."""
+    found: dict[str, int] = defaultdict(int)
+    with (cluster.logs / "kube-scheduler.log").open(errors="replace") as log:
+        for line in log:
+            if "Error scheduling pod" in line and f'pod="{ns}/' in line:
+                error = re.search(r'err="((?:[^"\\]|\\.)*)"', line)
+                text = error.group(1).replace('\\"', '"') if error else line.strip()
+                found[re.sub(rf"{ns}/p\d+", "<claim>", text)] += 1
+    return dict(found)
 
 
 def latencies(sent: dict[str, float], reached: dict[str, float]) -> dict[str, float]:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import urllib3
@@ -393,36 +393,49 @@ def exists(api: Api, path: str) -> bool:
 
 
 class Creation:
-    """The pods of a run created at ``rate`` per second (0: all at once) from ``CREATORS`` threads, each after
-    its claim: when each pod's create was sent (its creation, the admission webhook's time included) and how
-    long the API server took to answer it."""
+    """The pods of a run created from ``CREATORS`` threads: at ``rate`` per second, each right after its claim;
+    or all at once (``rate`` 0), every claim made first so that the burst is the pods alone. When each pod's
+    create was sent (its creation, the admission webhook's time included) and how long the API server took
+    to answer it."""
 
     def __init__(self, api: Api, ns: str, sizes: list[int], rate: float) -> None:
         self.sent: dict[str, float] = {}
         self.admission: list[float] = []
         self.errors: list[str] = []
 
-        def one(index: int) -> None:
+        def claim(index: int) -> None:
+            path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
+            api.json("POST", path, claim_body(f"p{index:05d}", sizes[index]))
+
+        def pod(index: int) -> None:
             name = f"p{index:05d}"
-            api.json("POST", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims", claim_body(name, sizes[index]))
             sent = time.monotonic()
             api.json("POST", f"/api/v1/namespaces/{ns}/pods", pod_body(name, name))
             self.admission.append(time.monotonic() - sent)
             self.sent[name] = sent
 
-        started = time.monotonic()
+        def both(index: int) -> None:
+            claim(index)
+            pod(index)
+
         with ThreadPoolExecutor(CREATORS) as pool:
+            if not rate:
+                self._all([pool.submit(claim, index) for index in range(len(sizes))])
+            started = time.monotonic()
             futures = []
             for index in range(len(sizes)):
                 if rate:
                     time.sleep(max(0.0, started + index / rate - time.monotonic()))
-                futures.append(pool.submit(one, index))
-            for future in futures:
-                try:
-                    future.result(timeout=60)
-                except Exception as error:  # a pod that could not be created is a result, not the end
-                    self.errors.append(str(error))
+                futures.append(pool.submit(both if rate else pod, index))
+            self._all(futures)
         self.seconds = time.monotonic() - started
+
+    def _all(self, futures: list[Future[None]]) -> None:
+        for future in futures:
+            try:
+                future.result(timeout=60)
+            except Exception as error:  # a pod that could not be created is a result, not the end
+                self.errors.append(str(error))
 
 
 def wait_done(times: dict[str, float], want: int, *, timeout: float, stall: float) -> str | None:
