@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import itertools
 import json
 import os
 import platform
@@ -393,16 +392,20 @@ def controller_grace(cluster: LocalCluster) -> float:
     """kube-controller-manager's ``--node-monitor-grace-period`` as it runs (1.36's default: 50 s)."""
     process = cluster.process("kube-controller-manager")
     argv = process.cmdline() if process is not None else []
-    for flag, value in itertools.pairwise(argv):
+    for index, arg in enumerate(argv):
+        flag, equals, value = arg.partition("=")
         if flag == "--node-monitor-grace-period":
-            return parse_duration(value)
+            return parse_duration(value if equals else argv[index + 1])
     return 50.0
 
 
 def parse_duration(text: str) -> float:
-    """A Go duration of seconds and minutes (``20s``, ``1m0s``), as the controller's flags give them."""
-    minutes, _, seconds = text.rpartition("m")
-    return 60 * float(minutes or 0) + float(seconds.rstrip("s") or 0)
+    """A Go duration (``20s``, ``1m0s``, ``1h30m``, ``500ms``) in seconds, as the controller's flags give them."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "\u00b5s": 1e-6, "ns": 1e-9}
+    parts = re.findall(r"([0-9.]+)(h|ms|us|\u00b5s|ns|m|s)", text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"not a duration: {text!r}")
+    return sum(float(number) * units[unit] for number, unit in parts)
 
 
 if __name__ == "__main__":
