@@ -22,10 +22,12 @@ and how long the fence held an allocation back (steps in which it held one, and 
 
 Beside the pods measured: ``--unplaceable N`` gated pods created first whose claims fit no GPU (32 GiB), which
 wait for room the whole run and which every step turns through; ``--tenant-every S``: one tenant's pods, one
-every S seconds, created without the gate with a 1 GiB claim and a node selector no node matches
-(``tests/claimtenant.py``), which kube-scheduler never places, so they stay kube-scheduler's and the fence
-keeps their room. ``step`` is the allocator's steps' durations (each decides for at most ``STEP_SECONDS``,
-then yields); ``pricings``, how many times a pod's kind was priced on every candidate node.
+every S seconds, created without the gate with a 1 GiB claim, which kube-scheduler never places, so they stay
+kube-scheduler's (``tests/claimtenant.py``): a required pod affinity no pod satisfies, which the fence does not
+model, so it keeps their room (``--tenant-reason selector``: a node selector no node matches, which the
+allocator reads, so the fence keeps their room nowhere). ``step`` is the allocator's steps' durations (each
+decides for at most ``STEP_SECONDS``, then yields); ``pricings``, how many times a pod's kind was priced on
+every candidate node.
 
 What is listed before the pods measured is kept out of the garbage collector's walks (``gc.freeze``), as
 the extender does once its caches are listed: here the fake API server shares the process, and its store
@@ -76,6 +78,7 @@ async def measure(
     kube: str = "",
     unplaceable: int = 0,
     tenant_every: float = 0.0,
+    tenant_reason: str = "affinity",
     deadline_seconds: float = 600.0,
 ) -> dict[str, Any]:
     world = ClaimWorld(api, AllocatorSettings(policy=policy_named(policy)))
@@ -103,7 +106,9 @@ async def measure(
     first_fit = FirstFitScheduler(api)
     stop = asyncio.Event()
     tenant_pods = [0]
-    tenant_task = asyncio.ensure_future(tenant(api, tenant_every, stop, tenant_pods)) if tenant_every else None
+    tenant_task = (
+        asyncio.ensure_future(tenant(api, tenant_every, tenant_reason, stop, tenant_pods)) if tenant_every else None
+    )
     await asyncio.sleep(3 * tenant_every)  # the tenant's first pods in the fence's window before the measured ones
     creating = asyncio.ensure_future(create())
     kube_task = asyncio.ensure_future(kube_scheduler(first_fit, stop)) if kube == "every" else None
@@ -136,6 +141,7 @@ async def measure(
         "rate": rate,
         "unplaceable": unplaceable,
         "tenant_every": tenant_every,
+        "tenant_reason": tenant_reason if tenant_every else None,
         "tenant_pods": tenant_pods[0],
         "ungated_at_creation": len(skipped),
         "kube": kube or "none",
@@ -183,12 +189,12 @@ async def waiting_for_room(world: ClaimWorld, api: FakeApiServer, count: int) ->
         await asyncio.sleep(0)
 
 
-async def tenant(api: FakeApiServer, every: float, stop: asyncio.Event, made: list[int]) -> None:
+async def tenant(api: FakeApiServer, every: float, reason: str, stop: asyncio.Event, made: list[int]) -> None:
     """One tenant's pods kube-scheduler never places, one every ``every`` seconds until ``stop``."""
     while not stop.is_set():
         name = f"tenant-{made[0]}"
         api.create(claim(name, memory="1Gi"))
-        api.create(unschedulable_pod(name, name))
+        api.create(unschedulable_pod(name, name, reason=reason))
         made[0] += 1
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), every)
@@ -210,6 +216,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=42)
     parser.add_argument("--ungated", type=float, default=0.0, help="share of pods created without the gate")
     parser.add_argument("--deadline", type=float, default=600.0, help="seconds the run may take at most")
+    parser.add_argument(
+        "--tenant-reason", choices=["affinity", "selector"], default="affinity", help="why kube-scheduler cannot"
+    )
     parser.add_argument("--unplaceable", type=int, default=0, help="gated pods waiting for room, created first")
     parser.add_argument(
         "--tenant-every", type=float, default=0.0, help="seconds between a tenant's unschedulable ungated pods"
@@ -235,6 +244,7 @@ def main() -> None:
                 kube=args.kube if args.ungated else "",
                 unplaceable=args.unplaceable,
                 tenant_every=args.tenant_every,
+                tenant_reason=args.tenant_reason,
                 deadline_seconds=args.deadline,
             )
         )

@@ -2,10 +2,13 @@
 allocator's fence must not let the one hold the other back.
 
 The tenant creates, every ``every`` seconds, a pod without the allocator's gate (the webhook skipped it, or
-it was made before) with a small claim of gpushared's class and a node selector that no node matches: its
-claim fits every GPU, kube-scheduler never places it, and it stays kube-scheduler's. After ``lead`` seconds
-of that, another tenant's ordinary gated pods are created one at a time; each one's time from its creation
-to its gate removed (its claims allocated) is what the case measures.
+it was made before) with a small claim of gpushared's class that kube-scheduler can never place: its claim
+fits every GPU, and it stays kube-scheduler's. Why it cannot be placed, pod after pod in turn (``reasons``):
+``"selector"``, a node selector no node matches (the allocator reads node selection, so the fence counts
+such a pod on no node); ``"affinity"``, a required pod affinity to pods that do not exist (which the fence
+does not model: it keeps the pod's room on every GPU). After ``lead`` seconds of that, another tenant's
+ordinary gated pods are created one at a time; each one's time from its creation to its gate removed (its
+claims allocated) is what the case measures.
 
 Driven by a clock and a tick, so that a test runs it on simulated time (``SimulatedTime``) and the fault
 suite (``scripts/faultsuite/tenant.py``) on the wall clock. Shared by ``tests/integration/test_claim_fence.py``
@@ -25,12 +28,27 @@ from tests.fakes.apiserver import FakeApiServer
 
 #: The node selector of the tenant's pods: no node has this label.
 NOWHERE = {"gpushared.io/test-pool": "nowhere"}
+#: A required pod affinity no pod satisfies: pods labelled so do not exist (nor is the tenant's pod one).
+WITH_NO_ONE = {
+    "podAffinity": {
+        "requiredDuringSchedulingIgnoredDuringExecution": [
+            {
+                "labelSelector": {"matchLabels": {"gpushared.io/test-app": "no-one"}},
+                "topologyKey": "kubernetes.io/hostname",
+            }
+        ]
+    }
+}
 
 
-def unschedulable_pod(name: str, claim_name: str) -> dict[str, Any]:
-    """A pod kube-scheduler never places (no node matches its selector), without the allocator's gate."""
+def unschedulable_pod(name: str, claim_name: str, *, reason: str = "selector") -> dict[str, Any]:
+    """A pod kube-scheduler never places, without the allocator's gate: no node matches its selector
+    (``reason`` "selector"), or no pod its required pod affinity ("affinity")."""
     body = gated_pod(name, claim_name, gated=False)
-    body["spec"]["nodeSelector"] = dict(NOWHERE)
+    if reason == "selector":
+        body["spec"]["nodeSelector"] = dict(NOWHERE)
+    else:
+        body["spec"]["affinity"] = WITH_NO_ONE
     return body
 
 
@@ -58,6 +76,8 @@ class TenantCase:
     #: seconds between the tenant's pods, and what each one's claim asks
     every: float = 2.0
     tenant_memory: str = "1Gi"
+    #: why kube-scheduler cannot place the tenant's pods, in turn (``unschedulable_pod``)
+    reasons: tuple[str, ...] = ("affinity",)
     #: seconds of the tenant's pods before the first ordinary pod, and between ordinary pods
     lead: float = 6.0
     spacing: float = 3.0
@@ -82,7 +102,8 @@ class TenantCase:
             if now >= next_tenant:
                 name = f"tenant-{self.tenant_pods}"
                 self.api.create(claim(name, memory=self.tenant_memory))
-                self.api.create(unschedulable_pod(name, name))
+                reason = self.reasons[self.tenant_pods % len(self.reasons)]
+                self.api.create(unschedulable_pod(name, name, reason=reason))
                 self.tenant_pods, next_tenant = self.tenant_pods + 1, next_tenant + self.every
             if made < self.ordinary and now >= next_ordinary:
                 name = f"ordinary-{made}"

@@ -67,9 +67,11 @@ def run_tenant_within(args: argparse.Namespace, work: Path) -> TenantOutcome:
 def run_tenant(args: argparse.Namespace, outcome: TenantOutcome) -> None:
     """DRA nodes of 1-4 GPUs of 8, 16 or 24 GiB (a tenth of ``--nodes``, at least 2) and the leader's claim
     allocator on the wall clock (tests/claimtenant.py). The tenant creates, every 2 s, a pod without the
-    gate with a 1 GiB claim and a node selector no node matches: kube-scheduler never places it, and its
-    claim fits every GPU. From 5 s on, three ordinary gated pods with a 4 GiB claim, 2.5 s apart; each must
-    be allocated within WITHIN_SECONDS. Then no GPU may hold claims past its memory or compute."""
+    gate with a 1 GiB claim, which kube-scheduler never places and whose claim fits every GPU: in turn, a
+    node selector no node matches (the allocator reads it) and a required pod affinity no pod satisfies
+    (the fence does not model it, so it keeps the pod's room on every GPU). From 5 s on, three ordinary gated
+    pods with a 4 GiB claim, 2.5 s apart; each must be allocated within WITHIN_SECONDS. Then no GPU may hold
+    claims past its memory or compute."""
     rng = random.Random(args.seed)
     with FakeApiServer() as api:
         for number in range(max(2, args.nodes // 10)):
@@ -82,7 +84,7 @@ def run_tenant(args: argparse.Namespace, outcome: TenantOutcome) -> None:
                 case = TenantCase(
                     api, world, clock=time.monotonic, tick=lambda: asyncio.sleep(TICK_SECONDS), lead=5.0, spacing=2.5
                 )
-                case.ordinary, case.give_up = 3, 10.0
+                case.ordinary, case.give_up, case.reasons = 3, 10.0, ("selector", "affinity")
                 await case.run()
                 outcome.waits = [round(wait, 3) for wait in case.waits]
                 outcome.tenant_pods, outcome.fenced = case.tenant_pods, world.allocator.counts["fenced"]

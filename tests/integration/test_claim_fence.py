@@ -10,6 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import pytest
+
 from gpushared.core.placement.policies import BINPACK
 from gpushared.extender.claimallocator import AllocatorSettings
 from gpushared.extender.claimfence import KUBE_WINDOW_SECONDS
@@ -32,11 +34,14 @@ def run(api: FakeApiServer, body: Callable[[ClaimWorld], Awaitable[None]], **wor
     return claims
 
 
-def test_a_tenants_pods_kube_scheduler_never_places_hold_no_other_pod_back() -> None:
-    """One tenant creates, every 2 s, a pod without the gate whose 1 GiB claim fits every GPU and whose node
-    selector matches no node: kube-scheduler never places it, so it stays kube-scheduler's. Holding every node
-    where such a pod fits (as the fence once did) held another tenant's gated 4 GiB pod back for as long as the
-    tenant kept on; keeping 1 GiB per such pod on each GPU, the pod is allocated at once beside them."""
+@pytest.mark.parametrize(("reason", "kept"), [("selector", False), ("affinity", True)])
+def test_a_tenants_pods_kube_scheduler_never_places_hold_no_other_pod_back(reason: str, kept: bool) -> None:
+    """One tenant creates, every 2 s, a pod without the gate whose 1 GiB claim fits every GPU and which
+    kube-scheduler can never place: it stays kube-scheduler's. Holding every node where such a pod fits (as the
+    fence once did) held another tenant's gated 4 GiB pod back for as long as the tenant kept on. A node
+    selector no node matches, the fence now reads: it keeps such a pod's room nowhere. A required pod
+    affinity no pod satisfies, it does not model: it keeps 1 GiB per such pod on each GPU, and the 4 GiB pod
+    is allocated at once beside them all the same."""
     with FakeApiServer() as api:
         dra_node(api, "n1", 16, 16)
         dra_node(api, "n2", 16, 16)
@@ -45,17 +50,19 @@ def test_a_tenants_pods_kube_scheduler_never_places_hold_no_other_pod_back() -> 
 
         async def body(world: ClaimWorld) -> None:
             nonlocal case
-            case = TenantCase(api, world, clock=time_, tick=time_.tick, every=2.0, lead=12.0, ordinary=3)
+            case = TenantCase(api, world, clock=time_, tick=time_.tick, lead=12.0, ordinary=3, reasons=(reason,))
             await case.run()
 
         world = run(api, body, clock=time_)
         assert case is not None
         assert max(case.waits) <= 2.0, case.waits
         assert world.allocator.counts["fenced"] == 0
-        # the fence kept the tenant's room all along: five pods in its window, 1 GiB each on every GPU
-        assert case.most_kept >= KUBE_WINDOW_SECONDS / 2.0 - 1, case.most_kept
         assert case.tenant_pods >= 9
         assert all(allocation(api, f"ordinary-{n}") for n in range(3))
+        if kept:  # the fence kept the tenant's room all along: five pods in its window, 1 GiB each on every GPU
+            assert case.most_kept >= KUBE_WINDOW_SECONDS / 2.0 - 1, case.most_kept
+        else:
+            assert case.most_kept == 0
 
 
 def test_a_gated_pod_that_fits_only_in_the_room_kept_waits_at_most_one_window() -> None:
@@ -73,6 +80,7 @@ def test_a_gated_pod_that_fits_only_in_the_room_kept_waits_at_most_one_window() 
             case = TenantCase(
                 api, world, clock=time_, tick=time_.tick, every=0.5, tenant_memory="4Gi", lead=3.0, give_up=30.0
             )
+            case.reasons = ("affinity",)
             await case.run()
 
         world = run(api, body, clock=time_)
