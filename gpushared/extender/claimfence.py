@@ -9,17 +9,18 @@ each GPU what the pod's pending claims could take there as kube-scheduler may se
 watch shows, without the allocator's writes it may not show yet), and on each GPU the sum over such pods,
 never more than the GPU's free room (``core.placement.claimroom``: kube-scheduler never puts its own pods
 past a GPU's capacity). A gated pod is placed where it fits with that room counted; one that fits only in
-it waits (``FENCED``). The fence holds room, never whole nodes: a tenant's pods that kube-scheduler can
-never place (a node selector no node matches) but whose claims fit everywhere keep 1 GiB per pod on each
-GPU, not every node, and an ordinary pod still fits beside them.
+it waits (``FENCED``). The fence holds room, never whole nodes: a tenant's 1 GiB pods that kube-scheduler
+can never place for a reason the fence does not model (a required pod affinity no pod satisfies) but whose
+claims fit everywhere keep 1 GiB per pod on each GPU, not every node, and an ordinary pod still fits beside
+them.
 
 Bounded, and never starving the gated pods: the fence weighs ``MOST_FENCED_KINDS`` kinds of pod (the same
 claims' shape, CPU, memory and node selection: the pods of one kind take the same room each), those with
-the pods kube-scheduler was given last; a node's room is worked out again only when its ledger or CPU,
-or the pods weighed, changed. A flood of pods of one kind holds as much of a GPU as its free room at most,
-so the fence holds a gated pod back ``KUBE_WINDOW_SECONDS`` at most in a row: past that it is placed
-without the room kept, as a pod past its window is, and the driver's check at prepare (every claim on the
-GPU counted from the allocations) stops a GPU going past its memory or compute.
+the pods kube-scheduler was given last; a node's room is worked out again only when its ledger, CPU or
+labels, or the pods weighed, changed. A flood of pods can keep all of a GPU's free room, so the fence holds
+a gated pod back ``KUBE_WINDOW_SECONDS`` at most in a row: past that it is placed without the room kept, as
+a pod past its window is, and the driver's check at prepare (every claim on the GPU counted from the
+allocations) stops a GPU going past its memory or compute.
 
 Owned by the allocator, on the extender's event loop, like everything it keeps.
 """
