@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,9 @@ class TenantCase:
     ordinary_memory: str = "4Gi"
     #: seconds an ordinary pod is waited for before it counts as never allocated (infinite wait)
     give_up: float = 10.0
+    #: whether time moves on only once the allocator's watches show each pod created (simulated time: the
+    #: watches' real delay is no part of what is measured there)
+    shown_first: bool = False
     #: what the case saw: each ordinary pod's seconds from creation to ungated, the tenant's pods created,
     #: and the most memory units the fence kept on one GPU
     waits: list[float] = field(default_factory=list)
@@ -104,11 +108,13 @@ class TenantCase:
                 self.api.create(claim(name, memory=self.tenant_memory))
                 reason = self.reasons[self.tenant_pods % len(self.reasons)]
                 self.api.create(unschedulable_pod(name, name, reason=reason))
+                await self._shown(name)
                 self.tenant_pods, next_tenant = self.tenant_pods + 1, next_tenant + self.every
             if made < self.ordinary and now >= next_ordinary:
                 name = f"ordinary-{made}"
                 self.api.create(claim(name, memory=self.ordinary_memory))
                 self.api.create(gated_pod(name, name))
+                await self._shown(name)
                 created[name], made, next_ordinary = now, made + 1, next_ordinary + self.spacing
             allocator.step()
             await allocator.settle()
@@ -123,3 +129,16 @@ class TenantCase:
                     del created[name]
             await self.tick()
         return self.waits
+
+    async def _shown(self, name: str, *, within: float = 30.0) -> None:
+        """With ``shown_first``: until the allocator's cache and book show the pod and its claim."""
+        allocator, book = self.world.allocator, self.world.book
+        deadline = time.monotonic() + within
+        while self.shown_first and (
+            ("default", name) not in allocator.cache.claiming or name not in book.claims.get("default", {})
+        ):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the allocator's watches did not show pod {name} within {within} s")
+            allocator.cache.inbox.drain()
+            book.drain()
+            await asyncio.sleep(0.005)

@@ -76,8 +76,8 @@ class ClaimAllocations(Collector):
         yield family
         yield CounterMetricFamily(
             "gpushared_extender_claim_fence_holds",
-            "Allocations the claim allocator held back because kube-scheduler may be allocating, on that node, "
-            "claims of a pod it was given ungated (decided again at the next step)",
+            "Allocations the claim allocator held back because the pod fits only in the room kept free for pods "
+            "kube-scheduler was given ungated and may be allocating claims for (decided again at the next step)",
             value=allocator.counts["fenced"],
         )
         latencies = allocator.latencies
