@@ -29,12 +29,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gpushared.core.placement.claimroom import Room, could_take, kept_room
+from gpushared.core.placement.claimroom import NO_ROOM_KEPT, KeptRoom, Room, could_take, kept_room
 from gpushared.core.placement.claims import ClaimAsk, asks_class, claim_names, read_pod
 from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
-from gpushared.extender.claimplacing import NO_ROOM_KEPT, ClaimPlacer, KeptRoom, PodAsk
+
+if TYPE_CHECKING:  # the placer is handed in; the fence sits beside it, not above it
+    from gpushared.extender.claimplacing import ClaimPlacer, PodAsk
 
 #: A namespace's claims by name (``ClaimBook.claims``).
 Claims = Callable[[str], Mapping[str, Any]]

@@ -35,7 +35,7 @@ from gpushared.core.placement.claimchoice import (
     place_on,
     preference,
 )
-from gpushared.core.placement.claimroom import Room, with_kept
+from gpushared.core.placement.claimroom import NO_ROOM_KEPT, KeptRoom, Room, with_kept
 from gpushared.core.placement.claims import ClaimAsk
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits, within_bounds
@@ -50,9 +50,6 @@ from gpushared.extender.claimbook import ClaimBook
 NO_SELECTION: PodBody = {"spec": {}}
 #: Placements kept at most; past it they are all worked out again (a bound on any mix of ask kinds).
 MAX_KEPT = 100_000
-#: The room kept for kube-scheduler, per node and GPU (``core.placement.claimroom``).
-KeptRoom = Mapping[str, Mapping[int, Room]]
-NO_ROOM_KEPT: KeptRoom = {}
 
 
 class PodAsk(NamedTuple):

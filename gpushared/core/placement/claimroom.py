@@ -36,6 +36,12 @@ class Room(NamedTuple):
     compute: int
 
 
+#: The room kept for kube-scheduler, per node and GPU.
+KeptRoom = Mapping[str, Mapping[int, Room]]
+#: None kept.
+NO_ROOM_KEPT: KeptRoom = {}
+
+
 def could_take(asks: Sequence[ClaimAsk], ledger: Ledger, given: Mapping[int, str]) -> dict[int, Room]:
     """What one pod's pending claims could take of each GPU of the node (``ledger``: the node as kube-scheduler
     may see it; ``given``: the GPUs its slices publish), GPUs it could take nothing of left out: nothing where
