@@ -336,10 +336,12 @@ def table(paths: list[Path]) -> str:
 
 def leftovers(cluster: LocalCluster, *, since: float) -> list[str]:
     """What the cluster left running, as the e2e session checks it, but only processes started since ``since``
-    (another engineer's command naming the cluster's directory while it waits for the lock is not ours)."""
+    and not waiting for the cluster's lock (another engineer's command naming the cluster's directory)."""
     found = []
     for line in cluster.leftovers():
         pid = line.split(" ", 1)[0]
+        if "gpushared-cluster.lock" in line:
+            continue
         try:
             if pid.isdigit() and psutil.Process(int(pid)).create_time() < since:
                 continue
