@@ -10,6 +10,7 @@ why, on the 1.20 Debian builds, like tests/e2e/test_dra.py, whose node in DRA mo
 from __future__ import annotations
 
 import base64
+import json
 import signal
 import time
 from collections.abc import Iterator
@@ -70,6 +71,13 @@ def allocating(dra_node: LocalCluster) -> Iterator[LocalCluster]:
 def device_index(cluster: LocalCluster) -> dict[str, int]:
     """Device name -> GPU index, from the node's slice."""
     return {d["name"]: d["attributes"]["index"]["int"] for s in slices(cluster) for d in s["spec"]["devices"]}
+
+
+def claims_allocated(cluster: LocalCluster) -> list[str]:
+    """The claims of any namespace allocated now. A namespace is deleted once its pods are gone (conftest),
+    and its claims only later, by the namespace controller: a case whose GPUs must be free waits for them."""
+    found = json.loads(cluster.kubectl("get", "resourceclaims", "-A", "-o", "json").stdout)["items"]
+    return [c["metadata"]["name"] for c in found if (c.get("status") or {}).get("allocation")]
 
 
 def gates(kube: Kube, namespace: str, name: str) -> list[str]:
@@ -152,6 +160,7 @@ def test_two_linked_gpus(allocating: LocalCluster, kube: Kube, namespace: str) -
     Two linked GPUs of 2 GiB each: kube-scheduler's first fit would take GPUs 0 and 2, the first device and
     the next of its domain; binpack takes the pair with the least room, 1 and 3."""
     cluster = allocating
+    wait_for(lambda: not claims_allocated(cluster), timeout=120, what="the claims of earlier tests deleted")
     domains = {
         d["name"]: d["attributes"].get("nvlinkDomain", {}).get("string")
         for s in slices(cluster)
