@@ -124,8 +124,9 @@ def test_a_refused_permission_is_said_loudly_and_not_retried_every_step(api: Fak
         refusals = world.allocator.writes.refusals
         assert refusals.why is not None and 'resource="resourceclaims/binding"' in refusals.why
         assert "resourceclaims/binding" in refusals.reason()
-        assert {reason for reason, _ in told} == {REFUSED_EVENT}
-        assert len(told) == 2  # each pod told once, not at every step
+        refused_told = [message for reason, message in told if reason == REFUSED_EVENT]
+        assert len(refused_told) == 2  # each pod told once, not at every step (a pod seen before its claim
+        # may also have been told it waits for it)
         # The operator grants it: the next try, after the interval, lands.
         role = api.get("clusterroles", "gpushared-claim-allocator") or {}
         role["rules"].append(
@@ -139,8 +140,9 @@ def test_a_refused_permission_is_said_loudly_and_not_retried_every_step(api: Fak
         assert refusals.why is None
 
     run(world, body)
-    # both were decided in one step, before the first refusal came back; nothing was written after them
-    assert world.allocator.counts["refused"] == 2 and world.allocator.counts["allocated"] == 2
+    # one refusal, or two where both pods were decided in one step before the first came back; nothing was
+    # written after them within the interval (above)
+    assert world.allocator.counts["refused"] in (1, 2) and world.allocator.counts["allocated"] == 2
 
 
 def api_resource(plural: str) -> Any:
