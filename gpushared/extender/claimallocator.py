@@ -161,6 +161,10 @@ class ClaimAllocator:
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
         self._cursor = 0
         self.undecided = 0
+        #: pods decided since the last step that started a write: past a whole turn of the gated pods with
+        #: nothing started, the loop waits a tick before the next step instead of running them again at once
+        self.idle_decisions = 0
+        self._last_decided = 0
         #: kube-scheduler's pods: the room the allocator keeps free for them meanwhile, the pods it counts not gated
         self.fence = ClaimFence(
             lambda namespace: book.claims.get(namespace, {}),
@@ -175,7 +179,9 @@ class ClaimAllocator:
 
     async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
         """Step while this replica leads and its cache is ready. Each step decides for at most STEP_SECONDS;
-        one that left pods undecided is followed by the next as soon as the loop has run what waited."""
+        one that left pods undecided is followed by the next as soon as the loop has run what waited, unless
+        a whole turn of the gated pods started nothing (they all wait for room): then a tick passes first, so
+        that pods waiting for room never keep a core busy."""
         while True:
             more = False
             leads = leading() and ready()
@@ -184,7 +190,7 @@ class ClaimAllocator:
             self._led = leads
             if leads:
                 self.step()
-                more = self.undecided > 0
+                more = self.undecided > 0 and self.idle_decisions < self.undecided + self._last_decided
             await asyncio.sleep(0 if more else TICK_SECONDS)
 
     def step(self) -> int:
@@ -236,6 +242,8 @@ class ClaimAllocator:
                 self._spawn(self._ungate(pod, decision))
         self._cursor = start + decided
         self.undecided = len(gated) - decided
+        self._last_decided = decided
+        self.idle_decisions = 0 if started else self.idle_decisions + decided
         self._release_left_over(now)
         self._forget_gone()
         return started
