@@ -277,11 +277,11 @@ def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_n
     assert world.allocator.fence.not_gated == {uid_of(api.get("pods", "skipped", "default") or {})}
 
 
-def test_the_fence_holds_only_the_nodes_where_kube_schedulers_pods_fit(api: FakeApiServer) -> None:
-    """A pod that reached kube-scheduler ungated holds back the allocator's writes only on the nodes where its
-    pending claims fit: one asking for more than any GPU has holds nothing (before, it held every write for
-    10 s: a pod waiting for room stopped the allocator), and one that fits only on n2 holds n2: the next pod
-    goes to n1 at once."""
+def test_the_fence_keeps_room_only_where_kube_schedulers_pods_fit(api: FakeApiServer) -> None:
+    """A pod that reached kube-scheduler ungated keeps room back from the allocator only on the GPUs where its
+    pending claims fit: one asking for more than any GPU has keeps nothing (a pod waiting for room never
+    stops the allocator), and one of 20 GiB that fits only n2's 24 GiB GPU keeps that GPU's room: the next
+    pod, of 8 GiB, no longer fits beside it there and goes to n1 at once."""
 
     async def body(world: ClaimWorld) -> None:
         dra_node(api, "n2", 24)
@@ -298,5 +298,5 @@ def test_the_fence_holds_only_the_nodes_where_kube_schedulers_pods_fit(api: Fake
         await world.until(lambda: not gates(api, "b"), within=3)
 
     world = run(api, body)
-    assert allocation(api, "also")[0][0] == "n1"  # n2 held for kube-scheduler: placed where it is not
+    assert allocation(api, "also")[0][0] == "n1"  # n2's room kept for kube-scheduler: placed where it is not
     assert world.allocator.counts["not_gated"] == 2
