@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -132,6 +132,19 @@ class ClaimWorld:
             self.allocator.step()
             await self.allocator.settle()
             await asyncio.sleep(0.02)
+
+    def run(self, body: Callable[[ClaimWorld], Awaitable[None]]) -> ClaimWorld:
+        """Start the allocator on a new event loop, run ``body`` with it, stop it (also when ``body`` fails)."""
+
+        async def main() -> None:
+            await self.start()
+            try:
+                await body(self)
+            finally:
+                await self.stop()
+
+        asyncio.run(main())
+        return self
 
     async def stop(self) -> None:
         await self.allocator.settle()

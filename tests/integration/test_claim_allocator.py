@@ -38,17 +38,7 @@ def api() -> Iterator[FakeApiServer]:
 
 
 def run(api: FakeApiServer, body: Callable[[ClaimWorld], Awaitable[None]], **settings: Any) -> ClaimWorld:
-    world = ClaimWorld(api, AllocatorSettings(policy=BINPACK, **settings))
-
-    async def main() -> None:
-        await world.start()
-        try:
-            await body(world)
-        finally:
-            await world.stop()
-
-    asyncio.run(main())
-    return world
+    return ClaimWorld(api, AllocatorSettings(policy=BINPACK, **settings)).run(body)
 
 
 def test_claims_are_placed_best_fit_where_first_fit_strands_the_second(api: FakeApiServer) -> None:

@@ -68,14 +68,7 @@ def apply_rbac(api: FakeApiServer, *, without: str | None = None) -> str:
 
 
 def run(world: ClaimWorld, body: Any) -> None:
-    async def main() -> None:
-        await world.start()
-        try:
-            await body(world)
-        finally:
-            await world.stop()
-
-    asyncio.run(main())
+    world.run(body)
 
 
 def test_the_shipped_rbac_lets_the_allocator_allocate_on_136(api: FakeApiServer) -> None:

@@ -21,17 +21,7 @@ from tests.fakes.apiserver import FakeApiServer
 
 
 def run(api: FakeApiServer, body: Callable[[ClaimWorld], Awaitable[None]], **world: Any) -> ClaimWorld:
-    claims = ClaimWorld(api, AllocatorSettings(policy=BINPACK), **world)
-
-    async def main() -> None:
-        await claims.start()
-        try:
-            await body(claims)
-        finally:
-            await claims.stop()
-
-    asyncio.run(main())
-    return claims
+    return ClaimWorld(api, AllocatorSettings(policy=BINPACK), **world).run(body)
 
 
 @pytest.mark.parametrize(("reason", "kept"), [("selector", False), ("affinity", True)])
