@@ -42,7 +42,7 @@ from gpushared.core.placement.claimchoice import (
 )
 from gpushared.core.placement.claims import ClaimAsk, read_pod
 from gpushared.core.placement.policies import Policy
-from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of
+from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of, version_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook
 from gpushared.extender.claimfence import FENCED, ClaimFence
@@ -67,6 +67,10 @@ TICK_SECONDS = 0.1
 #: How long after the allocator's last write a pod is handed over to kube-scheduler: kube-scheduler's claim
 #: informer must show every allocation of the allocator before it allocates a claim of the same driver itself.
 QUIET_SECONDS = 2.0
+#: How long the allocator waits for its claim watch to show the allocations it wrote before it removes the
+#: pod's gate: kube-scheduler's claim watch shows them about as soon, and one told of the pod first allocates
+#: the claims itself, is refused, and tries the pod again seconds later. Past it the gate goes anyway.
+SHOWN_WITHIN_SECONDS = 1.0
 #: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
 #: long enough for the watch to show a pod that reserved it.
 RELEASE_GRACE_SECONDS = 5.0
@@ -315,6 +319,7 @@ class ClaimAllocator:
 
     async def _allocate(self, pod: PodBody, decision: Allocate) -> None:
         key = key_of(pod)
+        versions: dict[str, int] = {}
         try:
             for number, ask in enumerate(decision.asks):
                 body = self.writes.allocated_body(ask, number, decision.choice)
@@ -339,6 +344,8 @@ class ClaimAllocator:
                 self.book.written(written)
                 self.last_write = self.clock()
                 self.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
+                versions[ask.uid] = version_of(written)
+            await self.book.until_shown(versions, within=SHOWN_WITHIN_SECONDS)
             await self._ungate(pod, Ungate(f"allocated on node {decision.choice.node}", "allocated"), inflight=False)
         finally:
             self.inflight.discard(key)

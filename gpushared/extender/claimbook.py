@@ -68,6 +68,11 @@ class ClaimBook:
         self._gating: dict[tuple[str, str, bool], bool] = {}
         self.gating: dict[tuple[str, str, bool], bool] = {}
         self._gating_changed = False
+        #: claim UID -> the newest resourceVersion the claim watch showed (never a write's answer): what
+        #: kube-scheduler's own claim watch shows about as soon
+        self.shown: dict[str, int] = {}
+        #: allocations written and waited on (``until_shown``): claim UID -> version, and who waits
+        self._waiting: list[tuple[dict[str, int], asyncio.Future[None]]] = []
 
     # --- the informers -------------------------------------------------------------------------------
 
@@ -105,6 +110,7 @@ class ClaimBook:
 
     def _apply(self, kind: str, old: Any, new: Any) -> None:
         if kind == "resourceclaims":
+            self._saw(old, new)
             self.on_claim(old, new)
         elif kind == "resourceslices":
             self.on_slice(old, new)
@@ -191,6 +197,39 @@ class ClaimBook:
                 found[node] = found[node] | names if node in found else names
             self._published = found
         return self._published
+
+    def _saw(self, old: Body | None, new: Body | None) -> None:
+        """The claim watch showed a claim changed (or gone: a gone claim counts as shown to those waiting)."""
+        if new is None:
+            if old is not None:
+                self.shown.pop(_uid(old), None)
+                gone = _uid(old)
+                for versions, future in self._waiting:
+                    if gone in versions and not future.done():
+                        future.set_result(None)
+            return
+        uid = _uid(new)
+        self.shown[uid] = max(self.shown.get(uid, 0), version_of(new))
+        for versions, future in self._waiting:
+            if not future.done() and all(self.shown.get(u, 0) >= v for u, v in versions.items()):
+                future.set_result(None)
+
+    async def until_shown(self, versions: dict[str, int], *, within: float) -> bool:
+        """Wait until the claim watch shows each claim at least at its version (the allocator's writes), for
+        ``within`` seconds at most: whether it did. kube-scheduler told of a pod before its claim watch shows
+        the allocation allocates the claim itself, is refused, and tries the pod again seconds later."""
+        if all(self.shown.get(uid, 0) >= version for uid, version in versions.items()):
+            return True
+        entry = (versions, asyncio.get_running_loop().create_future())
+        self._waiting.append(entry)
+        try:
+            async with asyncio.timeout(within):
+                await entry[1]
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiting.remove(entry)
 
     # --- what the allocator writes --------------------------------------------------------------------
 
