@@ -1,13 +1,13 @@
 """The local cluster's simulated GPUs: what the fake ``libnvidia-ml.so.1`` shows (a JSON file it re-reads
 on change), the processes it lists on each GPU, and the GPUs' device files under the daemon's devRoot.
 
-The node's GPUs (16, 12, 24 and 8 GiB) are joined in two NVLink pairs, 0-2 and 1-3, each by two links, and
-meet nowhere closer than across the sockets otherwise (``nvidia-smi topo -m``: NV2 and SYS). Those pairs are
-the ones best fit already takes for two GPUs (8 GiB on each of two: GPUs 3 and 1; then 12 GiB on each: GPUs
-0 and 2, tests/e2e/test_cluster.py), so the device-plugin cases place as without links, while a DRA claim for
-two linked GPUs (``matchAttribute: gpu.gpushared.io/nvlinkDomain``) has two domains to choose from, and the
-claim allocator's policy takes another pair than kube-scheduler's first fit (tests/e2e/test_dra_allocator.py).
-One-GPU pods never look at links.
+While the node runs as a DRA driver (tests/e2e/test_dra.py's ``dra_node``), its GPUs (16, 12, 24 and 8 GiB)
+are joined in two NVLink pairs, 0-2 and 1-3, each by two links, and meet nowhere closer than across the
+sockets otherwise (``nvidia-smi topo -m``: NV2 and SYS): a DRA claim for two linked GPUs (``matchAttribute:
+gpu.gpushared.io/nvlinkDomain``) has two domains to choose from, and the claim allocator's policy takes
+another pair than kube-scheduler's first fit (tests/e2e/test_dra_allocator.py). In device-plugin mode no
+link is known, as a driver that does not say: the device-plugin cases' placements (the demo's samples, the
+gpu-count cases) are those they were written for.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class SimulatedGpus:
         #: the daemon's devRoot: device files for ``deviceNodes``, the real /dev left alone
         self.dev_root = state / "dev-root"
 
-    def write_gpus(self, sizes_mib: Sequence[int], nvlink: Sequence[tuple[int, int]] = NVLINK_PAIRS) -> FakeNvml:
+    def write_gpus(self, sizes_mib: Sequence[int], nvlink: Sequence[tuple[int, int]] = ()) -> FakeNvml:
         """GPUs of these sizes, joined by NVLink as ``nvlink`` says (pairs past the GPUs left out; none: no
         link known, as a driver that does not say)."""
         fake = FakeNvml.with_sizes(self.file, build_library(self.file.parent), *sizes_mib)

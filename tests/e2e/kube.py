@@ -17,7 +17,7 @@ from kubernetes.client.exceptions import ApiException
 from gpushared import contract
 from gpushared.contract import GpuInventory
 from tests.e2e.cluster import NODE, LocalCluster, wait_for
-from tests.e2e.versions import creates_token_secrets
+from tests.e2e.versions import creates_token_secrets, serves_dra
 
 GPU_MEM = contract.DEFAULT_RESOURCES.gpu_mem
 #: Prints the GPU env Allocate gave the container, then waits, leaving at once on SIGTERM (as PID 1 it would
@@ -80,6 +80,10 @@ class Kube:
         self.cluster.kubectl("-n", name, "delete", "deployments,replicasets", "--all", "--wait=false")
         self.cluster.kubectl("-n", name, "delete", "pods", "--all", "--grace-period=2", "--wait=false")
         wait_for(lambda: not self.pods(name), timeout=120, what=f"the pods of {name} to be deleted", interval=0.5)
+        if serves_dra(self.cluster.version()):
+            # A namespace's claims outlive its pods until the namespace controller deletes them, holding their
+            # GPUs' room meanwhile: gone now, the next case starts with the GPUs free.
+            self.cluster.kubectl("-n", name, "delete", "resourceclaims", "--all", "--timeout=50s", check=False)
         self.core.delete_namespace(name)
 
     # --- pods ---------------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ import yaml
 
 from gpushared.contract import dra
 from gpushared.core.shared.quantity import parse_whole_quantity
-from tests.e2e.cluster import NODE, ROOT, LocalCluster, cached_version, wait_for
+from tests.e2e.cluster import GPU_SIZES_MIB, NODE, ROOT, LocalCluster, cached_version, wait_for
+from tests.e2e.gpus import NVLINK_PAIRS
 from tests.e2e.kube import PRINT_ENV, Kube
 from tests.e2e.versions import Version, serves_dra
 
@@ -49,10 +50,12 @@ def dra_node(cluster: LocalCluster) -> Iterator[LocalCluster]:
             "create", "clusterrolebinding", f"{own}-{role}", f"--clusterrole={role}",
             f"--serviceaccount=kube-system:{own}",
         )  # fmt: skip
+    cluster.gpus.write_gpus(GPU_SIZES_MIB, nvlink=NVLINK_PAIRS)
     cluster.node.restart_daemon(dra=True)
     cluster.node.wait_serving()
     wait_for(lambda: slices(cluster), timeout=60, what="the node's ResourceSlice")
     yield cluster
+    cluster.gpus.write_gpus(GPU_SIZES_MIB)
     cluster.node.restart_daemon()
     cluster.node.wait_serving()
     cluster.node.wait_ready()
