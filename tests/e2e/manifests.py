@@ -9,6 +9,7 @@ chosen at random so that it runs beside anything.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -150,4 +151,18 @@ def local_chart(docs: list[dict[str, Any]], wiring: Wiring, *, extender_port: in
             pass  # the chart chose the API from the cluster's version: left as rendered
         else:
             local_scheduler(doc, wiring)
+    return docs
+
+
+def at_extender(manifest: Path, *, url: str, ca: bytes) -> list[dict[str, Any]]:
+    """A manifest of deploy/ holding a MutatingWebhookConfiguration, its webhooks called at the extender's
+    ``url`` (the local cluster has no Service to route to) and trusting the extender's ``ca``."""
+    docs = [d for d in yaml.safe_load_all(manifest.read_text()) if d]
+    bundle = base64.b64encode(ca).decode()
+    for doc in docs:
+        if doc["kind"] == "MutatingWebhookConfiguration":
+            for webhook in doc["webhooks"]:
+                client = webhook["clientConfig"]
+                client["url"] = url + client.pop("service")["path"]
+                client["caBundle"] = bundle
     return docs

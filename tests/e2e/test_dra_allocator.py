@@ -9,7 +9,6 @@ why, on the 1.20 Debian builds, like tests/e2e/test_dra.py, whose node in DRA mo
 
 from __future__ import annotations
 
-import base64
 import json
 import signal
 import time
@@ -22,6 +21,7 @@ import yaml
 from gpushared.core.placement.admission import CLAIM_GATE
 from tests.e2e.cluster import LocalCluster, wait_for
 from tests.e2e.kube import Kube
+from tests.e2e.manifests import at_extender
 from tests.e2e.test_dra import (
     DRA,
     NEEDS_DRA,
@@ -46,15 +46,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300), NEEDS_DRA]
 
 def allocator_objects(cluster: LocalCluster) -> list[dict[str, Any]]:
     """deploy/dra/claim-allocator.yaml, its webhook called at the extender's URL with the extender's CA."""
-    docs = [d for d in yaml.safe_load_all((DRA / "claim-allocator.yaml").read_text()) if d]
-    ca = base64.b64encode((cluster.scheduling.extender_certs / "ca.crt").read_bytes()).decode()
-    for doc in docs:
-        if doc["kind"] == "MutatingWebhookConfiguration":
-            for webhook in doc["webhooks"]:
-                client = webhook["clientConfig"]
-                client["url"] = cluster.scheduling.extender_url + client.pop("service")["path"]
-                client["caBundle"] = ca
-    return docs
+    ca = (cluster.scheduling.extender_certs / "ca.crt").read_bytes()
+    return at_extender(DRA / "claim-allocator.yaml", url=cluster.scheduling.extender_url, ca=ca)
 
 
 @pytest.fixture(scope="module")

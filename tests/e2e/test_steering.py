@@ -9,7 +9,6 @@ steerer prefers for a CPU-only pod: the real node's GPUs would sit idle beside i
 
 from __future__ import annotations
 
-import base64
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +17,7 @@ import yaml
 
 from tests.e2e.cluster import ROOT, LocalCluster, cached_version, wait_for
 from tests.e2e.kube import Kube
+from tests.e2e.manifests import at_extender
 
 VERSION = cached_version("kube-apiserver")
 pytestmark = [
@@ -35,15 +35,8 @@ GPU_LESS = "steer-cpu-only-node"
 
 def steer_objects(cluster: LocalCluster) -> list[dict[str, Any]]:
     """deploy/managed/steer.yaml, its webhook called at the extender's URL with the extender's CA."""
-    docs = [d for d in yaml.safe_load_all(STEER.read_text()) if d]
-    ca = base64.b64encode((cluster.scheduling.extender_certs / "ca.crt").read_bytes()).decode()
-    for doc in docs:
-        if doc["kind"] == "MutatingWebhookConfiguration":
-            for webhook in doc["webhooks"]:
-                client = webhook["clientConfig"]
-                client["url"] = cluster.scheduling.extender_url + client.pop("service")["path"]
-                client["caBundle"] = ca
-    return docs
+    ca = (cluster.scheduling.extender_certs / "ca.crt").read_bytes()
+    return at_extender(STEER, url=cluster.scheduling.extender_url, ca=ca)
 
 
 def gpu_less_node() -> dict[str, Any]:
