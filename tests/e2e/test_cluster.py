@@ -316,6 +316,7 @@ def test_best_fit_picks_the_gpu_whose_free_memory_matches(kube: Kube, namespace:
     assert kube.env_of(namespace, "fit")["NVIDIA_VISIBLE_DEVICES"] == uuid
 
 
+@pytest.mark.usefixtures("binpack_extender")
 def test_an_mps_pod_gets_the_gpus_daemon_and_plain_pods_stay_off_its_gpu(
     kube: Kube, cluster: LocalCluster, namespace: str
 ) -> None:
