@@ -50,6 +50,9 @@ from gpushared.extender.claimbook import ClaimBook
 NO_SELECTION: PodBody = {"spec": {}}
 #: Placements kept at most; past it they are all worked out again (a bound on any mix of ask kinds).
 MAX_KEPT = 100_000
+#: The most text of pods' node selections kept at once: a tenant's pods may each carry a large one (a pod may
+#: be 1.5 MiB), and pods gone must not keep theirs; past it they are all read again.
+MAX_SELECTION_BYTES = 16 * 2**20
 
 
 class PodAsk(NamedTuple):
@@ -108,6 +111,7 @@ class ClaimPlacer:
         self.pricings = 0
         #: a pod's node selection (``selection_of``) -> the part of its spec ``nodefit.admits`` reads
         self._selections: dict[str, PodBody] = {}
+        self._selection_bytes = 0
 
     def look(self, kept: KeptRoom) -> None:
         """Once a step, before its placements: the room kept for kube-scheduler (``kept``), and whether anything
@@ -137,9 +141,11 @@ class ClaimPlacer:
         )
         selection = selection_of(pod)
         if selection and selection not in self._selections:
-            if len(self._selections) >= MAX_KEPT:
-                self._selections.clear()
+            if self._selection_bytes + len(selection) > MAX_SELECTION_BYTES:
+                self._selections.clear()  # read again from the pods that still wait, as they are decided
+                self._selection_bytes = 0
             self._selections[selection] = cast(PodBody, {"spec": json.loads(selection)})
+            self._selection_bytes += len(selection)
         return PodAsk(shape, cpu_of(pod), memory_request(pod), gpu_models(pod, self.model_label), fixed, selection)
 
     def choose(

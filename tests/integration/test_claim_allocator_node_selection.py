@@ -13,6 +13,7 @@ import pytest
 
 from gpushared.core.placement.admission import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
+from gpushared.extender import claimplacing
 from gpushared.extender.claimallocator import AllocatorSettings
 from tests.claimworld import ClaimWorld, allocation, claim, device, dra_node, gated_pod, gates
 from tests.fakes.apiserver import FakeApiServer
@@ -85,3 +86,30 @@ def test_a_pod_no_node_admits_waits_gated_and_holds_nothing(api: FakeApiServer) 
     assert allocation(api, "c0") == []
     (told,) = world.allocator.told.values()
     assert "node selection" in told
+
+
+def test_the_node_selections_kept_are_bounded_by_their_size(
+    api: FakeApiServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tenant's pods may each carry a large node selection of their own: the placer keeps at most
+    MAX_SELECTION_BYTES of them, read again from the pods that still wait, and still decides each right."""
+    monkeypatch.setattr(claimplacing, "MAX_SELECTION_BYTES", 4000)
+    pods = [
+        with_spec(gated_pod(f"p{n}", f"c{n}"), nodeSelector={"pool": "none", f"k{n}": "x" * 500}) for n in range(20)
+    ]
+    pods.append(with_spec(gated_pod("a", "c20"), nodeSelector={"pool": "a"}))
+    world = ClaimWorld(api, AllocatorSettings(policy=BINPACK))
+
+    async def body(world: ClaimWorld) -> None:
+        for number, pod in enumerate(pods):
+            api.create(claim(f"c{number}", memory="4Gi"))
+            api.create(pod)
+        await world.until(lambda: not gates(api, "a"))
+        for _ in range(5):
+            world.allocator.step()
+            await world.allocator.settle()
+            assert world.allocator.placer._selection_bytes <= 4000
+
+    world.run(body)
+    assert allocation(api, "c20") == [("n1", device(1), "4Gi")]
+    assert all(allocation(api, f"c{n}") == [] for n in range(20))
