@@ -229,8 +229,9 @@ class SlowApi:
         return self.claims[name]
 
 
-def driver_with(tmp_path: Path, api: SlowApi) -> DraDriver:
-    facts = NodeFacts(
+def node_facts() -> NodeFacts:
+    """The test node's facts as the driver reads them, with an empty ledger."""
+    return NodeFacts(
         name="n1",
         inventory=NODE.inventory,
         ledger=Ledger(NODE.inventory),
@@ -238,6 +239,10 @@ def driver_with(tmp_path: Path, api: SlowApi) -> DraDriver:
         present_devices=NODE.present_devices,
         mps=NODE.mps,
     )
+
+
+def driver_with(tmp_path: Path, api: SlowApi) -> DraDriver:
+    facts = node_facts()
     return DraDriver(
         node="n1",
         api=api,  # type: ignore[arg-type]

@@ -21,12 +21,10 @@ from gpushared.core.dra.checkpoint import format_checkpoint, parse_checkpoint
 from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.companions import DriverClaim, companions
 from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide_all
-from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.node.exposure import ExposurePolicy, Strategy
-from gpushared.core.shared.ledger import Ledger
 from gpushared.daemon.dra.driver import DraDriver
 from gpushared.kube.errors import NotFound
-from tests.unit.test_dra_book import book_at_loaded
+from tests.unit.test_dra_book import book_at_loaded, node_facts
 from tests.unit.test_dra_prepare import G0, G1, MPS_CONFIG, NODE, opaque, result
 
 A, B, C = (ClaimRef("team", name, f"uid-{name}") for name in ("a", "b", "c"))
@@ -292,14 +290,7 @@ def test_the_daemon_tells_a_container_with_two_claims_both_gpus(tmp_path: Path) 
     runtime leaves them after applying both written specs in either order, name both GPUs."""
     app = pod("p", ("app", ["a", "b"]))
     api = Api({"a": reserved(claim_of(A, result(G0, "6Gi")), app), "b": reserved(claim_of(B, result(G1, "6Gi")), app)})
-    facts = NodeFacts(
-        name="n1",
-        inventory=NODE.inventory,
-        ledger=Ledger(NODE.inventory),
-        minors=NODE.minors,
-        present_devices=NODE.present_devices,
-        mps=NODE.mps,
-    )
+    facts = node_facts()
     driver = DraDriver(
         node="n1",
         api=api,  # type: ignore[arg-type]
