@@ -16,7 +16,8 @@ ever host weighs more on those: its share times the nodes there are per node tha
 paper's fragment weighs every kind by its share alone, as if its pods could go anywhere; a kind of 8 GPUs
 and 120 CPUs that only 39 of 1,213 nodes can take concentrates all its demand on those 39, and at its
 share alone (0.1 % of pods) the growth of breaking one of them is smaller than the levels fgd prices in
-can tell, so they were taken by small pods long before the cluster filled (docs/benchmarks.md, issue #25).
+can tell, so they were taken by small pods long before the cluster filled (docs/benchmarks.md, "Placement
+quality").
 Where the mix also knows each node's room now (:class:`NodeRoom`), the nodes that could host a kind are
 those that could take it *now*: as the cluster fills, the few nodes left with room for a big kind weigh it
 more, when breaking one of them matters most.
@@ -143,9 +144,9 @@ def whole_node_kinds(nodes: Iterable[NodeClass], unseen: float) -> dict[ModelKin
     node covers (no other has as many GPUs, as much CPU and as large GPUs), ``unseen`` pods of each:
     what a mix that knows no workload yet assumes may come. A fresh extender's mix has not seen the rare
     big kinds, and its fragment prices none of them; pods that fit best on the largest nodes (balanced
-    CPU and GPU) then break the few that could host them before the first comes (issue #56: cpu200, 3
-    seeds of 10, every node of 8 GPUs and 128 CPUs broken by one-GPU pods by 35 % arrived, the tasks of
-    8 GPUs and 120 CPUs refused from 40 %). Weighed by scarcity like any kind, it weighs most on the
+    CPU and GPU) then break the few that could host them before the first comes (cpu200, 3 seeds
+    of 10: every node of 8 GPUs and 128 CPUs broken by one-GPU pods by 35 % arrived, the tasks of 8 GPUs
+    and 120 CPUs refused from 40 %). Weighed by scarcity like any kind, it weighs most on the
     few nodes that could take it. A shape that a larger node covers is not assumed: its whole node is
     common, and weighing it kept many nodes whole for pods that never came (gpushare40: 0.7 points
     lost from 100 % arrived, with every shape assumed). Empty where ``unseen`` is 0 or the nodes are
@@ -317,7 +318,7 @@ class RequestMix:
         divided by the cluster's GPUs of that model. 0 where no kind is pinned, ``model`` is not known, or
         the mix does not know the cluster's nodes. Pods that may run anywhere are priced off the models
         pinned pods press on (``PricingContext.pressure``), so those find room there (docs/benchmarks.md,
-        issue #25)."""
+        "Placement quality")."""
         return 0.0 if model is None else self._pressure_tables()[0].get(model, 0.0)
 
     def projected_pressure(self, model: str | None) -> float:
@@ -327,7 +328,7 @@ class RequestMix:
         ``rooms`` not known, what is left is every GPU. Where :meth:`pressure` counts the pinned pods seen,
         and so starts near 0 while few have come, this follows their share of the workload from the first;
         and a model filled faster than the cluster (by pods that could have run anywhere) is pressed the
-        harder for it (issue #56)."""
+        harder for it (the counted pressure let the T4s fill on gpuspec05)."""
         return 0.0 if model is None else self._pressure_tables()[1].get(model, 0.0)
 
     def pressures(self) -> tuple[tuple[str, float], ...]:

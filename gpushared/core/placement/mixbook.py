@@ -12,9 +12,9 @@ What a running extender may know before it has seen a pod is what its operator t
 :class:`ExpectedMix` (the extender's ``--expected-mix`` file, written by ``kubectl inspect gpushare
 --expected-mix`` from a cluster's pods, or from another trace for the replay), counted as ``weight`` pods
 beside the pods seen. Without it a fresh extender's mix would be empty, and fgd would price no fragment
-for the big kinds it has not yet seen: the first pods break the few nodes that could host those (issues
-#41, #56). So a book with no expected mix has every mix assume ``unseen`` pods that would each take a whole
-node of the largest shapes (``RequestMix.whole_node_kinds``), never counted as pods.
+for the big kinds it has not yet seen: the first pods break the few nodes that could host those. So a book
+with no expected mix has every mix assume ``unseen`` pods that would each take a whole node of the largest
+shapes (``RequestMix.whole_node_kinds``), never counted as pods.
 """
 
 from __future__ import annotations
@@ -29,21 +29,18 @@ from gpushared.core.placement.fragmentation import ModelKind, NodeClass, NodeRoo
 from gpushared.core.shared.ledger import Holding
 
 #: How many pods an expected mix counts as, unless its file says: beside it, the pods seen take over once
-#: there are some thousands of them. Chosen by scripts/tune_placement.py on its tuning set (docs/benchmarks.md).
+#: there are some thousands of them. Chosen by scripts/tune_placement.py: bench/results/tuning-placement.json.
 EXPECTED_WEIGHT: Final = 1000.0
 #: Kinds an expected mix may list: a cluster's pods have some dozens to hundreds (the Alibaba trace's 8,152
 #: tasks are 400 kinds), and `kubectl inspect gpushare --expected-mix` writes one per kind it saw; 2,000 is
-#: five times the trace's. Each kind costs the extender on every mix it takes, on its event loop (issue #52:
-#: 10,000 kinds, accepted then, held it 61 s); a larger file is refused at start (docs/benchmarks.md, "What
-#: an expected mix costs").
+#: five times the trace's. Each kind costs the extender on every mix it takes, on its event loop (10,000
+#: kinds, once accepted, held it 61 s); a larger file is refused at start (docs/benchmarks.md, "What an
+#: expected mix costs").
 MAX_EXPECTED_KINDS: Final = 2_000
 #: Pods of each whole-node kind (``RequestMix.whole_node_kinds``: a pod that would take a whole node of a
 #: class) a mix counts beside the pods seen where the operator gave no expected mix: what a fresh extender
 #: assumes may come before it has seen the rare big kinds. An expected mix says what to expect instead.
-#: Chosen by scripts/tune_placement.py on its tuning set with no expected mix (fresh extenders), by the
-#: best worst margin against the paper's FGD: 0 (none assumed) -0.04, 0.25 -0.11, 0.5 -0.08, 1 -0.02,
-#: 4 -0.13, 16 -0.03 (3 seeds: from 100 % arrived gpushare40 moves by a tenth from value to value;
-#: bench/results/tuning-unseen.json). Judged on every trace: docs/benchmarks.md.
+#: Chosen by scripts/tune_placement.py with no expected mix; figures: bench/results/tuning-unseen.json.
 UNSEEN_WEIGHT: Final = 1.0
 
 

@@ -248,12 +248,11 @@ WHOLE_NODE_LAST: Final = 2.0
 #: Until its mix knows of this many pods, fgd keeps untouched nodes for last among nodes priced equal. A
 #: fresh extender with no expected mix has seen no big kind yet: its fragment prices none, and the balance
 #: of CPU and GPU sends small pods to the big nodes, where they change the shares least; the few nodes that
-#: could host a pod of 8 GPUs and 120 CPUs were broken before the first came (issue #56: on multigpu30,
-#: 13 such pods refused before the cluster was 88 % full; none under binpack). Kept untouched, those nodes
+#: could host a pod of 8 GPUs and 120 CPUs were broken before the first came (on multigpu30, 13
+#: such pods refused before the cluster was 88 % full; none under binpack). Kept untouched, those nodes
 #: wait until the mix has seen enough to weigh the big kinds by their scarcity. The expected mix counts as
-#: EXPECTED_WEIGHT (1,000) pods: with it, this never applies. Chosen by scripts/tune_placement.py on its
-#: tuning set with no expected mix (fresh extenders), by the best worst margin against the paper's FGD: 0
-#: (as before) -0.54, 250 -0.04, 1,000 -0.09, 4,000 -0.13 (bench/results/tuning-whole-until.json).
+#: EXPECTED_WEIGHT (1,000) pods: with it, this never applies. Chosen by scripts/tune_placement.py with no
+#: expected mix; figures: bench/results/tuning-whole-until.json.
 FGD_WHOLE_UNTIL: Final = 250.0
 
 #: Levels the fgd policy prices in: kube-scheduler's MaxNodeScore, to which the paper's FGD score plugin
@@ -267,14 +266,9 @@ FGD_LEVELS: Final = 100
 #: (``PricingContext.pressure``): at 512 it is a strict order, so any pinned pod seen keeps the model last.
 #: fgd weighs the pressure projected from their share of the demand and what each model has left
 #: (``PricingContext.projected_pressure``): the count starts near 0 while few pinned pods have come, and fgd
-#: had filled the pinned models before it grew (issue #56: gpuspec05, seed 42, 174 GPU tasks refused before
-#: 88 % full, most pinned to T4). Chosen by scripts/tune_placement.py on its tuning set (causal, with the
-#: expected mix), by the best worst margin against the paper, then the second worst...: binpack's margins
-#: rise with the pressure until it is a strict order (from 256 they stop moving: the worst point on
-#: gpuspec10 +0.88 at 256, +0.89 at 512, against -0.03 at the 8 shipped before;
-#: bench/results/tuning-placement.json); fgd's, projected, on gpuspec10 and gpuspec20, peak at 8 (+0.44
-#: worst; 2: -2.61, 4: +0.24, 16: +0.36, 32: +0.29, 64: +0.29; bench/results/tuning-projected-pressure.json):
-#: more keeps the pinned models freer at 50-90 % arrived and fills them less from 100 %.
+#: had filled the pinned models before it grew (gpuspec05, seed 42: 174 GPU tasks refused before 88 %
+#: full, most pinned to T4). Both chosen by scripts/tune_placement.py; figures:
+#: bench/results/tuning-placement.json (binpack), bench/results/tuning-projected-pressure.json (fgd).
 BINPACK_PRESSURE: Final = 512.0
 FGD_PRESSURE: Final = 8.0
 
@@ -364,9 +358,9 @@ def fgd(pressure: float = FGD_PRESSURE, whole_until: float = FGD_WHOLE_UNTIL) ->
 #: on it the GPU left with the least. Aliyun's binpack fits the GPU alone, so a one-GPU pod that fills a GPU
 #: exactly ties on every node with an empty GPU, and an empty 8-GPU node is as good as a nearly full one:
 #: whole nodes are gone before the tasks that need them arrive. The FGD paper's BestFit scores the node's
-#: leftovers, as here (issue #25; docs/benchmarks.md). A pod that may run on any GPU model is kept off the
-#: models that pods pinned to them will want (``BINPACK_PRESSURE``): packing those first leaves the pinned
-#: pods nowhere to go.
+#: leftovers, as here (docs/benchmarks.md, "Placement quality"). A pod that may run on any GPU model is
+#: kept off the models that pods pinned to them will want (``BINPACK_PRESSURE``): packing those first leaves
+#: the pinned pods nowhere to go.
 BINPACK: Final = binpack()
 #: The GPU left with the most free memory.
 SPREAD: Final = Policy(name="spread", price=lambda v, need, context: float(need - v.free), free_order=-1)

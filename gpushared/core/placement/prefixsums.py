@@ -1,5 +1,5 @@
 """Sums of pod counts over "CPU at most c, size in a range": what a request mix asks of its kinds when many
-of them differ (issue #52, item 2).
+of them differ.
 
 A :class:`PrefixSums` is a persistent segment tree over the sizes' ranks with one version per distinct CPU
 request: version *i* holds every kind whose CPU is at most the *i*-th. Building it costs O(k log k) for k

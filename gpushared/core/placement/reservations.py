@@ -49,7 +49,7 @@ BINDING_TIMEOUT_SECONDS = 3.0
 #: After a start or a takeover, binds wait this long while pods an earlier extender could have been binding
 #: stay unbound: what the API server can still apply of a Binding sent before (its deadline), and half a
 #: second for the request's way there. Not ``LANDING_SECONDS``: that window made every restart a two-minute
-#: stop (issue #52).
+#: stop.
 FENCE_SECONDS = BINDING_TIMEOUT_SECONDS + 0.5
 
 
