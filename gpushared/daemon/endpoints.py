@@ -3,7 +3,7 @@
 Read-only, on threads of their own: nothing asked here changes the daemon or waits on its loop. The
 kubelet speaks to the daemon over gRPC elsewhere (``gpushared.deviceplugin.server``).
 
-Two listeners, two audiences (issue #39, defect 4):
+Two listeners, two audiences, so that strangers on the network learn no names:
 
 - the **TCP port** (``metrics.address``:``metrics.port``, 9402 on every address by default) is reachable by
   anyone on the network, so it answers without names: ``/metrics`` without the per-pod and per-container

@@ -1,4 +1,4 @@
-"""``/healthz`` on a port of its own, which strangers cannot starve (issue #52, item 9).
+"""``/healthz`` on a port of its own, which strangers cannot starve.
 
 The metrics port serves 16 connections at once, a thread each, and closes the rest as it accepts them: a
 client that held 32 connections and reconnected whenever one was closed made the kubelet's probes fail 30

@@ -120,7 +120,7 @@ class NodePublisher:
         """The node as its watch shows it (on the watch's thread). An inventory annotation that is not the
         one this daemon wrote is someone else's edit: the next tick writes ours again. An inflated GPU once
         stayed until the daemon's own next change, and the extender bound a pod there that Allocate then
-        refused (issue #39, defect 5)."""
+        refused."""
         published = self._published
         if new is None or published is None or version_of(new) <= self._published_version:
             return  # nothing written yet, or the Node as it was before this daemon's last write

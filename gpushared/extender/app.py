@@ -85,7 +85,8 @@ class ExtenderSettings:
     webhook_scheduler: str = GPUSHARED_SCHEDULER
     #: the operator's expected mix (``--expected-mix``), counted beside the pods seen (core/placement/mixbook.py)
     expected: ExpectedMix | None = None
-    #: the claim allocator's (``--claim-allocator``; issue #54), or None: DRA claims are kube-scheduler's
+    #: the claim allocator's (``--claim-allocator``: DRA claims placed by gpushared's policies, not kube-scheduler's
+    #: first fit), or None: DRA claims are kube-scheduler's
     claims: AllocatorSettings | None = None
     #: the webhook gates CPU-only pods and the leader steers them off idle GPUs (``--steer-cpu-pods``)
     steer: bool = False

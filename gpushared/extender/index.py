@@ -40,7 +40,7 @@ MEMO_LIMIT = 256
 
 #: Nodes a verb prices in one turn of the event loop, at most (``node_ranks``' ``cold``): 1-25 ms of fgd's
 #: pricing under the largest expected mix, less without one. The first call of a pod size, or the first
-#: after a new mix, priced a thousand nodes in one turn: 0.2-0.5 s, with every other verb waiting (issue #52).
+#: after a new mix, priced a thousand nodes in one turn: 0.2-0.5 s, with every other verb waiting.
 PRICES_PER_TURN = 24
 
 

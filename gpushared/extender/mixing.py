@@ -1,4 +1,4 @@
-"""The request mix taken off the event loop (issue #52, item 2).
+"""The request mix taken off the event loop, so that building it holds up no verb.
 
 A new mix is taken every ``state.MIX_SECONDS``; building it, with the view each node class prices from,
 ran inside a filter, on the event loop. Here the loop copies what the mix is taken of (the kinds and their

@@ -92,7 +92,7 @@ class Scheduler:
         nodes' memos, their ranks priced before over as many turns as they need, PRICES_PER_TURN nodes
         each. The first call of a pod size, or the first after a new mix, priced a thousand nodes in one
         turn: 0.2-0.5 s under an expected mix of 2,000 kinds, with every other verb, ``/healthz``
-        included, waiting (issue #52). The answer is the one ``verb`` gives in one go at the moment it
+        included, waiting. The answer is the one ``verb`` gives in one go at the moment it
         answers: every rank it reads is of the node's ledger, CPU and mix as they are then."""
         for _ in range(PACED_ROUNDS - 1):
             cold: list[str] = []

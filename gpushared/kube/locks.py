@@ -2,8 +2,8 @@
 
 The extender's informer threads once called their handlers while holding the informer's lock, and the handlers
 took the cache's lock; a verb that held the cache's lock and then asked an informer for an object waited for
-the informer's lock the other way round, and the two waited forever (issue #39: the event loop and the pod
-informer, 30-42 s into Bindings answered 500). The extender's state has no lock now (one owner:
+the informer's lock the other way round, and the two waited forever (the event loop and the pod
+informer, 30-42 s into a fault run where Bindings answered 500). The extender's state has no lock now (one owner:
 ``extender/inbox.py``); the informers' mirrors keep theirs, ranked. A :class:`RankedLock` refuses, at once and
 with both names, to be taken by a thread that already holds a lock of its rank or a higher one: locks are
 taken in increasing rank only, so no cycle of waits can form. The refusal is an exception on the thread that

@@ -1,4 +1,5 @@
-"""kube-scheduler 1.36 placing DRA claims by itself: the "before" of issue #54, modelled from its sources.
+"""kube-scheduler 1.36 placing DRA claims by itself, modelled from its sources: the "before" that
+gpushared's claim allocator (``replay.allocator``) is measured against.
 
 On a DRA node no extender is called: kube-scheduler chooses the node with its default plugins and its
 DRA allocator chooses the devices. What this module models, each rule with the source it is read from

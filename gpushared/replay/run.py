@@ -81,14 +81,14 @@ def replay(
     weighs them; without, placement sees none. Either way the sets chosen are scored on them.
 
     ``causal`` (the default): the request mix is counted as a running extender counts it, from the tasks
-    placed so far (``core.placement.mixbook``; issue #41), beside the operator's ``expected`` mix where one is given
+    placed so far (``core.placement.mixbook``), beside the operator's ``expected`` mix where one is given
     (the extender's ``--expected-mix``; for a figure, made by :func:`trace_kinds` from *another* trace).
     Without, it is the *oracle* mix: the kinds of every task of the shuffled workload, those still to
     arrive (and those that will fail) included, known before the first is placed; no extender can know
     that.
 
-    ``compute``: every GPU task also asks for its GPU share as a compute request (issue #43), so a GPU
-    takes tasks until their memory *or* their compute (rounded up to whole percent) is used up.
+    ``compute``: every GPU task also asks for its GPU share as a compute request, so a GPU takes
+    tasks until their memory *or* their compute (rounded up to whole percent) is used up.
 
     ``window``: kube-scheduler sends the extender only the nodes its adaptive ``percentageOfNodesToScore``
     lets it find (497 of the trace's 1,213, from where its previous search stopped), as a cluster that does
@@ -181,8 +181,8 @@ def replay(
 
 def oracle_mix(nodes: Sequence[TraceNode], workload: Sequence[TracePod]) -> RequestMix:
     """The kinds of every task of the workload, each with the GPU models its node affinity allows
-    (gpu_spec), on the cluster's nodes by class: what the published placement figures up to issue #41 were
-    priced with, before the first task arrived."""
+    (gpu_spec), on the cluster's nodes by class, known before the first task arrived: what the placement
+    figures were priced with before the replay counted the mix as an extender does (``openb-oracle*``)."""
     classes = Counter(node_class(inventory_of(n), model=n.model, cpu_allocatable=n.cpu_milli) for n in nodes)
     return RequestMix(((p.cpu_milli, p.memory_per_gpu, p.num_gpu, p.models or None) for p in workload), nodes=classes)
 

@@ -1,4 +1,4 @@
-"""A claim's ``status.allocation`` as the claim allocator writes it (issue #54): what kube-scheduler's own
+"""A claim's ``status.allocation`` as the claim allocator writes it: what kube-scheduler's own
 allocator would write for the same devices, so that kube-scheduler, the kubelet and this driver read it as
 theirs (``resource.k8s.io/v1`` ``AllocationResult``):
 

@@ -1,5 +1,5 @@
 """What each container of a DRA pod may use of the GPUs its claims were prepared on: the memory watcher's
-allowances for pods served by the DRA driver (issue #52, item 8). The containers that share a claim share
+allowances for pods served by the DRA driver. The containers that share a claim share
 its memory (``core.dra.claimusers``). Pure."""
 
 from __future__ import annotations

@@ -103,7 +103,7 @@ def _parse_claim(entry: Mapping[str, Any]) -> PreparedClaim:
             compute=_int(d["compute"]),
             mps_threads=None if d.get("mpsThreads") is None else _int(d["mpsThreads"]),
             cdi_device_ids=tuple(_str(i) for i in d["cdiDeviceIDs"]),
-            sharers=_positive(d.get("sharers", 1)),  # records written before issue #52: one container
+            sharers=_positive(d.get("sharers", 1)),  # records from before claims were split: one container
         )
         for d in entry["devices"]
     )

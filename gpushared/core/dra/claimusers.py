@@ -1,4 +1,4 @@
-"""Which containers use a DRA claim, and so how many share its memory (issue #52, item 8).
+"""Which containers use a DRA claim, and so how many share its memory.
 
 Every container that names a claim gets the same CDI device from the runtime, so on its own each would be
 given all of the claim's memory: two containers of a 2 GiB claim each got ``ALIYUN_COM_GPU_MEM_CONTAINER=2``,

@@ -32,7 +32,8 @@ _SUFFIXES: Final = {
     "n": Decimal(1) / 10**9,
 }
 #: Bounds checked on the text, before any arithmetic: Kubernetes keeps quantities in 64 bits, and
-#: ``1e999999`` would otherwise become a million-digit integer (docs/benchmarks.md, issue #19).
+#: ``1e999999`` would otherwise become a million-digit integer, 41 s of the extender's event loop
+#: (docs/benchmarks.md, "What a request may hold the event loop for").
 #: The longest quantity text read (a mantissa, an exponent or suffix, a sign): Kubernetes' own are far shorter.
 MAX_LENGTH: Final = 80
 MAX_EXPONENT: Final = 30

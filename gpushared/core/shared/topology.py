@@ -11,7 +11,8 @@ A set of GPUs is worth the sum of the scores of its pairs (:func:`set_score`); :
 best set among the GPUs with room, and among equally good sets the one the placement policy prices lowest
 (a balanced node's idle GPUs, a packed node's fullest), so that a node without topology information places
 exactly as before. One-GPU pods never look at it.
-Pure: the extender's bind and the daemon's GetPreferredAllocation are to share it (issue #24).
+Pure, so that every reader links GPUs alike: the extender chooses sets with it, and the daemon describes its
+links with it (GetPreferredAllocation offers the set the bind recorded).
 """
 
 from __future__ import annotations

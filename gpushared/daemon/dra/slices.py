@@ -1,5 +1,5 @@
 """The node's ResourceSlice: published from the GPUs as they are, and withdrawn when the driver leaves a
-node (the DRA driver's slice publisher, issue #53)."""
+node (the DRA driver's slice publisher)."""
 
 from __future__ import annotations
 
