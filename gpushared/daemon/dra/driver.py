@@ -88,7 +88,7 @@ class DraDriver:
         self._lock = threading.Lock()
         #: claims decided and being written, by UID: counted by every other decision until in the book
         self._deciding: dict[str, PreparedClaim] = {}
-        #: the node's one-driver lock (``drabook.DriverLock``), held while this driver serves
+        #: the node's one-driver lock (``daemon.dra.book.DriverLock``), held while this driver serves
         self.lock: DriverLock | None = None
 
     def prepare(
