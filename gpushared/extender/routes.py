@@ -137,7 +137,7 @@ class Routes:
         the API server can send), and decoding it (and freeing it) is done on a worker thread, one review
         at a time, so the event loop waits at most for one decode (a C call that holds the interpreter)
         and answers the other routes between them. 16 clients sending 5.9 MiB reviews of small objects
-        held the loop 171 ms and /healthz about a second when every decode ran on the loop (issue #39)."""
+        held the loop 171 ms and /healthz about a second when every decode ran on the loop."""
         return await self._review(raw, self._mutate)
 
     async def mutate_steer(self, raw: bytes) -> Answer:

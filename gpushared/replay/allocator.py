@@ -1,4 +1,4 @@
-"""The trace's cluster on DRA with gpushared's claim allocator (issue #54): the "after" beside
+"""The trace's cluster on DRA with gpushared's claim allocator: the "after" beside
 ``replay.kubescheduler``'s "before".
 
 Each GPU task is a pod with one claim, written as a user writes it (one request of this driver's DeviceClass,
