@@ -12,7 +12,7 @@ from typing import Any
 from gpushared import contract
 from gpushared.contract import dra
 from gpushared.core.dra.slices import slice_body, slice_devices
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.cache import ClusterCache

@@ -34,13 +34,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpushared.contract import dra
-from gpushared.core.placement.admission import CLAIM_GATE
-from gpushared.core.placement.claimchoice import (
-    ClaimChoice,
-    NoRoom,
-    holdings_of,
-)
-from gpushared.core.placement.claims import ClaimAsk, read_pod
+from gpushared.core.placement.claims.asks import ClaimAsk
+from gpushared.core.placement.claims.choice import ClaimChoice, NoRoom, holdings_of
+from gpushared.core.placement.claims.gate import CLAIM_GATE
+from gpushared.core.placement.claims.pods import read_pod
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of, version_of
 from gpushared.extender.cache import ClusterCache

@@ -21,8 +21,8 @@ from typing import Any
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.claims import claim_holdings
-from gpushared.core.placement.admission import ClaimRef, pod_claims
-from gpushared.core.placement.claims import allocated_node, read_pending
+from gpushared.core.placement.claims.asks import read_pending
+from gpushared.core.placement.claims.pods import ClaimRef, allocated_node, pod_claims
 from gpushared.core.shared.bodies import Key, PodBody, version_of
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.extender.inbox import Inbox, Owner

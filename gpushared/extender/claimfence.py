@@ -31,8 +31,9 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from gpushared.core.placement.claimroom import NO_ROOM_KEPT, KeptRoom, Room, could_take, kept_room
-from gpushared.core.placement.claims import ClaimAsk, asks_class, claim_names, read_pod
+from gpushared.core.placement.claims.asks import ClaimAsk, asks_class
+from gpushared.core.placement.claims.pods import claim_names, read_pod
+from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, could_take, kept_room
 from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 
 if TYPE_CHECKING:  # the placer is handed in; the fence sits beside it, not above it

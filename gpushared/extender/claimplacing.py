@@ -25,7 +25,8 @@ from typing import Any, NamedTuple, cast
 
 from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.slices import nvlink_domains
-from gpushared.core.placement.claimchoice import (
+from gpushared.core.placement.claims.asks import ClaimAsk
+from gpushared.core.placement.claims.choice import (
     Candidate,
     ClaimChoice,
     NoRoom,
@@ -35,8 +36,7 @@ from gpushared.core.placement.claimchoice import (
     place_on,
     preference,
 )
-from gpushared.core.placement.claimroom import NO_ROOM_KEPT, KeptRoom, Room, with_kept
-from gpushared.core.placement.claims import ClaimAsk
+from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, with_kept
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits, within_bounds
 from gpushared.core.placement.nodes import NodeState

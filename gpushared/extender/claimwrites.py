@@ -18,9 +18,9 @@ import re
 import uuid
 
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
-from gpushared.core.placement.admission import CLAIM_GATE
-from gpushared.core.placement.claimchoice import ClaimChoice
-from gpushared.core.placement.claims import ClaimAsk
+from gpushared.core.placement.claims.asks import ClaimAsk
+from gpushared.core.placement.claims.choice import ClaimChoice
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claimbook import Body, ClaimBook

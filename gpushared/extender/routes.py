@@ -16,7 +16,9 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gpushared import __version__
-from gpushared.core.placement.admission import ClaimRef, SchedulerRoute, claim_gate, scheduler_route
+from gpushared.core.placement.admission import SchedulerRoute, scheduler_route
+from gpushared.core.placement.claims.gate import claim_gate
+from gpushared.core.placement.claims.pods import ClaimRef
 from gpushared.core.placement.report import node_report
 from gpushared.core.placement.steering import steer_gate
 from gpushared.core.shared.bodies import PodBody, meta_of

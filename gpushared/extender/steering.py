@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from gpushared.core.placement.claimchoice import Resources, preference
+from gpushared.core.placement.claims.choice import Resources, preference
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits
 from gpushared.core.placement.steering import Preferred, SteerCandidate, preferred_terms, steer_operations

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpushared.contract import dra
-from gpushared.core.placement.claimchoice import Candidate, ClaimChoice, Setting, best_of, place_on
-from gpushared.core.placement.claims import ClaimAsk, read_pending
+from gpushared.core.placement.claims.asks import ClaimAsk, read_pending
+from gpushared.core.placement.claims.choice import Candidate, ClaimChoice, Setting, best_of, place_on
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.binding import holding_for
-from gpushared.core.placement.claimchoice import Resources, preference
+from gpushared.core.placement.claims.choice import Resources, preference
 from gpushared.core.placement.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.placement.mixbook import UNSEEN_WEIGHT, ExpectedMix, MixBook, kind_of
 from gpushared.core.placement.policies import NodeRank, Policy, best_rank, ties

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from tests.e2e.cluster import LocalCluster, wait_for
 from tests.e2e.kube import Kube
 from tests.e2e.manifests import at_extender

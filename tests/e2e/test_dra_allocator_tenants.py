@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from tests.e2e.cluster import LocalCluster, wait_for
 from tests.e2e.kube import Kube
 from tests.e2e.test_dra import NEEDS_DRA, allocations, apply, assert_no_gpu_over_capacity, claim_body, claim_pod

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.bodies import uid_of
 from gpushared.extender.claimallocator import AllocatorSettings

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpushared.core.placement.admission import CLAIM_GATE, claim_gate
+from gpushared.core.placement.claims.gate import CLAIM_GATE, claim_gate
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.bodies import PodBody
 from gpushared.extender.claimallocator import REFUSED_EVENT, SHOWN_WITHIN_SECONDS, AllocatorSettings

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.extender import claimplacing
 from gpushared.extender.claimallocator import AllocatorSettings

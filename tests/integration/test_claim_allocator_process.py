@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.steering import STEER_GATE
 from tests.builders import admission_review
 from tests.claimworld import allocation, claim, device, dra_node, gated_pod, gates

@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from gpushared.contract import dra
-from gpushared.core.placement.claims import ClaimAsk, DeviceAsk, Handover, read_pending
+from gpushared.core.placement.claims.asks import ClaimAsk, DeviceAsk, Handover, read_pending
 
 GI = 2**30
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpushared.contract import dra
 from gpushared.core.dra.slices import slice_body, slice_devices
-from gpushared.core.placement.admission import ClaimRef
+from gpushared.core.placement.claims.pods import ClaimRef
 from gpushared.core.shared.ledger import Holding
 from gpushared.extender.claimbook import ClaimBook
 from tests.builders import inventory

@@ -16,7 +16,8 @@ from gpushared.core.dra import capacity
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.dra.claims import allocated_devices
 from gpushared.core.dra.slices import gpu_device
-from gpushared.core.placement.claimchoice import (
+from gpushared.core.placement.claims.asks import ClaimAsk, DeviceAsk
+from gpushared.core.placement.claims.choice import (
     Candidate,
     ClaimChoice,
     NoRoom,
@@ -27,7 +28,6 @@ from gpushared.core.placement.claimchoice import (
     parts,
     place_on,
 )
-from gpushared.core.placement.claims import ClaimAsk, DeviceAsk
 from gpushared.core.placement.policies import BINPACK, FGD, SPREAD, Policy
 from gpushared.core.placement.pricing import PricingContext
 from gpushared.core.shared.ledger import Holding, Ledger

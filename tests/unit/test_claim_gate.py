@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.admission import CLAIM_GATE, MAX_POD_CLAIMS, ClaimRef, claim_gate, pod_claims
+from gpushared.core.placement.claims.gate import CLAIM_GATE, claim_gate
+from gpushared.core.placement.claims.pods import MAX_POD_CLAIMS, ClaimRef, pod_claims
 from tests.builders import pod
 from tests.fakes.patches import json_patch
 

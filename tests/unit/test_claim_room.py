@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from gpushared.core.placement.claimchoice import Candidate, NoRoom, choose
-from gpushared.core.placement.claimroom import Room, could_take, kept_room, with_kept
-from gpushared.core.placement.claims import ClaimAsk, DeviceAsk
+from gpushared.core.placement.claims.asks import ClaimAsk, DeviceAsk
+from gpushared.core.placement.claims.choice import Candidate, NoRoom, choose
+from gpushared.core.placement.claims.room import Room, could_take, kept_room, with_kept
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.ledger import GpuMode, Holding, Ledger
 from tests.builders import inventory

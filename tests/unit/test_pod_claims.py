@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gpushared.contract import dra
-from gpushared.core.placement.claims import PodClaims, allocated_node, claim_names, read_pod
+from gpushared.core.placement.claims.pods import PodClaims, allocated_node, claim_names, read_pod
 
 FIELD = {"key": "metadata.name", "operator": "In"}
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gpushared import contract
-from gpushared.core.placement.admission import CLAIM_GATE
+from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.steering import (
     MOST_PREFERRED,
     STEER_GATE,

@@ -21,8 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import NamedTuple
 
-from gpushared.core.placement.claimchoice import parts
-from gpushared.core.placement.claims import ClaimAsk
+from gpushared.core.placement.claims.asks import ClaimAsk
+from gpushared.core.placement.claims.choice import parts
 from gpushared.core.shared.ledger import Holding, Ledger
 
 #: How the room kept on a GPU is named among the node's holdings (one holding per GPU).

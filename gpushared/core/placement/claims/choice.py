@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from gpushared.contract import ComputeShare, MemoryUnit
-from gpushared.core.placement.claims import ClaimAsk
+from gpushared.core.placement.claims.asks import ClaimAsk
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.policies import Choice, NodeRank, Policy, best_rank, ties
 from gpushared.core.placement.pricing import NodeCpu, PricingContext
