@@ -4,7 +4,7 @@ allocated, and each pod's latency from its creation to its gate removed, p50 and
 An API server (the fake one, tests/fakes/apiserver.py, HTTP on loopback, in this process) holds ``--nodes``
 DRA nodes of 8 GPUs of 16 GiB, each with its inventory annotation and ResourceSlice. ``--pods`` pods are
 created gated, each with its own claim of 1-8 GiB (``--rate`` per second, 0: all at once), and the
-production allocator (extender/claimallocator.py, its book fed by real informers, the extender's cache
+production allocator (extender/claims/allocator.py, its book fed by real informers, the extender's cache
 beside it) runs its loop on this process's event loop as the extender's leader does: a step every
 ``TICK_SECONDS``, its writes (the claim's status, the pod's gate) over HTTP. What it measures is the allocator
 and the API calls it makes, not kube-scheduler's binding after it (no scheduler runs here).
@@ -60,8 +60,8 @@ from benchkit.measure import percentiles
 
 from gpushared.core.placement.policies import policy_named
 from gpushared.core.shared.bodies import key_of
-from gpushared.extender.claimallocator import TICK_SECONDS, AllocatorSettings, ClaimAllocator
-from gpushared.extender.claimwrites import Gate
+from gpushared.extender.claims.allocator import TICK_SECONDS, AllocatorSettings, ClaimAllocator
+from gpushared.extender.claims.writes import Gate
 from tests.claimtenant import unschedulable_pod
 from tests.claimworld import ClaimWorld, FirstFitScheduler, claim, dra_node, gated_pod
 from tests.fakes.apiserver import FakeApiServer

@@ -16,8 +16,8 @@ from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimallocator import AllocatorSettings, ClaimAllocator
-from gpushared.extender.claimbook import ClaimBook
+from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator
+from gpushared.extender.claims.book import ClaimBook
 from gpushared.kube.aioapi import AsyncApi
 from tests.builders import inventory
 from tests.extender_harness import gpu_node

@@ -202,7 +202,7 @@ def main(
     from gpushared.contract import ContractError, ResourceNames
     from gpushared.core.placement.policies import policy_named
     from gpushared.extender import app
-    from gpushared.extender.claimallocator import AllocatorSettings
+    from gpushared.extender.claims.allocator import AllocatorSettings
     from gpushared.extender.http.config import ServerConfig
     from gpushared.kube.aioapi import AsyncApi
     from gpushared.kube.api import Api, KubeError, connect

@@ -28,8 +28,8 @@ from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimallocator import AllocatorSettings, ClaimAllocator, pod_events
-from gpushared.extender.claimbook import ClaimBook
+from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, pod_events
+from gpushared.extender.claims.book import ClaimBook
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve

@@ -49,7 +49,7 @@ class Primed(Collector):
 
 
 class ClaimAllocations(Collector):
-    """The claim allocator's outcomes and waits (``claimallocator.ClaimAllocator``), read from it."""
+    """The claim allocator's outcomes and waits (``claims.allocator.ClaimAllocator``), read from it."""
 
     #: every outcome it counts, exposed from the start at 0
     OUTCOMES = ("allocated", "handover", "timeout", "conflict", "released", "not_gated", "not_ours", "refused")

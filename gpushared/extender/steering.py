@@ -31,7 +31,7 @@ from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimbook import ClaimBook
+from gpushared.extender.claims.book import ClaimBook
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
@@ -165,7 +165,7 @@ class Steerer:
 
 def idle_ledger(cache: ClusterCache, book: ClaimBook | None) -> LedgerOf:
     """A node's ledger as the extender's ``prioritize-no-gpu`` should read it: on a node whose slices publish
-    the driver's GPUs, the claims allocated there (``claimbook.ClaimBook.ledger``); elsewhere the gpu-mem
+    the driver's GPUs, the claims allocated there (``claims.book.ClaimBook.ledger``); elsewhere the gpu-mem
     pods bound there. ``book``: the claim book, or None (no DRA)."""
 
     def ledger_of(name: str) -> Ledger | None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from faultsuite.harness import Hung, deadline
 from gpushared.core.placement.policies import policy_named
-from gpushared.extender.claimallocator import TICK_SECONDS, AllocatorSettings
+from gpushared.extender.claims.allocator import TICK_SECONDS, AllocatorSettings
 from tests.claimtenant import TenantCase
 from tests.claimworld import ClaimWorld, allocation, consumed_per_device, dra_node, parse
 from tests.fakes.apiserver import FakeApiServer

@@ -14,7 +14,7 @@ import pytest
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.bodies import uid_of
-from gpushared.extender.claimallocator import AllocatorSettings
+from gpushared.extender.claims.allocator import AllocatorSettings
 from tests.claimworld import (
     ClaimWorld,
     FirstFitScheduler,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 
 from gpushared.core.placement.policies import BINPACK
-from gpushared.extender import claimallocator
-from gpushared.extender.claimallocator import AllocatorSettings
+from gpushared.extender.claims import allocator as claimallocator
+from gpushared.extender.claims.allocator import AllocatorSettings
 from tests.claimworld import ClaimWorld, claim, dra_node, gated_pod
 from tests.fakes.apiserver import FakeApiServer
 

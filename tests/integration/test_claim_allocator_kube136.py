@@ -20,8 +20,8 @@ import yaml
 from gpushared.core.placement.claims.gate import CLAIM_GATE, claim_gate
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.bodies import PodBody
-from gpushared.extender.claimallocator import REFUSED_EVENT, SHOWN_WITHIN_SECONDS, AllocatorSettings
-from gpushared.extender.claimwrites import REFUSED_RETRY_SECONDS
+from gpushared.extender.claims.allocator import REFUSED_EVENT, SHOWN_WITHIN_SECONDS, AllocatorSettings
+from gpushared.extender.claims.writes import REFUSED_RETRY_SECONDS
 from tests.claimworld import (
     CLAIMS,
     ClaimWorld,

@@ -13,8 +13,8 @@ import pytest
 
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
-from gpushared.extender import claimplacing
-from gpushared.extender.claimallocator import AllocatorSettings
+from gpushared.extender.claims import placing as claimplacing
+from gpushared.extender.claims.allocator import AllocatorSettings
 from tests.claimworld import ClaimWorld, allocation, claim, device, dra_node, gated_pod, gates
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.store import RESOURCES

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from gpushared.core.placement.policies import BINPACK
-from gpushared.extender.claimallocator import AllocatorSettings
-from gpushared.extender.claimfence import KUBE_WINDOW_SECONDS
+from gpushared.extender.claims.allocator import AllocatorSettings
+from gpushared.extender.claims.fence import KUBE_WINDOW_SECONDS
 from tests.claimtenant import SimulatedTime, TenantCase
 from tests.claimworld import ClaimWorld, allocation, claim, dra_node, gated_pod, gates
 from tests.fakes.apiserver import FakeApiServer

@@ -10,7 +10,7 @@ from gpushared.contract import dra
 from gpushared.core.dra.slices import slice_body, slice_devices
 from gpushared.core.placement.claims.pods import ClaimRef
 from gpushared.core.shared.ledger import Holding
-from gpushared.extender.claimbook import ClaimBook
+from gpushared.extender.claims.book import ClaimBook
 from tests.builders import inventory
 
 INV = inventory(16, 8)

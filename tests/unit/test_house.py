@@ -164,3 +164,20 @@ def test_floors_find_cycles_and_depth() -> None:
     assert floors({"a": {"b"}, "b": {"c"}, "c": set()}) == {"a": 3, "b": 2, "c": 1}
     with pytest.raises(AssertionError, match="import cycle"):
         floors({"a": {"b"}, "b": {"a"}})
+
+
+def test_the_transport_contract_names_every_module_of_the_extender() -> None:
+    """extender.http may import none of the extender's modules above it: .importlinter lists them one by one,
+    so a module added to the extender and not to the list would be importable from the transport unseen."""
+    import configparser
+
+    linter = configparser.ConfigParser()
+    linter.read(REPO / ".importlinter")
+    listed = set(linter["importlinter:contract:transport"]["forbidden_modules"].split())
+    extender = PACKAGE / "extender"
+    modules = {
+        "gpushared.extender." + ".".join(path.relative_to(extender).with_suffix("").parts)
+        for path in extender.rglob("*.py")
+        if path.stem != "__init__" and "http" not in path.relative_to(extender).parts
+    }
+    assert sorted(modules - listed) == []

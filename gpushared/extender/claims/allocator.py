@@ -4,7 +4,7 @@ kube-scheduler by itself allocates a claim first fit on a node its default score
 webhook holds every new pod that uses a claim of gpushared's DeviceClass back with a scheduling gate
 (``core.placement.admission.CLAIM_GATE``); the leader's allocator, on the extender's event loop:
 
-1. reads each gated pod's claims from its book (``claimbook.ClaimBook``; ``core.placement.claims.read_pod``);
+1. reads each gated pod's claims from its book (``claims.book.ClaimBook``; ``core.placement.claims.read_pod``);
 2. chooses the node and devices with the extender's policy over the same ledgers
    (``core.placement.claimchoice``), and counts the choice at once (assume), before any write;
 3. writes each claim's ``status.allocation`` (``core.dra.allocation``), guarded by the resourceVersion it
@@ -41,10 +41,10 @@ from gpushared.core.placement.claims.pods import read_pod
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of, version_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimbook import Body, ClaimBook
-from gpushared.extender.claimfence import FENCED, ClaimFence
-from gpushared.extender.claimplacing import ClaimPlacer
-from gpushared.extender.claimwrites import ClaimWrites, Gate, refused_permission
+from gpushared.extender.claims.book import Body, ClaimBook
+from gpushared.extender.claims.fence import FENCED, ClaimFence
+from gpushared.extender.claims.placing import ClaimPlacer
+from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.errors import KubeError

@@ -44,7 +44,7 @@ from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import PodBody, gpu_models
 from gpushared.core.shared.ledger import Ledger
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimbook import ClaimBook
+from gpushared.extender.claims.book import ClaimBook
 
 #: A pod with no node selection and no toleration, as ``nodefit.admits`` reads it.
 NO_SELECTION: PodBody = {"spec": {}}

@@ -23,7 +23,7 @@ from gpushared.core.placement.claims.choice import ClaimChoice
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claimbook import Body, ClaimBook
+from gpushared.extender.claims.book import Body, ClaimBook
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 

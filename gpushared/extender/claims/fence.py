@@ -37,7 +37,7 @@ from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, c
 from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 
 if TYPE_CHECKING:  # the placer is handed in; the fence sits beside it, not above it
-    from gpushared.extender.claimplacing import ClaimPlacer, PodAsk
+    from gpushared.extender.claims.placing import ClaimPlacer, PodAsk
 
 #: A namespace's claims by name (``ClaimBook.claims``).
 Claims = Callable[[str], Mapping[str, Any]]
