@@ -31,7 +31,7 @@ protos: venv
 
 # The committed stubs must be exactly what the pinned generator makes from the committed .proto.
 check-protos: protos
-	git diff --exit-code -- gpushared/deviceplugin/ || \
+	git diff --exit-code -- gpushared/kubelet/ || \
 	  { echo "generated stubs differ from api.proto: run 'make protos' and commit" >&2; exit 1; }
 
 clean:

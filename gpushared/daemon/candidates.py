@@ -18,10 +18,10 @@ from gpushared.contract import MemoryUnit, ResourceNames
 from gpushared.core.node import handshake
 from gpushared.core.shared.bodies import PodBody, node_of, uid_of
 from gpushared.core.shared.requests import pod_request
-from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable, list_pod_devices
-from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import Api, KubeError, NotFound
 from gpushared.kube.podwatch import PodWatch
+from gpushared.kubelet.deviceplugin.server import AllocationRefused
+from gpushared.kubelet.podresources.client import PodDevices, PodResourcesUnavailable, list_pod_devices
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from gpushared.contract import GpuInventory
 from gpushared.core.node.devices import device_list
-from gpushared.deviceplugin.server import MAX_MESSAGE_BYTES, list_message
+from gpushared.kubelet.deviceplugin.server import MAX_MESSAGE_BYTES, list_message
 
 
 class DeviceListTooLarge(Exception):

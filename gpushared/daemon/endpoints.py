@@ -1,7 +1,7 @@
 """The daemon's HTTP endpoints for people and Prometheus: ``/metrics``, ``/status`` (JSON) and ``/healthz``.
 
 Read-only, on threads of their own: nothing asked here changes the daemon or waits on its loop. The
-kubelet speaks to the daemon over gRPC elsewhere (``gpushared.deviceplugin.server``).
+kubelet speaks to the daemon over gRPC elsewhere (``gpushared.kubelet.deviceplugin.server``).
 
 Two listeners, two audiences, so that strangers on the network learn no names:
 

@@ -32,9 +32,9 @@ from gpushared.daemon.health import Health
 from gpushared.daemon.metrics import Metrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor
 from gpushared.daemon.outbox import Outbox
-from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import Api
 from gpushared.kube.podwatch import PodWatch
+from gpushared.kubelet.deviceplugin.server import AllocationRefused
 from gpushared.nvml.backend import GpuDevice
 
 log = logging.getLogger(__name__)

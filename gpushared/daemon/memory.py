@@ -54,7 +54,7 @@ from gpushared.core.shared.bodies import PodBody, key_of, meta_of, qualified_nam
 from gpushared.daemon.compute import ComputeWatcher
 from gpushared.daemon.metrics import ContainerMemory, Metrics
 from gpushared.daemon.outbox import Outbox
-from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
+from gpushared.kubelet.podresources.client import PodDevices, PodResourcesUnavailable
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, NvmlProcess
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.shared.bodies import NodeBody, annotations_of, version_of
 from gpushared.daemon.errors import FatalError
 from gpushared.daemon.metrics import Metrics
-from gpushared.deviceplugin.server import PluginServer, RegistrationFailed
 from gpushared.kube.api import Api, KubeError, NotFound
 from gpushared.kube.informer import Informer
+from gpushared.kubelet.deviceplugin.server import PluginServer, RegistrationFailed
 
 log = logging.getLogger(__name__)
 

@@ -30,12 +30,12 @@ from gpushared.daemon.memory import ClaimsView, GpuView, MemoryWatcher
 from gpushared.daemon.metrics import Metrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
-from gpushared.deviceplugin.podresources.client import list_pod_devices
-from gpushared.deviceplugin.server import PluginServer
 from gpushared.kube.api import Api, KubeError
 from gpushared.kube.informer import Informer
 from gpushared.kube.podwatch import PodWatch
 from gpushared.kube.resources import ResourceApi
+from gpushared.kubelet.deviceplugin.server import PluginServer
+from gpushared.kubelet.podresources.client import list_pod_devices
 from gpushared.nvml.backend import GpuBackend
 
 log = logging.getLogger(__name__)

@@ -21,12 +21,12 @@ from typing import Any
 
 import grpc
 
-from gpushared.deviceplugin.dra.v1 import api_pb2 as v1
-from gpushared.deviceplugin.dra.v1 import api_pb2_grpc as v1_grpc
-from gpushared.deviceplugin.dra.v1beta1 import api_pb2 as v1beta1
-from gpushared.deviceplugin.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2 as registration
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from gpushared.kubelet.dra.v1 import api_pb2 as v1
+from gpushared.kubelet.dra.v1 import api_pb2_grpc as v1_grpc
+from gpushared.kubelet.dra.v1beta1 import api_pb2 as v1beta1
+from gpushared.kubelet.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from gpushared.kubelet.pluginregistration.v1 import api_pb2 as registration
+from gpushared.kubelet.pluginregistration.v1 import api_pb2_grpc as registration_grpc
 
 #: service name -> (message module, stub), newest first
 SERVICES: dict[str, tuple[Any, Any]] = {

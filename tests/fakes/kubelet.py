@@ -30,9 +30,9 @@ from pathlib import Path
 
 import grpc
 
-from gpushared.deviceplugin.podresources.v1 import api_pb2 as podresources_pb2
-from gpushared.deviceplugin.podresources.v1 import api_pb2_grpc as podresources_grpc
-from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.podresources.v1 import api_pb2 as podresources_pb2
+from gpushared.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
 
 VERSION = "v1beta1"
 HEALTHY = "Healthy"

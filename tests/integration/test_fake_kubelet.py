@@ -10,9 +10,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gpushared.deviceplugin.podresources.v1 import api_pb2 as podresources_pb2
-from gpushared.deviceplugin.podresources.v1 import api_pb2_grpc as podresources_grpc
-from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.podresources.v1 import api_pb2 as podresources_pb2
+from gpushared.kubelet.podresources.v1 import api_pb2_grpc as podresources_grpc
 from tests.fakes.kubelet import AdmissionError, ContainerSpec, FakeKubelet, PodRef
 
 RESOURCE = "example.com/widget"

@@ -223,7 +223,7 @@ def test_a_malformed_enforcement_is_named_on_the_pod_once_and_the_nodes_applies(
 def test_the_kubelets_devices_are_the_allowance_and_its_absence_falls_back_to_the_annotations(
     backend: NvmlBackend, fake_nvml: FakeNvml, tmp_path: Path, children: list[subprocess.Popen[bytes]]
 ) -> None:
-    from gpushared.deviceplugin.podresources.client import PodDevices, PodResourcesUnavailable
+    from gpushared.kubelet.podresources.client import PodDevices, PodResourcesUnavailable
 
     proc = tmp_path / "proc"
     worker = subprocess.Popen(["sleep", "60"])

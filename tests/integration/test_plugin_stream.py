@@ -13,9 +13,9 @@ import grpc
 import pytest
 
 from gpushared.core.node.devices import Device
-from gpushared.deviceplugin import server as plugin_server
-from gpushared.deviceplugin.server import PluginServer
-from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.deviceplugin import server as plugin_server
+from gpushared.kubelet.deviceplugin.server import PluginServer
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
 
 PROMPT = 2.0  # well under the stream's safety-net timeout, which the tests raise further still
 

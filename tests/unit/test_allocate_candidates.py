@@ -13,8 +13,8 @@ import pytest
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
 from gpushared.core.node.handshake import Unidentified
 from gpushared.daemon.candidates import Candidates
-from gpushared.deviceplugin.server import AllocationRefused
 from gpushared.kube.api import KubeError, NotFound
+from gpushared.kubelet.deviceplugin.server import AllocationRefused
 from tests.allocating import placed
 
 
@@ -69,13 +69,13 @@ def candidates_with(
 
 
 def _listing(*names: str) -> Callable[..., list[Any]]:
-    from gpushared.deviceplugin.podresources.client import PodDevices
+    from gpushared.kubelet.podresources.client import PodDevices
 
     return lambda socket, *, resource: [PodDevices("default", name, {"c0": []}) for name in names]
 
 
 def _no_kubelet(socket: Path, *, resource: str) -> list[Any]:
-    from gpushared.deviceplugin.podresources.client import PodResourcesUnavailable
+    from gpushared.kubelet.podresources.client import PodResourcesUnavailable
 
     raise PodResourcesUnavailable("StatusCode.UNAVAILABLE failed to connect")
 

@@ -9,8 +9,8 @@ import pytest
 from gpushared.contract import MemoryUnit
 from gpushared.core.node.devices import device_ids, device_list, gpu_of
 from gpushared.daemon.devices import DeviceListTooLarge, check_message_size
-from gpushared.deviceplugin.server import list_message
-from gpushared.deviceplugin.v1beta1 import api_pb2
+from gpushared.kubelet.deviceplugin.server import list_message
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2
 from tests.builders import inventory
 
 

@@ -26,13 +26,13 @@ import grpc
 from gpushared.contract import dra
 from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.prepare import PreparedClaim
-from gpushared.deviceplugin.dra.v1 import api_pb2 as v1
-from gpushared.deviceplugin.dra.v1 import api_pb2_grpc as v1_grpc
-from gpushared.deviceplugin.dra.v1beta1 import api_pb2 as v1beta1
-from gpushared.deviceplugin.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2 as registration
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2_grpc as registration_grpc
-from gpushared.deviceplugin.sockets import serve_root_only
+from gpushared.kubelet.dra.v1 import api_pb2 as v1
+from gpushared.kubelet.dra.v1 import api_pb2_grpc as v1_grpc
+from gpushared.kubelet.dra.v1beta1 import api_pb2 as v1beta1
+from gpushared.kubelet.dra.v1beta1 import api_pb2_grpc as v1beta1_grpc
+from gpushared.kubelet.pluginregistration.v1 import api_pb2 as registration
+from gpushared.kubelet.pluginregistration.v1 import api_pb2_grpc as registration_grpc
+from gpushared.kubelet.sockets import serve_root_only
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ Python code uses the proto field names below (devices_ids, available_deviceIDs, 
 """
 
 from collections import abc as _abc
-from gpushared.deviceplugin.v1beta1 import api_pb2 as _api_pb2
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2 as _api_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

@@ -18,8 +18,8 @@ import grpc
 
 from gpushared.core.node.allocate import ContainerAllocation
 from gpushared.core.node.devices import Device
-from gpushared.deviceplugin.sockets import serve_root_only
-from gpushared.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.deviceplugin.v1beta1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.sockets import serve_root_only
 
 log = logging.getLogger(__name__)
 

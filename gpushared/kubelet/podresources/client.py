@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from gpushared.deviceplugin.podresources.v1 import api_pb2, api_pb2_grpc
+from gpushared.kubelet.podresources.v1 import api_pb2, api_pb2_grpc
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2 as gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2
+from gpushared.kubelet.pluginregistration.v1 import api_pb2 as gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in gpushared/deviceplugin/pluginregistration/v1/api_pb2_grpc.py depends on'
+        + ' but the generated code in gpushared/kubelet/pluginregistration/v1/api_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,13 +37,13 @@ class RegistrationStub:
         """
         self.GetInfo = channel.unary_unary(
                 '/pluginregistration.Registration/GetInfo',
-                request_serializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
-                response_deserializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
+                request_serializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+                response_deserializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
                 _registered_method=True)
         self.NotifyRegistrationStatus = channel.unary_unary(
                 '/pluginregistration.Registration/NotifyRegistrationStatus',
-                request_serializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-                response_deserializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+                request_serializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+                response_deserializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
                 _registered_method=True)
 
 
@@ -68,13 +68,13 @@ def add_RegistrationServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetInfo,
-                    request_deserializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.FromString,
-                    response_serializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.SerializeToString,
+                    request_deserializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.FromString,
+                    response_serializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.SerializeToString,
             ),
             'NotifyRegistrationStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.NotifyRegistrationStatus,
-                    request_deserializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.FromString,
-                    response_serializer=gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
+                    request_deserializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.FromString,
+                    response_serializer=gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -103,8 +103,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/GetInfo',
-            gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
-            gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
+            gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.InfoRequest.SerializeToString,
+            gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.PluginInfo.FromString,
             options,
             channel_credentials,
             insecure,
@@ -130,8 +130,8 @@ class Registration:
             request,
             target,
             '/pluginregistration.Registration/NotifyRegistrationStatus',
-            gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
-            gpushared_dot_deviceplugin_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
+            gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatus.SerializeToString,
+            gpushared_dot_kubelet_dot_pluginregistration_dot_v1_dot_api__pb2.RegistrationStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,7 @@ pkg/apis/pluginregistration/v1; its package is "pluginregistration", without a v
 """
 
 from collections import abc as _abc
-from gpushared.deviceplugin.pluginregistration.v1 import api_pb2 as _api_pb2
+from gpushared.kubelet.pluginregistration.v1 import api_pb2 as _api_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc

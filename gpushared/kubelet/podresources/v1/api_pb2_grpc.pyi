@@ -9,7 +9,7 @@ reads; later kubelets add fields and calls that older readers skip. The gogoprot
 """
 
 from collections import abc as _abc
-from gpushared.deviceplugin.podresources.v1 import api_pb2 as _api_pb2
+from gpushared.kubelet.podresources.v1 import api_pb2 as _api_pb2
 from grpc import aio as _aio
 import abc as _abc_1
 import grpc as _grpc
