@@ -4,7 +4,7 @@ allocated, and each pod's latency from its creation to its gate removed, p50 and
 An API server (the fake one, tests/fakes/apiserver.py, HTTP on loopback, in this process) holds ``--nodes``
 DRA nodes of 8 GPUs of 16 GiB, each with its inventory annotation and ResourceSlice. ``--pods`` pods are
 created gated, each with its own claim of 1-8 GiB (``--rate`` per second, 0: all at once), and the
-production allocator (extender/claims/allocator.py, its book fed by real informers, the extender's cache
+production allocator (extender/claims/allocator.py, its claim cache fed by real informers, the extender's cache
 beside it) runs its loop on this process's event loop as the extender's leader does: a step every
 ``TICK_SECONDS``, its writes (the claim's status, the pod's gate) over HTTP. What it measures is the allocator
 and the API calls it makes, not kube-scheduler's binding after it (no scheduler runs here).
@@ -180,9 +180,9 @@ async def waiting_for_room(world: ClaimWorld, api: FakeApiServer, count: int) ->
     for number in range(count):
         api.create(claim(f"w{number}", memory="32Gi"))
         api.create(gated_pod(f"w{number}", f"w{number}"))
-    while len(world.allocator.cache.claiming) < count or len(world.book.claims.get("default", {})) < count:
+    while len(world.allocator.cache.claiming) < count or len(world.claim_cache.claims.get("default", {})) < count:
         world.allocator.cache.inbox.drain()
-        world.book.drain()
+        world.claim_cache.drain()
         await asyncio.sleep(0.05)
     while count and len(world.allocator.told) < count:
         world.allocator.step()

@@ -5,7 +5,7 @@ pod that never needed a GPU.
 An API server (the fake one, tests/fakes/apiserver.py, HTTP on loopback, in this process) holds ``--nodes``
 DRA nodes of 8 GPUs of 16 GiB and as many nodes without GPUs. ``--pods`` CPU-only pods are created gated
 (``--rate`` per second, 0: all at once), and the production steerer (extender/steering.py, the extender's
-cache and the claim book beside it fed by real informers) runs its loop on this process's event loop as the
+cache and the claim cache beside it fed by real informers) runs its loop on this process's event loop as the
 leader does: a step every ``TICK_SECONDS``, each pod read and patched over HTTP.
 
     .venv/bin/python scripts/bench_steer.py --nodes 100 --pods 600 --rate 20
@@ -34,7 +34,7 @@ from tests.fakes.apiserver import FakeApiServer
 async def measure(api: FakeApiServer, *, pods: int, rate: float) -> dict[str, Any]:
     world = ClaimWorld(api)
     await world.start()
-    steerer = Steerer(world.cache, world.aio, ledger_of=idle_ledger(world.cache, world.book))
+    steerer = Steerer(world.cache, world.aio, ledger_of=idle_ledger(world.cache, world.claim_cache))
     created: dict[str, float] = {}
     ungated: dict[str, float] = {}
     patch = world.aio.json_patch_pod

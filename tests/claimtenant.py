@@ -131,14 +131,14 @@ class TenantCase:
         return self.waits
 
     async def _shown(self, name: str, *, within: float = 30.0) -> None:
-        """With ``shown_first``: until the allocator's cache and book show the pod and its claim."""
-        allocator, book = self.world.allocator, self.world.book
+        """With ``shown_first``: until the allocator's cache and claim cache show the pod and its claim."""
+        allocator, claim_cache = self.world.allocator, self.world.claim_cache
         deadline = time.monotonic() + within
         while self.shown_first and (
-            ("default", name) not in allocator.cache.claiming or name not in book.claims.get("default", {})
+            ("default", name) not in allocator.cache.claiming or name not in claim_cache.claims.get("default", {})
         ):
             if time.monotonic() > deadline:
                 raise AssertionError(f"the allocator's watches did not show pod {name} within {within} s")
             allocator.cache.inbox.drain()
-            book.drain()
+            claim_cache.drain()
             await asyncio.sleep(0.005)

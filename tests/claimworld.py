@@ -1,5 +1,5 @@
 """The claim allocator against the fake API server: nodes that publish their GPUs as ResourceSlices, claims,
-gated pods, and the extender's cache and the allocator's book fed by real informers, on one event loop."""
+gated pods, and the extender's cache and the allocator's claim cache fed by real informers, on one event loop."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from gpushared.core.placement.policies import BINPACK
 from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator
-from gpushared.extender.claims.book import ClaimBook
+from gpushared.extender.claims.cache import ClaimCache
 from gpushared.kube.aioapi import AsyncApi
 from tests.builders import inventory
 from tests.extender_harness import gpu_node
@@ -93,7 +93,7 @@ def device(index: int) -> str:
 
 @dataclass
 class ClaimWorld:
-    """One allocator (a replica) with its own cache and book, on the caller's loop."""
+    """One allocator (a replica) with its own cache and claim_cache, on the caller's loop."""
 
     api: FakeApiServer
     settings: AllocatorSettings = field(default_factory=lambda: AllocatorSettings(policy=BINPACK))
@@ -112,15 +112,15 @@ class ClaimWorld:
         )
         cache.owner.claim()
         cache.inbox.attach(loop)
-        self.book = book = ClaimBook()
-        book.watch(rest, cache.owner, watch_seconds=5)
+        self.claim_cache = claim_cache = ClaimCache()
+        claim_cache.watch(rest, cache.owner, watch_seconds=5)
         cache.start()
-        book.start(loop)
-        while not (cache.listed() and book.listed()):
+        claim_cache.start(loop)
+        while not (cache.listed() and claim_cache.listed()):
             await asyncio.sleep(0.01)
         cache.prepare()
         self.aio = AsyncApi(self.api.credentials(token=self.token))
-        self.allocator = ClaimAllocator(cache, book, self.aio, self.settings, clock=self.clock)
+        self.allocator = ClaimAllocator(cache, claim_cache, self.aio, self.settings, clock=self.clock)
         return self.allocator
 
     async def until(self, done: Callable[[], bool], *, within: float = 10.0) -> None:
@@ -149,7 +149,7 @@ class ClaimWorld:
     async def stop(self) -> None:
         await self.allocator.settle()
         self.cache.stop()
-        self.book.stop()
+        self.claim_cache.stop()
         await self.aio.close()
 
 

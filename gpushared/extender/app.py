@@ -29,7 +29,7 @@ from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, pod_events
-from gpushared.extender.claims.book import ClaimBook
+from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
@@ -130,12 +130,12 @@ class Extender:
         #: set on the loop once the cache is prepared; read by the probes and the verbs
         self.prepared = False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.book: ClaimBook | None = None
+        self.claim_cache: ClaimCache | None = None
         self.allocator: ClaimAllocator | None = None
         if settings.claims is not None:
-            self.book = ClaimBook(driver=settings.claims.driver, device_class=settings.claims.device_class)
-            self.book.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
-            self.allocator = ClaimAllocator(cache, self.book, binder, settings.claims, event=pod_events(api))
+            self.claim_cache = ClaimCache(driver=settings.claims.driver, device_class=settings.claims.device_class)
+            self.claim_cache.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
+            self.allocator = ClaimAllocator(cache, self.claim_cache, binder, settings.claims, event=pod_events(api))
         scheduler = Scheduler(
             cache=cache,
             api=binder,
@@ -143,11 +143,11 @@ class Extender:
             resources=settings.resources,
             rank_in_filter=settings.rank_in_filter,
             may_bind=lambda: self.leader() is None,
-            ledger_of=None if self.book is None else idle_ledger(cache, self.book),
+            ledger_of=None if self.claim_cache is None else idle_ledger(cache, self.claim_cache),
         )
         self.steerer: Steerer | None = None
         if settings.steer:
-            self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.book))
+            self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.claim_cache))
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
         self.metrics = metrics = Metrics()
@@ -175,7 +175,7 @@ class Extender:
             webhook_scheduler=settings.webhook_scheduler,
             public_pod_names=settings.server.public_pod_names,
             max_nodes=settings.server.max_nodes,
-            claim_gating=None if self.book is None else self.book.gating_of,
+            claim_gating=None if self.claim_cache is None else self.claim_cache.gating_of,
             steer_gating=None if self.steerer is None else self._lease_held,
             claims_problem=None if self.allocator is None else self._claims_problem,
         )
@@ -207,12 +207,12 @@ class Extender:
         app.cleanup_ctx.append(settling(scheduler))
         app.cleanup_ctx.append(watching_the_loop(self.metrics, self.ready, self.heartbeat))
         app.cleanup_ctx.append(in_background("prime", self.primer.run))
-        allocator, book = self.allocator, self.book
-        if allocator is not None and book is not None:
+        allocator, claim_cache = self.allocator, self.claim_cache
+        if allocator is not None and claim_cache is not None:
 
             async def allocate() -> None:
                 await allocator.run(
-                    leading=lambda: self.leader() is None, ready=lambda: self.prepared and book.listed()
+                    leading=lambda: self.leader() is None, ready=lambda: self.prepared and claim_cache.listed()
                 )
 
             app.cleanup_ctx.append(in_background("claim-allocator", allocate))
@@ -222,7 +222,7 @@ class Extender:
             async def steer() -> None:
                 await steerer.run(
                     leading=lambda: self.leader() is None,
-                    ready=lambda: self.prepared and (book is None or book.listed()),
+                    ready=lambda: self.prepared and (claim_cache is None or claim_cache.listed()),
                 )
 
             app.cleanup_ctx.append(in_background("steerer", steer))
@@ -280,8 +280,8 @@ class Extender:
             self.cache.owner.claim()  # this thread, the loop's, owns the cluster state from here on
             self.cache.inbox.attach(loop)
             self.cache.start()
-            if self.book is not None:
-                self.book.start(loop)
+            if self.claim_cache is not None:
+                self.claim_cache.start(loop)
             if self.elector is not None:
                 self.elector.start()
             stop = asyncio.Event()
@@ -296,8 +296,8 @@ class Extender:
             if self.elector is not None:
                 self.elector.stop()
             self.cache.stop()
-            if self.book is not None:
-                self.book.stop()
+            if self.claim_cache is not None:
+                self.claim_cache.stop()
             self.taker.close()
 
     def _watch_the_loop(self) -> None:

@@ -55,7 +55,7 @@ class Routes:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
         (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
         certificate too; ``claim_gating``: with the claim allocator, which claims and templates a new pod
-        names gate it (``claims.book.ClaimBook.gating_of``), else None: no pod is gated; ``steer_gating``: with the
+        names gate it (``claims.cache.ClaimCache.gating_of``), else None: no pod is gated; ``steer_gating``: with the
         steerer, whether a leader is there to steer (``<prefix>/mutate-steer`` gates CPU-only pods only then),
         else None: that route gates nothing; ``claims_problem``: with the claim allocator, what stops it now (a
         permission the API server refuses it), else None: ``/readyz/claim-allocator`` answers 503 with it, and

@@ -31,7 +31,7 @@ from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.book import ClaimBook
+from gpushared.extender.claims.cache import ClaimCache
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
@@ -163,17 +163,22 @@ class Steerer:
         log.debug("pod %s/%s ungated, preferring %s", *key_of(pod), named or "no node")
 
 
-def idle_ledger(cache: ClusterCache, book: ClaimBook | None) -> LedgerOf:
+def idle_ledger(cache: ClusterCache, claim_cache: ClaimCache | None) -> LedgerOf:
     """A node's ledger as the extender's ``prioritize-no-gpu`` should read it: on a node whose slices publish
-    the driver's GPUs, the claims allocated there (``claims.book.ClaimBook.ledger``); elsewhere the gpu-mem
-    pods bound there. ``book``: the claim book, or None (no DRA)."""
+    the driver's GPUs, the claims allocated there (``claims.cache.ClaimCache.ledger``); elsewhere the gpu-mem
+    pods bound there. ``claim_cache``: the claim allocator's cache, or None (no DRA)."""
 
     def ledger_of(name: str) -> Ledger | None:
         node = cache.state.nodes.get(name)
         if node is None:
             return None
-        if book is not None and node.inventory is not None and not node.problem and name in book.published():
-            return book.ledger(name, node.inventory)
+        if (
+            claim_cache is not None
+            and node.inventory is not None
+            and not node.problem
+            and name in claim_cache.published()
+        ):
+            return claim_cache.ledger(name, node.inventory)
         return node.ledger
 
     return ledger_of

@@ -135,13 +135,13 @@ def test_a_claim_written_meanwhile_is_not_written_again(api: FakeApiServer) -> N
             api.create(claim("c", memory="8Gi"))
             api.create(gated_pod("a", "c"))
             await first.until(lambda: first.allocator.cache.pending and bool(second.allocator.cache.pending))
-            await second.until(lambda: bool(second.book.claims))
+            await second.until(lambda: bool(second.claim_cache.claims))
             first.allocator.step()
             second.allocator.step()  # both decided from the same claim before either wrote
             await asyncio.gather(first.allocator.settle(), second.allocator.settle())
             conflicts = first.allocator.counts["conflict"] + second.allocator.counts["conflict"]
             assert conflicts == 1
-            assert not first.book.assumed and not second.book.assumed
+            assert not first.claim_cache.assumed and not second.claim_cache.assumed
         finally:
             await second.stop()
 
@@ -236,7 +236,7 @@ def test_a_status_write_that_lands_although_its_answer_was_cut_is_not_written_tw
     world = run(api, body)
     assert world.allocator.counts["conflict"] == 1 and world.allocator.counts["allocated"] == 1
     assert allocation(api, "c") == [("n1", device(1), "8Gi")]
-    assert not world.book.assumed
+    assert not world.claim_cache.assumed
 
 
 def test_a_pod_kube_scheduler_allocated_before_the_allocator_saw_it_is_counted_not_gated(api: FakeApiServer) -> None:

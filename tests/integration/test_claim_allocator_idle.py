@@ -23,7 +23,7 @@ def test_a_turn_that_starts_nothing_lets_the_loop_wait_a_tick() -> None:
             for number in range(10):
                 api.create(claim(f"huge{number}", memory="32Gi"))
                 api.create(gated_pod(f"p{number}", f"huge{number}"))
-            while len(allocator.cache.claiming) < 10 or len(allocator.book.claims.get("default", {})) < 10:
+            while len(allocator.cache.claiming) < 10 or len(allocator.claim_cache.claims.get("default", {})) < 10:
                 await asyncio.sleep(0.02)
             real_sleep = asyncio.sleep
 

@@ -180,13 +180,13 @@ def test_the_fake_refuses_a_changed_allocation_as_136_does(api: FakeApiServer) -
 
 def webhook(world: ClaimWorld, pod: dict[str, Any]) -> dict[str, Any]:
     """What the extender's /mutate does to a new pod with the allocator's view as it is now."""
-    route = claim_gate(pod, ours=world.book.gating_of(pod, "default"))
+    route = claim_gate(pod, ours=world.claim_cache.gating_of(pod, "default"))
     return json_patch(copy.deepcopy(pod), list(route.patch)) if route.patch else pod
 
 
 def test_a_pod_applied_with_its_claim_is_gated_while_the_watch_lags(api: FakeApiServer) -> None:
     """A manifest applied whole: the claim is created, and its pod a moment later, before the claim's watch
-    event reaches the allocator's book. The pod is gated, and allocated by the allocator once the claim is
+    event reaches the allocator's claim_cache. The pod is gated, and allocated by the allocator once the claim is
     seen, not by kube-scheduler's first fit."""
     scheduler = FirstFitScheduler(api)
 
@@ -233,7 +233,7 @@ def test_the_gate_goes_once_the_claim_watch_shows_the_allocation(api: FakeApiSer
     async def body(world: ClaimWorld) -> None:
         api.create(claim("small", memory="8Gi"))
         api.create(gated_pod("a", "small"))
-        await world.until(lambda: bool(world.book.claims.get("default", {}).get("small")))
+        await world.until(lambda: bool(world.claim_cache.claims.get("default", {}).get("small")))
         api.watch_lag = lag
         await world.until(lambda: not gates(api, "a"), within=5)
         ungated_after.append(time.monotonic() - world.allocator.last_write)
@@ -248,7 +248,7 @@ def test_a_watch_that_shows_nothing_holds_the_gate_no_longer_than_its_bound(api:
     async def body(world: ClaimWorld) -> None:
         api.create(claim("small", memory="8Gi"))
         api.create(gated_pod("a", "small"))
-        await world.until(lambda: bool(world.book.claims.get("default", {}).get("small")))
+        await world.until(lambda: bool(world.claim_cache.claims.get("default", {}).get("small")))
         await asyncio.sleep(0.2)  # the pod seen too
         api.stall_watches()
         try:

@@ -103,10 +103,10 @@ def test_two_thousand_pods_waiting_for_room_are_priced_again_only_when_something
 
             allocator.decide = counted  # type: ignore[method-assign]
             deadline = time.monotonic() + 60
-            while len(allocator.cache.claiming) < 2000 or len(world.book.claims.get("default", {})) < 2000:
+            while len(allocator.cache.claiming) < 2000 or len(world.claim_cache.claims.get("default", {})) < 2000:
                 assert time.monotonic() < deadline
                 allocator.cache.inbox.drain()
-                world.book.drain()
+                world.claim_cache.drain()
                 await asyncio.sleep(0.05)
 
             async def turn() -> None:

@@ -52,7 +52,7 @@ def run(api: FakeApiServer, body: Callable[[ClaimWorld, Steerer], Awaitable[None
 
     async def main() -> None:
         await world.start()
-        steerer = Steerer(world.cache, world.aio, ledger_of=idle_ledger(world.cache, world.book))
+        steerer = Steerer(world.cache, world.aio, ledger_of=idle_ledger(world.cache, world.claim_cache))
         found.append(steerer)
         try:
             await body(world, steerer)
@@ -118,7 +118,7 @@ def test_dra_nodes_are_priced_by_the_claims_on_them(api: FakeApiServer) -> None:
         world.cache.inbox.drain()
         names = ["gpu-busy", "gpu-idle"]
         assert world.cache.index.idle_prices(names) == [32768.0, 32768.0]
-        assert world.cache.index.idle_prices(names, ledger_of=idle_ledger(world.cache, world.book)) == [
+        assert world.cache.index.idle_prices(names, ledger_of=idle_ledger(world.cache, world.claim_cache)) == [
             20480.0,
             32768.0,
         ]

@@ -3,7 +3,7 @@ in the extender's leader, on the extender's event loop, and owns nothing the ext
 
 - ``allocator``: the loop. Each step reads the gated pods, decides (wait, allocate, hand over), assumes
   what it chose and starts the writes (``ClaimAllocator``).
-- ``book``: every ResourceClaim, the devices each node publishes for this driver, and each DRA node's
+- ``cache``: every ResourceClaim, the devices each node publishes for this driver, and each DRA node's
   ledger of the claims allocated there, with the allocations written and not yet shown (assumed).
 - ``placing``: the nodes a pod may go to and the placement the policy works out on each, kept until
   something it read changes (``ClaimPlacer``).

@@ -4,7 +4,7 @@ kube-scheduler by itself allocates a claim first fit on a node its default score
 webhook holds every new pod that uses a claim of gpushared's DeviceClass back with a scheduling gate
 (``core.placement.admission.CLAIM_GATE``); the leader's allocator, on the extender's event loop:
 
-1. reads each gated pod's claims from its book (``claims.book.ClaimBook``; ``core.placement.claims.read_pod``);
+1. reads each gated pod's claims from its cache (``claims.cache.ClaimCache``; ``core.placement.claims.read_pod``);
 2. chooses the node and devices with the extender's policy over the same ledgers
    (``core.placement.claimchoice``), and counts the choice at once (assume), before any write;
 3. writes each claim's ``status.allocation`` (``core.dra.allocation``), guarded by the resourceVersion it
@@ -41,7 +41,7 @@ from gpushared.core.placement.claims.pods import read_pod
 from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of, version_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.book import Body, ClaimBook
+from gpushared.extender.claims.cache import Body, ClaimCache
 from gpushared.extender.claims.fence import FENCED, ClaimFence
 from gpushared.extender.claims.placing import ClaimPlacer
 from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
@@ -130,7 +130,7 @@ class ClaimAllocator:
     def __init__(
         self,
         cache: ClusterCache,
-        book: ClaimBook,
+        claim_cache: ClaimCache,
         api: AsyncApi,
         settings: AllocatorSettings,
         *,
@@ -138,7 +138,7 @@ class ClaimAllocator:
         event: Event = _no_event,
         rng: random.Random | None = None,
     ) -> None:
-        self.cache, self.book, self.api, self.settings = cache, book, api, settings
+        self.cache, self.claim_cache, self.api, self.settings = cache, claim_cache, api, settings
         self.clock, self.event = clock, event
         self.rng = rng or random.Random()
         #: pods whose claims are being written or whose gate is being removed: not decided again meanwhile
@@ -155,8 +155,8 @@ class ClaimAllocator:
         #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
         self.latencies: list[float] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self.writes = ClaimWrites(cache, book, api, driver=settings.driver, class_config=settings.class_config)
-        self.placer = ClaimPlacer(cache, book, settings.policy, model_label=settings.model_label, rng=self.rng)
+        self.writes = ClaimWrites(cache, claim_cache, api, driver=settings.driver, class_config=settings.class_config)
+        self.placer = ClaimPlacer(cache, claim_cache, settings.policy, model_label=settings.model_label, rng=self.rng)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
@@ -168,7 +168,7 @@ class ClaimAllocator:
         self._last_decided = 0
         #: kube-scheduler's pods: the room the allocator keeps free for them meanwhile, the pods it counts not gated
         self.fence = ClaimFence(
-            lambda namespace: book.claims.get(namespace, {}),
+            lambda namespace: claim_cache.claims.get(namespace, {}),
             self.placer,
             device_class=settings.device_class,
             counts=self.counts,
@@ -200,7 +200,7 @@ class ClaimAllocator:
         started writing for."""
         self.cache.owner.check("the claim allocator's step")
         self.cache.inbox.drain()
-        self.book.drain()
+        self.claim_cache.drain()
         started = 0
         now = self.clock()
         gated = []
@@ -251,17 +251,17 @@ class ClaimAllocator:
 
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
-        books = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told)
-        if sum(len(book) for book in books) <= 4 * len(self.cache.claiming) + 100:
+        per_pod = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told)
+        if sum(len(kept) for kept in per_pod) <= 4 * len(self.cache.claiming) + 100:
             return
         waiting = {uid_of(pod) for pod in self.cache.claiming.values()}
-        for book in books:
-            for uid in [uid for uid in book if uid not in waiting]:
-                del book[uid]
+        for kept in per_pod:
+            for uid in [uid for uid in kept if uid not in waiting]:
+                del kept[uid]
 
     def _quiet(self, now: float) -> bool:
         """No allocation of the allocator in flight, and none written in the last QUIET_SECONDS."""
-        writing = bool(self.inflight) or bool(self.book.assumed)
+        writing = bool(self.inflight) or bool(self.claim_cache.assumed)
         return not writing and now - self.last_write >= QUIET_SECONDS
 
     def _spawn(self, work: Awaitable[None]) -> None:
@@ -278,7 +278,7 @@ class ClaimAllocator:
 
     def decide(self, pod: PodBody, now: float) -> Wait | Ungate | Allocate:
         namespace = key_of(pod)[0]
-        read = read_pod(pod, self.book.claims.get(namespace, {}), device_class=self.settings.device_class)
+        read = read_pod(pod, self.claim_cache.claims.get(namespace, {}), device_class=self.settings.device_class)
         if not read.ours:
             return Ungate("none of its claims asks for gpushared's GPUs", "not_ours")
         if read.handover is not None:
@@ -306,11 +306,11 @@ class ClaimAllocator:
         return Wait(reason)
 
     def _assume(self, decision: Allocate) -> None:
-        """Count the choice in the book now: the next pod decided, before any write returns, sees it."""
+        """Count the choice in the claim cache now: the next pod decided, before any write returns, sees it."""
         holdings = holdings_of(decision.choice, decision.asks)
         for ask in decision.asks:
             mine = [h for h in holdings if h.uid.startswith(f"{ask.uid}/")]
-            self.book.assume(ask.uid, decision.choice.node, mine)
+            self.claim_cache.assume(ask.uid, decision.choice.node, mine)
 
     # --- acting (the API calls) ----------------------------------------------------------------------------
 
@@ -338,18 +338,18 @@ class ClaimAllocator:
                     log.info("claim %s/%s not allocated (tried again): %s", ask.namespace, ask.name, exc)
                     return
                 self.writes.refusals.accepted()
-                self.book.written(written)
+                self.claim_cache.written(written)
                 self.last_write = self.clock()
                 self.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
                 versions[ask.uid] = version_of(written)
-            await self.book.until_shown(versions, within=SHOWN_WITHIN_SECONDS)
+            await self.claim_cache.until_shown(versions, within=SHOWN_WITHIN_SECONDS)
             await self._ungate(pod, Ungate(f"allocated on node {decision.choice.node}", "allocated"), inflight=False)
         finally:
             self.inflight.discard(key)
 
     def _forget(self, asks: tuple[ClaimAsk, ...] | list[ClaimAsk]) -> None:
         for ask in asks:
-            self.book.forget(ask.uid)
+            self.claim_cache.forget(ask.uid)
 
     async def _ungate(self, pod: PodBody, decision: Ungate, *, inflight: bool = True) -> None:
         key = key_of(pod)
@@ -391,7 +391,7 @@ class ClaimAllocator:
             if pending is not None and uid_of(pending) == pod_uid:
                 continue  # still waiting: kube-scheduler reserves it when it binds
             del self.written_for[claim_uid]
-            claim = self.book.claim(ask.namespace, ask.name)
+            claim = self.claim_cache.claim(ask.namespace, ask.name)
             status = (claim or {}).get("status") or {}
             if (
                 claim is None

@@ -39,7 +39,7 @@ from gpushared.core.shared.bodies import Key, PodBody, key_of, uid_of
 if TYPE_CHECKING:  # the placer is handed in; the fence sits beside it, not above it
     from gpushared.extender.claims.placing import ClaimPlacer, PodAsk
 
-#: A namespace's claims by name (``ClaimBook.claims``).
+#: A namespace's claims by name (``ClaimCache.claims``).
 Claims = Callable[[str], Mapping[str, Any]]
 
 #: How long after a pod with pending claims of this driver reached kube-scheduler (handed over, or never

@@ -44,7 +44,7 @@ from gpushared.core.placement.policies import Policy
 from gpushared.core.shared.bodies import PodBody, gpu_models
 from gpushared.core.shared.ledger import Ledger
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.book import ClaimBook
+from gpushared.extender.claims.cache import ClaimCache
 
 #: A pod with no node selection and no toleration, as ``nodefit.admits`` reads it.
 NO_SELECTION: PodBody = {"spec": {}}
@@ -86,9 +86,9 @@ def selection_of(pod: PodBody) -> str:
 
 class ClaimPlacer:
     def __init__(
-        self, cache: ClusterCache, book: ClaimBook, policy: Policy, *, model_label: str, rng: random.Random
+        self, cache: ClusterCache, claim_cache: ClaimCache, policy: Policy, *, model_label: str, rng: random.Random
     ) -> None:
-        self.cache, self.book, self.policy = cache, book, policy
+        self.cache, self.claim_cache, self.policy = cache, claim_cache, policy
         self.model_label, self.rng = model_label, rng
         #: (node, kind of ask) -> (the ledger priced, weakly: a ledger gone never matches one made since; what
         #: else the placement read; the placement or None)
@@ -119,12 +119,12 @@ class ClaimPlacer:
         model and GPUs, the request mix, the room kept. When nothing did, a kind of pod that found no room
         finds none now. Within a step the allocator's own choices only take room."""
         state = self.cache.state
-        published = self.book.published()
+        published = self.claim_cache.published()
         mix = state.mix_generation if self.policy.reads_mix or self.policy.reads_pressure else 0
         alive: list[Any] = [published, kept]
         world: list[Any] = [id(published), id(kept), mix]
         for name, node, inventory, _ in self._nodes():
-            ledger = self.book.ledger(name, inventory)
+            ledger = self.claim_cache.ledger(name, inventory)
             alive.append(ledger)
             cpu_and_memory = (node.cpu_version, node.memory_allocatable, node.memory_requested)
             world.append((name, id(ledger), ledger.version, *cpu_and_memory, node.model, inventory, node.facts))
@@ -207,7 +207,7 @@ class ClaimPlacer:
             resources = None
             if cpu is not None and memory is not None:
                 resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
-            ledger = self.book.ledger(name, inventory)
+            ledger = self.claim_cache.ledger(name, inventory)
             room = kept.get(name)
             found.append(
                 Candidate(
@@ -226,7 +226,12 @@ class ClaimPlacer:
         without the allocator's writes it does not show yet (kube-scheduler's own watch may not show them
         either), and the GPUs their slices publish."""
         for name, node, inventory, devices in self._nodes():
-            yield name, node, self.book.ledger(name, inventory, assumed=False), self._given(name, inventory, devices)[0]
+            yield (
+                name,
+                node,
+                self.claim_cache.ledger(name, inventory, assumed=False),
+                self._given(name, inventory, devices)[0],
+            )
 
     def admits(self, node: NodeState, ask: PodAsk, *, generous: bool = False) -> bool:
         """Whether kube-scheduler's filters would pass the node for the pod as far as the extender counts them:
@@ -250,7 +255,7 @@ class ClaimPlacer:
     def _nodes(self) -> Iterator[tuple[str, NodeState, GpuInventory, frozenset[str]]]:
         """The nodes publishing this driver's GPUs whose inventory the extender reads, with their devices."""
         nodes = self.cache.state.nodes
-        for name, devices in self.book.published().items():
+        for name, devices in self.claim_cache.published().items():
             node = nodes.get(name)
             if node is not None and node.inventory is not None and not node.problem:
                 yield name, node, node.inventory, devices

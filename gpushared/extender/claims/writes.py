@@ -23,7 +23,7 @@ from gpushared.core.placement.claims.choice import ClaimChoice
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.book import Body, ClaimBook
+from gpushared.extender.claims.cache import Body, ClaimCache
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
@@ -99,13 +99,13 @@ class ClaimWrites:
     def __init__(
         self,
         cache: ClusterCache,
-        book: ClaimBook,
+        claim_cache: ClaimCache,
         api: AsyncApi,
         *,
         driver: str,
         class_config: tuple[dict[str, object], ...],
     ) -> None:
-        self.cache, self.book, self.api = cache, book, api
+        self.cache, self.claim_cache, self.api = cache, claim_cache, api
         self.driver, self.class_config = driver, class_config
         #: the refusal behind the last ``Gate.REFUSED``
         self.refused: KubeError | None = None
@@ -114,7 +114,7 @@ class ClaimWrites:
 
     def allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> Body | None:
         """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
-        claim = self.book.claim(ask.namespace, ask.name)
+        claim = self.claim_cache.claim(ask.namespace, ask.name)
         if claim is None or str((claim.get("metadata") or {}).get("uid")) != ask.uid:
             return None  # deleted, or made again, since it was decided
         node = self.cache.state.nodes.get(choice.node)
@@ -186,5 +186,5 @@ class ClaimWrites:
             else:
                 log.info("claim %s not released (changed since): %s", meta_of(claim).get("name"), exc)
             return False
-        self.book.written(written)
+        self.claim_cache.written(written)
         return True

@@ -1,10 +1,10 @@
-"""The claim allocator's book (issue #54): every ResourceClaim, the devices each node publishes for this
+"""The claim allocator's cache: every ResourceClaim, the devices each node publishes for this
 driver, and each DRA node's ledger of the claims allocated there, with the allocations written and not yet
 shown by the watch (assumed).
 
 Owned like the extender's cache (``cache.ClusterCache``): the claim and slice informers' threads only put
 their changes in an inbox, and the event loop applies them (``apply``) between the allocator's steps; the
-allocator reads the book and assumes what it writes, on the loop too. No lock guards any of it, and none is
+allocator reads the cache and assumes what it writes, on the loop too. No lock guards any of it, and none is
 held across a call to the API server.
 
 A node's ledger is the same ``Ledger`` the extender places gpu-mem pods with, built from the node's GPU
@@ -43,7 +43,7 @@ def _uid(body: Body) -> str:
     return str((body.get("metadata") or {}).get("uid") or "")
 
 
-class ClaimBook:
+class ClaimCache:
     def __init__(self, *, driver: str = dra.DRIVER, device_class: str = dra.DEVICE_CLASS) -> None:
         self.driver, self.device_class = driver, device_class
         self.inbox: Inbox | None = None
@@ -55,7 +55,7 @@ class ClaimBook:
         self._published: dict[str, frozenset[str]] | None = None
         #: node -> claims allocated there
         self._on_node: dict[str, set[Key]] = {}
-        #: claim UID -> (node, holdings): allocations written that the book does not show yet
+        #: claim UID -> (node, holdings): allocations written that the cache does not show yet
         self.assumed: dict[str, tuple[str, list[Holding]]] = {}
         #: node -> changes to its claims; a ledger is kept per (inventory, change count)
         self._changes: dict[str, int] = {}
@@ -253,7 +253,7 @@ class ClaimBook:
 
     def gating_of(self, pod: PodBody, namespace: str) -> dict[ClaimRef, bool | None]:
         """For the webhook (any thread): whether each claim or template the new pod names gates it; None
-        where the book does not hold it (yet)."""
+        where the cache does not hold it (yet)."""
         known = self.gating
         return {ref: known.get((namespace, ref.name, ref.template)) for ref in pod_claims(pod)}
 
