@@ -31,7 +31,7 @@ from gpushared.core.node.memory import Enforcement, MemoryPolicy
 from gpushared.core.placement.binding import bind_annotations
 from gpushared.core.shared.requests import pod_request
 from gpushared.daemon.memory import GpuView, MemoryWatcher
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.nvml.backend import NvmlBackend
 from tests.builders import inventory, pod
 from tests.fakes.nvml import FakeNvml, build_library
@@ -90,7 +90,7 @@ def main() -> None:
             gpus=lambda: [GpuView(i, g.uuid, g.memory_mib) for i, g in enumerate(nvml.gpus)],
             pods=lambda: pods,
             outbox=NoEvents(),  # type: ignore[arg-type]
-            metrics=Metrics(),
+            metrics=DaemonMetrics(),
             unit=MemoryUnit.GIB,
             resources=DEFAULT_RESOURCES,
             enforcement=Enforcement.KILL,

@@ -50,7 +50,7 @@ def version() -> None:
 @click.option("--kubelet-dir", type=click.Path(path_type=Path), help="The kubelet's root (device-plugins/ inside).")
 @click.option("--log-level", type=click.Choice(config_module.LOG_LEVELS), help="Log verbosity.")
 @click.option("--metrics-address", help="Where metrics and status listen (default 0.0.0.0; :: for IPv6).")
-@click.option("--metrics-port", type=int, help="Metrics and status port; 0 turns them off.")
+@click.option("--metrics-port", type=int, help="DaemonMetrics and status port; 0 turns them off.")
 def serve(config_path: Path | None, **flags: Any) -> None:
     """Run the daemon until SIGTERM; SIGHUP re-reads the configuration."""
     from gpushared.daemon.errors import FatalError, RestartNeeded

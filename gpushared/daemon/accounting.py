@@ -15,7 +15,7 @@ from gpushared.contract import GpuInventory, MemoryUnit, ResourceNames
 from gpushared.core.node import handshake
 from gpushared.core.shared.bodies import PodBody, meta_of, uid_of
 from gpushared.core.shared.ledger import Holding, Ledger, holding_from_pod
-from gpushared.daemon.metrics import Metrics, PodShare
+from gpushared.daemon.metrics import DaemonMetrics, PodShare
 from gpushared.daemon.outbox import Outbox
 from gpushared.kube.podwatch import PodWatch
 
@@ -42,7 +42,7 @@ class Accounting:
         unit: MemoryUnit,
         resources: ResourceNames,
         pods: PodWatch | None,
-        metrics: Metrics,
+        metrics: DaemonMetrics,
         outbox: Outbox,
     ) -> None:
         self.unit = unit

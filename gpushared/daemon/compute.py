@@ -15,7 +15,7 @@ from gpushared.core.node.compute import ComputeDecision, UseKey, decide_compute
 from gpushared.core.node.memory import ContainerRef, GpuProcess
 from gpushared.core.shared.bodies import PodBody, annotations_of
 from gpushared.core.shared.ledger import recorded_compute
-from gpushared.daemon.metrics import ContainerCompute, Metrics
+from gpushared.daemon.metrics import ContainerCompute, DaemonMetrics
 from gpushared.daemon.outbox import Outbox
 from gpushared.nvml.backend import GpuBackend, GpuBackendError
 
@@ -25,7 +25,7 @@ EVENT_COMPUTE_OVER_LIMIT = "GPUComputeOverLimit"
 
 
 class ComputeWatcher:
-    def __init__(self, *, backend: GpuBackend, outbox: Outbox, metrics: Metrics) -> None:
+    def __init__(self, *, backend: GpuBackend, outbox: Outbox, metrics: DaemonMetrics) -> None:
         self.backend = backend
         self.outbox = outbox
         self.metrics = metrics

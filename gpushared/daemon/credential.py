@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpushared.core.node.tokens import BoundToken, read_bound_token
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.kube.api import Api
 from gpushared.kube.credentials import StaticCredential
 from gpushared.kube.errors import KubeError
@@ -42,7 +42,7 @@ class TokenRenewer:
         *,
         saved: Path,
         node: str,
-        metrics: Metrics,
+        metrics: DaemonMetrics,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.api, self.credential, self.current = api, credential, current
@@ -50,7 +50,7 @@ class TokenRenewer:
         self.failures = 0
 
     @classmethod
-    def attach(cls, api: Api, *, saved: Path, node: str, metrics: Metrics) -> TokenRenewer | None:
+    def attach(cls, api: Api, *, saved: Path, node: str, metrics: DaemonMetrics) -> TokenRenewer | None:
         """A renewer for ``api``'s credential when it is a bound ServiceAccount token; None otherwise."""
         credential = api.rest.credentials.credential
         if not isinstance(credential, StaticCredential) or not credential.token:

@@ -15,7 +15,7 @@ import threading
 from gpushared.core.shared.topology import Link
 from gpushared.daemon.errors import RestartNeeded
 from gpushared.daemon.health import Health
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.nvml import driver
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice, GpuReadError
 
@@ -111,7 +111,7 @@ class GpuReader:
             kept.append(previous)
         return kept
 
-    def watch_events(self, stop: threading.Event, metrics: Metrics) -> None:
+    def watch_events(self, stop: threading.Event, metrics: DaemonMetrics) -> None:
         """XIDs and other GPU events into health, until ``stop``; runs on a thread of its own."""
         while not stop.is_set():
             if not self.ok:

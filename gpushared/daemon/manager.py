@@ -29,7 +29,7 @@ from gpushared.daemon.accounting import Accounting, Served
 from gpushared.daemon.candidates import ALLOCATE_BUDGET_SECONDS, Candidates
 from gpushared.daemon.devfiles import CharLinks, present_devices
 from gpushared.daemon.health import Health
-from gpushared.daemon.metrics import Metrics, PodShare
+from gpushared.daemon.metrics import DaemonMetrics, PodShare
 from gpushared.daemon.mps import MpsSupervisor
 from gpushared.daemon.outbox import Outbox
 from gpushared.kube.api import Api
@@ -85,7 +85,7 @@ class Manager:
         pods: PodWatch | None,
         pod_resources_socket: Path,
         health: Health,
-        metrics: Metrics,
+        metrics: DaemonMetrics,
         mps: MpsSupervisor | None = None,
         exposure: ExposurePolicy = ENVVAR_ONLY,
         clock: Callable[[], int] = time.time_ns,

@@ -52,7 +52,7 @@ from gpushared.core.node.memory import (
 )
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, qualified_name, uid_of
 from gpushared.daemon.compute import ComputeWatcher
-from gpushared.daemon.metrics import ContainerMemory, Metrics
+from gpushared.daemon.metrics import ContainerMemory, DaemonMetrics
 from gpushared.daemon.outbox import Outbox
 from gpushared.kubelet.podresources.client import PodDevices, PodResourcesUnavailable
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, NvmlProcess
@@ -166,7 +166,7 @@ class MemoryWatcher:
         gpus: Callable[[], list[GpuView]],
         pods: Callable[[], list[PodBody]],
         outbox: Outbox,
-        metrics: Metrics,
+        metrics: DaemonMetrics,
         unit: MemoryUnit,
         resources: ResourceNames,
         enforcement: Enforcement,

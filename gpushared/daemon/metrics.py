@@ -163,7 +163,7 @@ class ComputeSeries(Collector):
         yield limit
 
 
-class Metrics:
+class DaemonMetrics:
     def __init__(self, *, hostname: str = "") -> None:
         """``hostname``: dcgm-exporter's ``Hostname`` label, the node's name."""
         self.registry = CollectorRegistry()

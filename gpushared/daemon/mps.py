@@ -23,7 +23,7 @@ from typing import Any
 from gpushared.core.node.allocate import MpsDaemon
 from gpushared.daemon.config import Config
 from gpushared.daemon.health import Health
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.mps.control import GpuDirs, MpsControl, MpsError, host_mount_namespace
 from gpushared.nvml import driver
 from gpushared.nvml.backend import GpuBackend, GpuBackendError, GpuDevice
@@ -94,7 +94,7 @@ class MpsSupervisor:
         *,
         settings: MpsSettings,
         health: Health,
-        metrics: Metrics,
+        metrics: DaemonMetrics,
         backend: GpuBackend,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:

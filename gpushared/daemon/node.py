@@ -15,7 +15,7 @@ from gpushared import contract
 from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.shared.bodies import NodeBody, annotations_of, version_of
 from gpushared.daemon.errors import FatalError
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.kube.api import Api, KubeError, NotFound
 from gpushared.kube.informer import Informer
 from gpushared.kubelet.deviceplugin.server import PluginServer, RegistrationFailed
@@ -27,7 +27,7 @@ class KubeletLink:
     """Registers the plugin with the kubelet, and again whenever kubelet.sock is new (the kubelet restarted)
     or the plugin's socket is gone (the kubelet deleted it)."""
 
-    def __init__(self, plugin: PluginServer, *, metrics: Metrics) -> None:
+    def __init__(self, plugin: PluginServer, *, metrics: DaemonMetrics) -> None:
         self.plugin = plugin
         self.metrics = metrics
         self.registered = False
@@ -88,7 +88,7 @@ class NodePublisher:
         resources: ResourceNames,
         usage_seconds: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
-        metrics: Metrics | None = None,
+        metrics: DaemonMetrics | None = None,
     ) -> None:
         self.api = api
         self.metrics = metrics

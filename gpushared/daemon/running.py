@@ -27,7 +27,7 @@ from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager
 from gpushared.daemon.memory import ClaimsView, GpuView, MemoryWatcher
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.daemon.mps import MpsSupervisor, settings_of
 from gpushared.daemon.node import KubeletLink, NodePublisher, node_watch
 from gpushared.kube.api import Api, KubeError
@@ -55,7 +55,7 @@ class Parts:
     backend: GpuBackend
     gpus: GpuReader
     health: Health
-    metrics: Metrics
+    metrics: DaemonMetrics
 
 
 @dataclass(frozen=True)

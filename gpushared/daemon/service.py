@@ -32,7 +32,7 @@ from gpushared.daemon.gpus import GpuReader
 from gpushared.daemon.health import Health
 from gpushared.daemon.healthport import HealthListener
 from gpushared.daemon.manager import inventory_of
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.daemon.mps import missing_mps_privilege
 from gpushared.daemon.running import Parts, Running
 from gpushared.kube.api import Api, KubeError, NoCredentials, connect
@@ -92,7 +92,7 @@ class Service:
         self.config_path = config_path
         self.backend = backend
         self.resources = ResourceNames(domain=config.resource_domain)
-        self.metrics = Metrics(hostname=config.node_name)
+        self.metrics = DaemonMetrics(hostname=config.node_name)
         self.health = Health(ignored_xids=config.ignored_xids, recover_after=config.recover_after)
         self.notifier = Notifier()
         self._stop = threading.Event()

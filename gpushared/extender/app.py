@@ -34,7 +34,7 @@ from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
 from gpushared.extender.http.tls import ServingTls
-from gpushared.extender.metrics import Metrics
+from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.mixing import MixTaker
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
@@ -150,7 +150,7 @@ class Extender:
             self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.claim_cache))
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
-        self.metrics = metrics = Metrics()
+        self.metrics = metrics = ExtenderMetrics()
         metrics.observe(
             cache,
             leading=lambda: self.leader() is None,

@@ -108,7 +108,7 @@ class ClusterCache:
         )
         #: pods waiting for a node, as the watch shows them: what a bind reads its pod from
         self.pending: dict[Key, PodBody] = {}
-        #: those of them that use DRA claims: what the claim allocator looks at (``claimallocator``)
+        #: those of them that use DRA claims: what the claim allocator looks at (``extender.claims.allocator``)
         self.claiming: dict[Key, PodBody] = {}
         #: those of them gated for steering (``steering.Steerer``)
         self.steering: dict[Key, PodBody] = {}

@@ -128,7 +128,7 @@ class Steered(Collector):
         )
 
 
-class Metrics:
+class ExtenderMetrics:
     """The extender's series; names as Prometheus's conventions want them (tests/unit/test_metric_names.py)."""
 
     def __init__(self) -> None:

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gpushared import __version__
 from gpushared.core.placement.admission import SchedulerRoute, scheduler_route
 from gpushared.core.placement.claims.gate import claim_gate
-from gpushared.core.placement.claims.pods import ClaimRef
+from gpushared.core.placement.claims.pods import PodClaimRef
 from gpushared.core.placement.report import node_report
 from gpushared.core.placement.steering import steer_gate
 from gpushared.core.shared.bodies import PodBody, meta_of
@@ -26,7 +26,7 @@ from gpushared.extender.http import wire
 from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answer
 from gpushared.extender.http.config import MAX_REVIEW_BYTES
 from gpushared.extender.http.guard import Guard
-from gpushared.extender.metrics import Metrics
+from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.scheduler import BindError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -43,12 +43,12 @@ class Routes:
         scheduler: Scheduler,
         guard: Guard,
         *,
-        metrics: Metrics,
+        metrics: ExtenderMetrics,
         prefix: str,
         webhook_scheduler: str,
         public_pod_names: bool = False,
         max_nodes: int = wire.MAX_NODES,
-        claim_gating: Callable[[PodBody, str], dict[ClaimRef, bool | None]] | None = None,
+        claim_gating: Callable[[PodBody, str], dict[PodClaimRef, bool | None]] | None = None,
         steer_gating: Callable[[], bool] | None = None,
         claims_problem: Callable[[], str | None] | None = None,
     ) -> None:

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from gpushared.core.placement.claims.choice import Resources, preference
+from gpushared.core.placement.claims.choice import Resources, kube_resource_score
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits
 from gpushared.core.placement.steering import Preferred, SteerCandidate, preferred_terms, steer_operations
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 #: How often the leader looks at the gated pods.
 TICK_SECONDS = 0.1
 #: Pods being read and patched at once: a burst of gated pods is worked through this many at a time.
-MOST_IN_FLIGHT = 32
+MAX_IN_FLIGHT = 32
 
 LedgerOf = Callable[[str], Ledger | None]
 
@@ -75,13 +75,13 @@ class Steerer:
             await asyncio.sleep(TICK_SECONDS)
 
     def step(self) -> int:
-        """Start steering the gated pods not in flight, at most MOST_IN_FLIGHT at once; how many started."""
+        """Start steering the gated pods not in flight, at most MAX_IN_FLIGHT at once; how many started."""
         self.cache.owner.check("the steerer's step")
         self.cache.inbox.drain()
         started = 0
         now = self.clock()
         for key, pod in list(self.cache.steering.items()):
-            if len(self.inflight) >= MOST_IN_FLIGHT:
+            if len(self.inflight) >= MAX_IN_FLIGHT:
                 break
             if key in self.inflight:
                 continue
@@ -120,9 +120,9 @@ class Steerer:
             if cpu is None or memory is None:
                 return 0.0
             resources = Resources(cpu.allocatable, cpu.requested, memory, node.memory_requested)
-            return preference(resources, pod_cpu=pod_cpu, pod_memory=pod_memory)
+            return kube_resource_score(resources, pod_cpu=pod_cpu, pod_memory=pod_memory)
 
-        return preferred_terms(candidates, preference=kube_scores, shuffle=self.rng.shuffle)
+        return preferred_terms(candidates, kube_score=kube_scores, shuffle=self.rng.shuffle)
 
     async def _steer(self, key: Key, seen: PodBody) -> None:
         namespace, name = key

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from gpushared.extender.http.guard import Ready
-from gpushared.extender.metrics import Metrics
+from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ def settling(scheduler: Scheduler) -> Background:
     return in_background("settle-binds", settle_forever)
 
 
-def watching_the_loop(metrics: Metrics, ready: Ready, heartbeat: Heartbeat) -> Background:
+def watching_the_loop(metrics: ExtenderMetrics, ready: Ready, heartbeat: Heartbeat) -> Background:
     """The loop's heartbeat, and the longest the loop was late to a timer, counted from the first time the
     extender is ready: the first sync holds the interpreter on purpose."""
 

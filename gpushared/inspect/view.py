@@ -11,7 +11,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from gpushared.contract import ContractError, GpuInventory, ResourceNames
-from gpushared.core.dra.claims import claim_holdings
+from gpushared.core.dra.allocated import claim_holdings
 from gpushared.core.placement.report import LINK_LEGEND, link_matrix_lines, node_report, set_links
 from gpushared.core.shared.bodies import NodeBody, PodBody, node_of
 from gpushared.core.shared.ledger import Ledger, holding_from_pod, inventory_from_node

@@ -3,12 +3,12 @@
 
 Each GPU task is a pod with one claim, written as a user writes it (one request of this driver's DeviceClass,
 ``count`` its GPUs, ``capacity.requests.memory`` its memory on each) and read as the allocator reads it
-(``core.placement.claims.read_pending``). The allocator places it with the policy over every node
-kube-scheduler's filters pass (CPU, memory, pods, GPU model): ``core.placement.claimchoice`` on each node
+(``core.placement.claims.asks.read_pending``). The allocator places it with the policy over every node
+kube-scheduler's filters pass (CPU, memory, pods, GPU model): ``core.placement.claims.choice`` on each node
 and its choice among them, kube-scheduler's own resource scores of the node breaking the policy's ties
-(``claimchoice.preference``, over the CPU and memory the allocator counts on each node as the extender's
-cache does), then a draw, as kube-scheduler draws among equal scores. kube-scheduler then binds the pod
-to that node (the allocation's node selector).
+(``core.placement.claims.choice.kube_resource_score``, over the CPU and memory the allocator counts on
+each node as the extender's cache does), then a draw, as kube-scheduler draws among equal scores.
+kube-scheduler then binds the pod to that node (the allocation's node selector).
 
 A task without GPUs has no claim and no gate. Two deployments differ there:
 
@@ -27,7 +27,7 @@ from typing import Any
 
 from gpushared.contract import dra
 from gpushared.core.placement.claims.asks import ClaimAsk, read_pending
-from gpushared.core.placement.claims.choice import Candidate, ClaimChoice, Setting, best_of, place_on
+from gpushared.core.placement.claims.choice import CandidateNode, ClaimChoice, Setting, best_of, place_on
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
@@ -124,7 +124,7 @@ class AllocatorCluster(FirstFitCluster):
         result = best_of(
             [ask],
             found,
-            preference=lambda choice: float(self._in_tree(self.nodes[self.index_of[choice.node]], pod)),
+            kube_score=lambda choice: float(self._in_tree(self.nodes[self.index_of[choice.node]], pod)),
             pick=lambda tied: tied[self.rng.randrange(len(tied))],
         )
         if not isinstance(result, ClaimChoice):
@@ -149,7 +149,7 @@ class AllocatorCluster(FirstFitCluster):
             self.index_of[name]: term.weight
             for term in preferred_terms(
                 candidates,
-                preference=lambda name: float(self._in_tree(self.nodes[self.index_of[name]], pod)),
+                kube_score=lambda name: float(self._in_tree(self.nodes[self.index_of[name]], pod)),
                 shuffle=self.rng.shuffle,
             )
             for name in term.nodes
@@ -192,7 +192,7 @@ class AllocatorCluster(FirstFitCluster):
             mix=self.mix, cpu=self._cpu(node), pod_cpu=pod.cpu_milli, model=node.trace.model, pinned=bool(pod.models)
         )
         devices = {gpu.index: dra.device_name(gpu.uuid) for gpu in node.ledger.inventory.gpus}
-        candidate = Candidate(name=node.trace.name, ledger=node.ledger, devices=devices, setting=setting)
+        candidate = CandidateNode(name=node.trace.name, ledger=node.ledger, devices=devices, setting=setting)
         placed = place_on([ask], candidate, policy)
         self.placed[index][slot] = (node.version, placed)
         return placed

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from gpushared.contract import ComputeShare, GpuInfo, GpuInventory, MemoryUnit
 from gpushared.core.placement.binding import holding_for
-from gpushared.core.placement.claims.choice import Resources, preference
+from gpushared.core.placement.claims.choice import Resources, kube_resource_score
 from gpushared.core.placement.fragmentation import RequestMix, node_class, node_room
 from gpushared.core.placement.mixbook import UNSEEN_WEIGHT, ExpectedMix, MixBook, kind_of
 from gpushared.core.placement.policies import NodeRank, Policy, best_rank, ties
@@ -309,7 +309,7 @@ class SimCluster:
     def _in_tree(self, node: SimNode, pod: TracePod) -> int:
         """kube-scheduler 1.20's default resource scores after placing ``pod``: NodeResourcesLeastAllocated
         plus NodeResourcesBalancedAllocation, weight 1 each."""
-        return int(preference(node.resources, pod_cpu=pod.cpu_milli, pod_memory=pod.memory_mib))
+        return int(kube_resource_score(node.resources, pod_cpu=pod.cpu_milli, pod_memory=pod.memory_mib))
 
     def _count(self, node: SimNode, pod: TracePod) -> None:
         node.cpu_free -= pod.cpu_milli

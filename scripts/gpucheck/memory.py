@@ -22,7 +22,7 @@ def check_memory(args: argparse.Namespace) -> int:
     from gpushared.core.placement.binding import bind_annotations
     from gpushared.core.shared.requests import pod_request
     from gpushared.daemon.memory import GpuView, MemoryWatcher
-    from gpushared.daemon.metrics import Metrics
+    from gpushared.daemon.metrics import DaemonMetrics
     from gpushared.nvml.backend import NvmlBackend
 
     class Events:
@@ -62,7 +62,7 @@ def check_memory(args: argparse.Namespace) -> int:
             gpus=lambda: [GpuView(gpu.index, gpu.uuid, gpu.memory_mib)],
             pods=lambda: [body],  # type: ignore[list-item]
             outbox=events,  # type: ignore[arg-type]
-            metrics=Metrics(),
+            metrics=DaemonMetrics(),
             unit=MemoryUnit.GIB,
             resources=DEFAULT_RESOURCES,
             enforcement=Enforcement.REPORT,

@@ -247,11 +247,11 @@ def check_in_unit(args: argparse.Namespace) -> int:
 def supervising(root: Path, binary: str, backend: Any, gpu: Any) -> Any:
     """gpushared's MPS supervisor for one GPU, built as the daemon builds it (its own code), synced to it."""
     from gpushared.daemon.health import Health
-    from gpushared.daemon.metrics import Metrics
+    from gpushared.daemon.metrics import DaemonMetrics
     from gpushared.daemon.mps import MpsSettings, MpsSupervisor
 
     settings = MpsSettings(root=root, binary=binary, exclusive_process=False, shm_size="25%", probe_seconds=5)
     health = Health(ignored_xids=(), recover_after=1)
-    supervisor = MpsSupervisor(settings=settings, health=health, metrics=Metrics(), backend=backend)
+    supervisor = MpsSupervisor(settings=settings, health=health, metrics=DaemonMetrics(), backend=backend)
     supervisor.sync([gpu])
     return supervisor

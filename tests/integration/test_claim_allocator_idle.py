@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from gpushared.core.placement.policies import BINPACK
-from gpushared.extender.claims import allocator as claimallocator
+from gpushared.extender.claims import allocator as allocator_module
 from gpushared.extender.claims.allocator import AllocatorSettings
 from tests.claimworld import ClaimWorld, claim, dra_node, gated_pod
 from tests.fakes.apiserver import FakeApiServer
@@ -33,21 +33,21 @@ def test_a_turn_that_starts_nothing_lets_the_loop_wait_a_tick() -> None:
                     raise asyncio.CancelledError
                 await real_sleep(0)
 
-            step_seconds = claimallocator.STEP_SECONDS
+            step_seconds = allocator_module.STEP_SECONDS
             # a step decides about one pod: a turn through the ten takes several steps
-            claimallocator.STEP_SECONDS = 1e-6
-            claimallocator.asyncio.sleep = counted  # type: ignore[assignment]
+            allocator_module.STEP_SECONDS = 1e-6
+            allocator_module.asyncio.sleep = counted  # type: ignore[assignment]
             try:
                 await allocator.run(leading=lambda: True, ready=lambda: True)
             except asyncio.CancelledError:
                 pass
             finally:
-                claimallocator.asyncio.sleep = real_sleep
-                claimallocator.STEP_SECONDS = step_seconds
+                allocator_module.asyncio.sleep = real_sleep
+                allocator_module.STEP_SECONDS = step_seconds
             await world.stop()
 
         asyncio.run(main())
     # Each turn through the ten waiting pods takes several steps; between turns the loop waits a tick (before:
     # never, while any pod was left undecided).
-    assert sleeps.count(claimallocator.TICK_SECONDS) >= 3, sleeps
+    assert sleeps.count(allocator_module.TICK_SECONDS) >= 3, sleeps
     assert sleeps.count(0) >= 10, sleeps

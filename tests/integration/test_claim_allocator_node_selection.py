@@ -13,7 +13,7 @@ import pytest
 
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
-from gpushared.extender.claims import placing as claimplacing
+from gpushared.extender.claims import placing as placing_module
 from gpushared.extender.claims.allocator import AllocatorSettings
 from tests.claimworld import ClaimWorld, allocation, claim, device, dra_node, gated_pod, gates
 from tests.fakes.apiserver import FakeApiServer
@@ -93,7 +93,7 @@ def test_the_node_selections_kept_are_bounded_by_their_size(
 ) -> None:
     """A tenant's pods may each carry a large node selection of their own: the placer keeps at most
     MAX_SELECTION_BYTES of them, read again from the pods that still wait, and still decides each right."""
-    monkeypatch.setattr(claimplacing, "MAX_SELECTION_BYTES", 4000)
+    monkeypatch.setattr(placing_module, "MAX_SELECTION_BYTES", 4000)
     pods = [
         with_spec(gated_pod(f"p{n}", f"c{n}"), nodeSelector={"pool": "none", f"k{n}": "x" * 500}) for n in range(20)
     ]

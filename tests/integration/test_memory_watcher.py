@@ -17,7 +17,7 @@ import pytest
 
 from gpushared import contract
 from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit, dra
-from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, decide, decide_all
 from gpushared.core.node.exposure import ExposurePolicy
 from gpushared.core.node.memory import Enforcement, MemoryPolicy
@@ -25,7 +25,7 @@ from gpushared.core.placement.binding import bind_annotations
 from gpushared.core.shared.requests import pod_request
 from gpushared.daemon.compute import EVENT_COMPUTE_OVER_LIMIT, ComputeWatcher
 from gpushared.daemon.memory import EVENT_OVER_LIMIT, ClaimsView, GpuView, MemoryWatcher
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.nvml.backend import NvmlBackend
 from tests.builders import inventory, pod
 from tests.fakes.nvml import FakeNvml
@@ -108,7 +108,7 @@ def watcher(
         gpus=lambda: [GpuView(i, gpu.uuid, gpu.memory_mib) for i, gpu in enumerate(fake.gpus)],
         pods=lambda: pods,
         outbox=events,  # type: ignore[arg-type]
-        metrics=Metrics(),
+        metrics=DaemonMetrics(),
         unit=MemoryUnit.GIB,
         resources=DEFAULT_RESOURCES,
         enforcement=Enforcement.REPORT,
@@ -269,7 +269,7 @@ def test_sm_use_is_measured_per_container_and_use_over_the_compute_limit_reporte
     in_container(proc, quiet.pid, UID_B, ID_B)
     fake_nvml.set_processes(0, (greedy.pid, 100), (second.pid, 100), (quiet.pid, 100))
     fake_nvml.set_sm_util(0, **{str(greedy.pid): 30, str(second.pid): 20, str(quiet.pid): 70})
-    events, metrics = Events(), Metrics()
+    events, metrics = Events(), DaemonMetrics()
     compute = ComputeWatcher(backend=backend, outbox=events, metrics=metrics)  # type: ignore[arg-type]
     watch = watcher(backend, fake_nvml, [a, b], proc, events, now=[0.0], compute=compute)
 

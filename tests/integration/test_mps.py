@@ -366,7 +366,7 @@ class RecordingBackend:
 def test_exclusive_process_is_set_before_start_and_reset_when_stopped(mps_control: Path, kubelet_root: Path) -> None:
     from gpushared.daemon import mps as mps_module
     from gpushared.daemon.health import Health
-    from gpushared.daemon.metrics import Metrics
+    from gpushared.daemon.metrics import DaemonMetrics
     from gpushared.nvml.backend import GpuDevice
 
     settings = mps_module.MpsSettings(
@@ -374,7 +374,7 @@ def test_exclusive_process_is_set_before_start_and_reset_when_stopped(mps_contro
     )
     backend = RecordingBackend()
     health = Health(ignored_xids=(), recover_after=1)
-    supervisor = mps_module.MpsSupervisor(settings=settings, health=health, metrics=Metrics(), backend=backend)  # type: ignore[arg-type]
+    supervisor = mps_module.MpsSupervisor(settings=settings, health=health, metrics=DaemonMetrics(), backend=backend)  # type: ignore[arg-type]
     gpu = GpuDevice(
         index=0, uuid="GPU-e2c0", model="T4", memory_mib=15360, mig_enabled=False, compute_capability=(7, 5)
     )

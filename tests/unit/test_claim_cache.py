@@ -8,7 +8,7 @@ from typing import Any
 
 from gpushared.contract import dra
 from gpushared.core.dra.slices import slice_body, slice_devices
-from gpushared.core.placement.claims.pods import ClaimRef
+from gpushared.core.placement.claims.pods import PodClaimRef
 from gpushared.core.shared.ledger import Holding
 from gpushared.extender.claims.cache import ClaimCache
 from tests.builders import inventory
@@ -98,10 +98,10 @@ def test_the_webhook_reads_a_snapshot_taken_after_each_drain() -> None:
         {"name": "c", "resourceClaimTemplateName": "t"},
         {"name": "d", "resourceClaimName": "unknown"},
     ]}}  # fmt: skip
-    refs = [ClaimRef(False, "c"), ClaimRef(False, "n"), ClaimRef(True, "t"), ClaimRef(False, "unknown")]
+    refs = [PodClaimRef(False, "c"), PodClaimRef(False, "n"), PodClaimRef(True, "t"), PodClaimRef(False, "unknown")]
     assert list(claim_cache.gating_of(pod, "ns").values()) == [None] * 4  # type: ignore[arg-type]
     claim_cache.drain()
     assert claim_cache.gating_of(pod, "ns") == dict(zip(refs, [True, False, True, None], strict=True))  # type: ignore[arg-type]
     claim_cache.on_claim(None, claim("c", "2", on=0))  # allocated: a pod naming it now needs no allocation
     claim_cache.drain()
-    assert claim_cache.gating_of(pod, "ns")[ClaimRef(False, "c")] is False  # type: ignore[arg-type]
+    assert claim_cache.gating_of(pod, "ns")[PodClaimRef(False, "c")] is False  # type: ignore[arg-type]

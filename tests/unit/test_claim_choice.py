@@ -1,4 +1,4 @@
-"""Where the claim allocator puts a pod's claims (``core.placement.claimchoice``): each row a cluster, the
+"""Where the claim allocator puts a pod's claims (``core.placement.claims.choice``): each row a cluster, the
 claims, and the node and GPUs the policy gives them, worked out by hand; then properties over any sequence
 of claims: never past a GPU's memory or compute as kube-scheduler's own arithmetic counts them, and a claim
 shaped like a gpu-mem pod placed where the extender places that pod."""
@@ -13,12 +13,12 @@ from hypothesis import strategies as st
 
 from gpushared.contract import MemoryUnit, dra
 from gpushared.core.dra import capacity
+from gpushared.core.dra.allocated import allocated_devices
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
-from gpushared.core.dra.claims import allocated_devices
 from gpushared.core.dra.slices import gpu_device
 from gpushared.core.placement.claims.asks import ClaimAsk, DeviceAsk
 from gpushared.core.placement.claims.choice import (
-    Candidate,
+    CandidateNode,
     ClaimChoice,
     NoRoom,
     Setting,
@@ -50,13 +50,13 @@ def claim(
     )
 
 
-def node(name: str, *sizes: int, mps: bool = False, domains: dict[int, str] | None = None) -> Candidate:
+def node(name: str, *sizes: int, mps: bool = False, domains: dict[int, str] | None = None) -> CandidateNode:
     ledger = Ledger.build(inventory(*sizes, mps=mps))
     devices = {gpu.index: f"gpu-{gpu.index}" for gpu in ledger.inventory.gpus}
-    return Candidate(name=name, ledger=ledger, devices=devices, domains=domains or {})
+    return CandidateNode(name=name, ledger=ledger, devices=devices, domains=domains or {})
 
 
-def held(candidate: Candidate, index: int, amount: int, *, compute: int = 0, mps: bool = False) -> Candidate:
+def held(candidate: CandidateNode, index: int, amount: int, *, compute: int = 0, mps: bool = False) -> CandidateNode:
     candidate.ledger.add(
         Holding(
             uid=f"h{index}-{amount}",
@@ -78,7 +78,7 @@ def where(result: ClaimChoice | NoRoom) -> tuple[str, list[tuple[int, str, int]]
 
 
 def allocate_in_turn(
-    asks: Sequence[ClaimAsk], candidates: Sequence[Candidate], policy: Policy
+    asks: Sequence[ClaimAsk], candidates: Sequence[CandidateNode], policy: Policy
 ) -> list[tuple[str, list[tuple[int, str, int]]] | str]:
     """Each claim in turn, as the allocator takes pods one after another, its holdings counted."""
     by_name = {c.name: c for c in candidates}
@@ -119,7 +119,7 @@ def test_the_node_is_the_policys(policy: Policy, expected: str) -> None:
 def test_ties_go_to_kube_schedulers_preference_then_the_name() -> None:
     a, b = node("a", 16), node("b", 16)
     assert where(choose([claim(4)], [b, a], BINPACK)) == ("a", [(0, "r0", 0)])
-    preferred = Candidate(name="b", ledger=b.ledger, devices=b.devices, preference=5.0)
+    preferred = CandidateNode(name="b", ledger=b.ledger, devices=b.devices, kube_score=5.0)
     assert where(choose([claim(4)], [a, preferred], BINPACK)) == ("b", [(0, "r0", 0)])
 
 
@@ -165,7 +165,7 @@ def test_mps_and_plain_claims_never_share_a_gpu() -> None:
 
 def test_only_the_slices_devices_are_given() -> None:
     n = node("n", 16, 8)
-    unpublished = Candidate(name="n", ledger=n.ledger, devices={0: "gpu-0"})  # GPU 1 left the slice (unhealthy)
+    unpublished = CandidateNode(name="n", ledger=n.ledger, devices={0: "gpu-0"})  # GPU 1 left the slice (unhealthy)
     assert where(choose([claim(8)], [unpublished], BINPACK)) == ("n", [(0, "r0", 0)])
     assert isinstance(choose([claim(8, 8)], [unpublished], BINPACK), NoRoom)
 
@@ -270,7 +270,7 @@ def test_a_claim_shaped_like_a_pod_goes_where_the_extender_puts_the_pod(
             held(n, index, amount)
     request = PodRequest(containers=(ContainerRequest("c", size * count, gpus=count),))
     extender = policy.appraise(n.ledger, request, PricingContext(n.ledger))
-    result = choose([claim(size, count=count)], [Candidate("n", n.ledger, n.devices, setting=Setting())], policy)
+    result = choose([claim(size, count=count)], [CandidateNode("n", n.ledger, n.devices, setting=Setting())], policy)
     if extender is None:
         assert isinstance(result, NoRoom)
     else:

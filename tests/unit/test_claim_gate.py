@@ -1,4 +1,4 @@
-"""The claim allocator's scheduling gate, as the webhook adds it to a new pod (``core.placement.admission``):
+"""The claim allocator's scheduling gate, as the webhook adds it to a new pod (``core.placement.claims.gate``):
 a table of pods, what the allocator knows of their claims, and the patch and its reason."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 
 from gpushared.core.placement.claims.gate import CLAIM_GATE, claim_gate
-from gpushared.core.placement.claims.pods import MAX_POD_CLAIMS, ClaimRef, pod_claims
+from gpushared.core.placement.claims.pods import MAX_POD_CLAIMS, PodClaimRef, pod_claims
 from tests.builders import pod
 from tests.fakes.patches import json_patch
 
-CLAIM = ClaimRef(template=False, name="gpu")
-TEMPLATE = ClaimRef(template=True, name="gpu-tpl")
-NIC = ClaimRef(template=False, name="nic")
+CLAIM = PodClaimRef(template=False, name="gpu")
+TEMPLATE = PodClaimRef(template=True, name="gpu-tpl")
+NIC = PodClaimRef(template=False, name="nic")
 
 
 def with_claims(*entries: dict[str, Any], gates: list[dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def by_template(name: str) -> dict[str, Any]:
     return {"name": "c", "resourceClaimTemplateName": name}
 
 
-CASES: list[tuple[str, dict[str, Any], dict[ClaimRef, bool | None], list[dict[str, Any]] | None, str]] = [
+CASES: list[tuple[str, dict[str, Any], dict[PodClaimRef, bool | None], list[dict[str, Any]] | None, str]] = [
     (
         "our claim",
         with_claims(by_name("gpu")),
@@ -93,7 +93,7 @@ CASES: list[tuple[str, dict[str, Any], dict[ClaimRef, bool | None], list[dict[st
 
 @pytest.mark.parametrize(("body", "ours", "gates", "reason"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
 def test_claim_gate(
-    body: dict[str, Any], ours: dict[ClaimRef, bool | None], gates: list[dict[str, Any]] | None, reason: str
+    body: dict[str, Any], ours: dict[PodClaimRef, bool | None], gates: list[dict[str, Any]] | None, reason: str
 ) -> None:
     route = claim_gate(body, ours=ours)  # type: ignore[arg-type]
     assert route.reason == reason
@@ -108,5 +108,5 @@ def test_a_pods_references_are_bounded_and_typed() -> None:
     body = with_claims(*[by_name(f"c{i}") for i in range(100)], "junk", {"name": "x", "resourceClaimName": 7})  # type: ignore[arg-type]
     assert len(pod_claims(body)) == MAX_POD_CLAIMS  # type: ignore[arg-type]
     assert pod_claims(with_claims("junk", {"name": "x", "resourceClaimName": 7}, by_template("t"))) == [  # type: ignore[arg-type]
-        ClaimRef(template=True, name="t")
+        PodClaimRef(template=True, name="t")
     ]

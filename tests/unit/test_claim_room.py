@@ -1,4 +1,4 @@
-"""The room the claim allocator keeps free for kube-scheduler (``core.placement.claimroom``): what a pod
+"""The room the claim allocator keeps free for kube-scheduler (``core.placement.claims.room``): what a pod
 kube-scheduler may be allocating for could take of each GPU, the room kept for all of them, and gated pods
 placed with it counted; each row worked out by hand."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from gpushared.core.placement.claims.asks import ClaimAsk, DeviceAsk
-from gpushared.core.placement.claims.choice import Candidate, NoRoom, choose
+from gpushared.core.placement.claims.choice import CandidateNode, NoRoom, choose
 from gpushared.core.placement.claims.room import Room, could_take, kept_room, with_kept
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.shared.ledger import GpuMode, Holding, Ledger
@@ -98,7 +98,7 @@ def test_the_room_kept_on_each_gpu(
 
 
 def placed(node: Ledger, asks: list[ClaimAsk]) -> list[int] | str:
-    candidate = Candidate(name="n", ledger=node, devices=every(node))
+    candidate = CandidateNode(name="n", ledger=node, devices=every(node))
     result = choose(asks, [candidate], BINPACK)
     return result.reason if isinstance(result, NoRoom) else [pick.index for pick in result.picks]
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from gpushared.daemon.credential import TokenRenewer
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.kube.api import Api
 from gpushared.kube.credentials import Credentials, StaticCredential
 from gpushared.kube.rest import Rest
@@ -26,7 +26,7 @@ def token(*, issued: int, expires: int, account: str = "gpushared-node") -> str:
 
 def renewer(kubeconfig_token: str, saved: Path) -> TokenRenewer | None:
     api = Api(Rest(Credentials(server="http://127.0.0.1:1", credential=StaticCredential(token=kubeconfig_token))))
-    return TokenRenewer.attach(api, saved=saved, node="n1", metrics=Metrics())
+    return TokenRenewer.attach(api, saved=saved, node="n1", metrics=DaemonMetrics())
 
 
 def test_a_token_renewed_before_the_restart_is_used(tmp_path: Path) -> None:

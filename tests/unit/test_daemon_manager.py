@@ -8,7 +8,7 @@ from gpushared.contract import DEFAULT_RESOURCES, MemoryUnit
 from gpushared.daemon.accounting import Served
 from gpushared.daemon.health import Health
 from gpushared.daemon.manager import Manager
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from tests.builders import pod
 
 
@@ -34,7 +34,7 @@ def test_what_was_served_to_departed_pods_is_forgotten() -> None:
         pods=pods,  # type: ignore[arg-type]
         pod_resources_socket=None,
         health=Health(ignored_xids=[], recover_after=1),
-        metrics=Metrics(),
+        metrics=DaemonMetrics(),
     )
     for body in pods.bodies:
         manager.served[body["metadata"]["uid"]] = Served(namespace="default", name=body["metadata"]["name"])

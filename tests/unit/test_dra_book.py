@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.prepare import PreparedClaim, decide
 from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.shared.ledger import Ledger

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpushared.contract import GpuInfo, GpuInventory, MemoryUnit, dra
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.capacity import Capacity, ModelDevice, RequestPolicy, consumed, fits, model_device
-from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, decide
 from gpushared.core.dra.slices import format_bytes, slice_devices
 from gpushared.core.node.exposure import ExposurePolicy

@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.allowances import combination_problem
 from gpushared.core.dra.checkpoint import format_checkpoint, parse_checkpoint
-from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.companions import DriverClaim, companions
 from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide_all
 from gpushared.core.node.exposure import ExposurePolicy, Strategy

@@ -1,4 +1,4 @@
-"""NodePrepareResources decided (core.dra.prepare, core.dra.claims): one row per refusal, and what containers get
+"""NodePrepareResources decided (core.dra.prepare, core.dra.allocated): one row per refusal, and what containers get
 (the CDI spec) for a fractional claim, an MPS claim and a two-GPU claim."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, dra
+from gpushared.core.dra.allocated import ClaimRef, allocated_devices
 from gpushared.core.dra.allowances import claim_allowances
 from gpushared.core.dra.checkpoint import format_checkpoint, parse_checkpoint
-from gpushared.core.dra.claims import ClaimRef, allocated_devices
 from gpushared.core.dra.claimusers import claim_users
 from gpushared.core.dra.prepare import DraNode, PreparedClaim, PrepareRefusal, cdi_spec, decide
 from gpushared.core.node.allocate import MpsDaemon

@@ -21,7 +21,7 @@ from gpushared.core.node.handshake import Candidate
 from gpushared.core.shared.ledger import Ledger, holding_from_pod, inventory_from_node
 from gpushared.core.shared.requests import pod_request, spec_request
 from gpushared.daemon.accounting import EVENT_UNREADABLE, Accounting
-from gpushared.daemon.metrics import Metrics
+from gpushared.daemon.metrics import DaemonMetrics
 from gpushared.extender.state import ClusterState
 from tests.builders import CHOICE_KEYS, OPT_IN_KEYS, inventory, pod
 from tests.extender_harness import gpu_node
@@ -186,7 +186,7 @@ def _accounting(pods: list[dict[str, Any]]) -> tuple[Accounting, _Outbox]:
         unit=MemoryUnit.GIB,
         resources=contract.DEFAULT_RESOURCES,
         pods=_Pods(pods),  # type: ignore[arg-type]
-        metrics=Metrics(),
+        metrics=DaemonMetrics(),
         outbox=outbox,  # type: ignore[arg-type]
     )
     return books, outbox

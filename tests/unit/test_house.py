@@ -181,3 +181,14 @@ def test_the_transport_contract_names_every_module_of_the_extender() -> None:
         if path.stem != "__init__" and "http" not in path.relative_to(extender).parts
     }
     assert sorted(modules - listed) == []
+
+
+def test_no_class_name_is_defined_twice() -> None:
+    """One name per idea: a class name means one thing in gpushared/. Generated stubs aside: the kubelet's
+    .proto files name their services themselves (DRA's v1 and v1beta1 both serve ``DRAPlugin``)."""
+    where: dict[str, list[str]] = {}
+    for path in sources():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(PACKAGE)))
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}

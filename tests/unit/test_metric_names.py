@@ -17,8 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpushared.contract import GpuInfo
 from gpushared.daemon.metrics import ContainerMemory, PodShare
-from gpushared.daemon.metrics import Metrics as NodeMetrics
-from gpushared.extender.metrics import Metrics as ExtenderMetrics
+from gpushared.daemon.metrics import DaemonMetrics as NodeMetrics
+from gpushared.extender.metrics import ExtenderMetrics
 
 NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 LABEL = re.compile(r"^[a-zA-Z_][a-zA-Z0-9_]*$")

@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from gpushared.core.placement.nodefit import MOST, NodeFacts, admits, facts_of, tolerates, within_bounds
+from gpushared.core.placement.nodefit import MOST, NodeTraits, admits, facts_of, tolerates, within_bounds
 
-GPU = NodeFacts(name="gpu-1", labels={"pool": "gpu", "gen": "9"})
-TAINTED = NodeFacts(name="gpu-2", labels={"pool": "gpu"}, taints=(("nvidia.com/gpu", "present", "NoSchedule"),))
-CORDONED = NodeFacts(name="cpu-1", labels={"pool": "cpu"}, unschedulable=True)
+GPU = NodeTraits(name="gpu-1", labels={"pool": "gpu", "gen": "9"})
+TAINTED = NodeTraits(name="gpu-2", labels={"pool": "gpu"}, taints=(("nvidia.com/gpu", "present", "NoSchedule"),))
+CORDONED = NodeTraits(name="cpu-1", labels={"pool": "cpu"}, unschedulable=True)
 
 
 def pod(**spec: Any) -> dict[str, Any]:
@@ -93,7 +93,7 @@ def expr(key: str, operator: str, *values: str) -> dict[str, Any]:
         (GPU, {"affinity": required(*[{"matchExpressions": [expr("pool", "In", "gpu")]}] * 65)}, False),
     ],
 )
-def test_admits(node: NodeFacts, spec: dict[str, Any], fits: bool) -> None:
+def test_admits(node: NodeTraits, spec: dict[str, Any], fits: bool) -> None:
     assert admits(node, pod(**spec)) is fits
 
 
@@ -110,7 +110,7 @@ def test_facts_keep_only_taints_that_filter() -> None:
             ],
         },
     }
-    assert facts_of(body) == NodeFacts(
+    assert facts_of(body) == NodeTraits(
         name="n", labels={"a": "1"}, taints=(("x", "1", "NoSchedule"), ("z", "", "NoExecute")), unschedulable=True
     )
 

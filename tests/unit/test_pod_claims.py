@@ -1,4 +1,4 @@
-"""What the claim allocator makes of a gated pod's claims (``core.placement.claims.read_pod``): each row a
+"""What the claim allocator makes of a gated pod's claims (``core.placement.claims.pods.read_pod``): each row a
 pod, the claims its namespace holds, and what the allocator does: allocate, wait, or hand over (and why)."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 from gpushared import contract
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.steering import (
-    MOST_PREFERRED,
+    MAX_PREFERRED,
     STEER_GATE,
     Preferred,
     SteerCandidate,
@@ -97,14 +97,14 @@ def test_past_the_most_named_kube_schedulers_scores_choose_at_the_cut_and_equal_
         return float(int(name[1:]) % 3)
 
     everyone = [*best, *tied, c("busy", 8192)]
-    terms = preferred_terms(everyone, preference=scores, shuffle=random.Random(1).shuffle)
+    terms = preferred_terms(everyone, kube_score=scores, shuffle=random.Random(1).shuffle)
     assert [t.weight for t in terms] == [100, 98]  # 1 + 99 * 8092 / 8192, rounded down
     assert terms[0].nodes == tuple(f"b{i}" for i in range(5))  # every node better than the cut is named
     chosen = terms[1].nodes
-    assert len(chosen) == MOST_PREFERRED - 5
+    assert len(chosen) == MAX_PREFERRED - 5
     assert sum(int(name[1:]) % 3 == 2 for name in chosen) == 13  # all 13 scoring 2 first, then 14 scoring 1
     assert sorted(set(asked)) == sorted(t.name for t in tied)  # scores asked only of the nodes at the cut
-    other = preferred_terms(everyone, preference=scores, shuffle=random.Random(2).shuffle)
+    other = preferred_terms(everyone, kube_score=scores, shuffle=random.Random(2).shuffle)
     assert set(other[1].nodes) != set(chosen)  # which of the equal ones: drawn, not the first names
 
 

@@ -9,7 +9,7 @@ theirs (``resource.k8s.io/v1`` ``AllocationResult``):
   compute in percent;
 - ``devices.config``: the DeviceClass's configuration for this driver (``source: FromClass``) before the
   claim's own (``FromClaim``), each for the requests it names: the order in which they apply
-  (``core.dra.claims`` reads them so, the claim's winning);
+  (``core.dra.allocated`` reads them so, the claim's winning);
 - ``nodeSelector``: the node, by ``metadata.name`` (a node-local pool): kube-scheduler's PreFilter keeps the
   pod to it, and the kubelet there prepares the claim;
 - ``allocationTimestamp``: when it was allocated. kube-scheduler 1.36 (``DRADeviceBindingConditions`` and

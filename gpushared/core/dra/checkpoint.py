@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
 from gpushared.contract import ContractError, dra
-from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.prepare import CdiDevice, PreparedClaim, PreparedDevice
 from gpushared.core.node.allocate import Mount
 from gpushared.core.node.exposure import DeviceFile

@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
-from gpushared.core.dra.claims import ClaimRef, cdi_name
+from gpushared.core.dra.allocated import ClaimRef, cdi_name
 from gpushared.core.dra.claimusers import container_claims, uses_request
 from gpushared.core.shared.bodies import PodBody, key_of, uid_of
 
-#: The CDI devices (``core.dra.claims.cdi_name``) one container is given: its combination.
+#: The CDI devices (``core.dra.allocated.cdi_name``) one container is given: its combination.
 Combination = frozenset[str]
 
 

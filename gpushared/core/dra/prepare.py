@@ -23,7 +23,7 @@ from typing import Any, Final
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, dra
-from gpushared.core.dra.claims import AllocatedDevice, ClaimRef, allocated_devices, cdi_name
+from gpushared.core.dra.allocated import AllocatedDevice, ClaimRef, allocated_devices, cdi_name
 from gpushared.core.dra.claimusers import ClaimUse, claim_users, sharers
 from gpushared.core.dra.companions import Combination, DriverClaim, companions
 from gpushared.core.node.allocate import Mount, MpsDaemon, mps_client, thread_percentage

@@ -35,7 +35,7 @@ MOST = 64
 
 
 @dataclass(frozen=True)
-class NodeFacts:
+class NodeTraits:
     """What of a node its fit for a pod depends on here."""
 
     name: str
@@ -45,7 +45,7 @@ class NodeFacts:
     unschedulable: bool = False
 
 
-def facts_of(node: Mapping[str, Any]) -> NodeFacts:
+def facts_of(node: Mapping[str, Any]) -> NodeTraits:
     """The node's facts from its body; what is not a string is left out."""
     meta = node.get("metadata") or {}
     spec = node.get("spec") or {}
@@ -55,12 +55,12 @@ def facts_of(node: Mapping[str, Any]) -> NodeFacts:
         for t in (spec.get("taints") or [])
         if isinstance(t, Mapping) and t.get("effect") in FILTERING_EFFECTS
     )
-    return NodeFacts(
+    return NodeTraits(
         name=str(meta.get("name") or ""), labels=labels, taints=taints, unschedulable=bool(spec.get("unschedulable"))
     )
 
 
-def admits(node: NodeFacts, pod: PodBody) -> bool:
+def admits(node: NodeTraits, pod: PodBody) -> bool:
     """Whether the pod passes the node's labels, taints and cordon."""
     spec: Any = pod.get("spec") or {}
     selector = spec.get("nodeSelector") or {}
@@ -102,14 +102,14 @@ def within_bounds(pod: PodBody) -> bool:
     )
 
 
-def matches_terms(node: NodeFacts, terms: Sequence[Any]) -> bool:
+def matches_terms(node: NodeTraits, terms: Sequence[Any]) -> bool:
     """Whether any of the node selector terms matches the node (none: it matches no node)."""
     if not isinstance(terms, list) or len(terms) > MOST:
         return False
     return any(isinstance(term, Mapping) and _matches_term(node, term) for term in terms)
 
 
-def _matches_term(node: NodeFacts, term: Mapping[str, Any]) -> bool:
+def _matches_term(node: NodeTraits, term: Mapping[str, Any]) -> bool:
     expressions = term.get("matchExpressions") or []
     fields = term.get("matchFields") or []
     if not isinstance(expressions, list) or not isinstance(fields, list):

@@ -12,7 +12,7 @@ from typing import Protocol
 
 from gpushared.contract import GpuInventory, ResourceNames
 from gpushared.core.placement.fragmentation import RequestMix
-from gpushared.core.placement.nodefit import NodeFacts
+from gpushared.core.placement.nodefit import NodeTraits
 from gpushared.core.placement.pricing import NodeCpu
 from gpushared.core.shared.bodies import PodBody
 from gpushared.core.shared.ledger import Ledger
@@ -44,11 +44,11 @@ class NodeState:
     #: counts changes of the two: ranks that read CPU are kept per (ledger version, CPU version)
     cpu_version: int = 0
     #: bytes of memory pods may request here (None: the node does not say) and that the pods bound here
-    #: request: the claim allocator's tie-break (``core.placement.claimchoice.preference``)
+    #: request: the claim allocator's tie-break (``core.placement.claims.choice.kube_resource_score``)
     memory_allocatable: int | None = None
     memory_requested: int = 0
     #: its labels, filtering taints and cordon (None: deleted): which pods may go there (``nodefit.admits``)
-    facts: NodeFacts | None = None
+    facts: NodeTraits | None = None
 
     @property
     def cpu(self) -> NodeCpu | None:

@@ -32,7 +32,7 @@ from gpushared.core.shared.bodies import PodBody
 #: The scheduling gate the claim allocator's leader removes once it has steered a CPU-only pod.
 STEER_GATE = "gpushared.io/steer"
 #: The most nodes the preferred terms name, all together: the rest are left to kube-scheduler's scores.
-MOST_PREFERRED = 32
+MAX_PREFERRED = 32
 #: The heaviest term's weight (weights are 1-100). kube-scheduler normalizes NodeAffinity's score to 0-100
 #: over the nodes it scores, so the best of them named gets the plugin's whole score.
 STEER_WEIGHT = 100
@@ -81,14 +81,14 @@ class Preferred:
 def preferred_terms(
     candidates: Sequence[SteerCandidate],
     *,
-    preference: Callable[[str], float] = lambda name: 0.0,
-    most: int = MOST_PREFERRED,
+    kube_score: Callable[[str], float] = lambda name: 0.0,
+    most: int = MAX_PREFERRED,
     shuffle: Callable[[list[str]], None] = lambda tied: None,
 ) -> tuple[Preferred, ...]:
     """The terms to add, heaviest first: the ``most`` nodes the extender ranks best, each weighted as
     ``prioritize-no-gpu`` scores it (100 for the least idle GPU memory, down to 1 toward the most), nodes of
     one weight in one term; none when every candidate is worth the same. Where the cut falls among nodes
-    worth the same, kube-scheduler's resource scores choose (``preference``, asked only then; ``shuffle``
+    worth the same, kube-scheduler's resource scores choose (``kube_score``, asked only then; ``shuffle``
     orders equal ones). Graded rather than only the best: kube-scheduler scores only some of the feasible
     nodes of a large cluster (``percentageOfNodesToScore``), and among those it scores the term still says
     which are better."""
@@ -103,7 +103,7 @@ def preferred_terms(
         inside = [c for c in ranked if c.idle < cut]
         at_cut = [c.name for c in ranked if c.idle == cut]
         shuffle(at_cut)
-        at_cut.sort(key=lambda name: -preference(name))  # stable: equal scores keep the shuffled order
+        at_cut.sort(key=lambda name: -kube_score(name))  # stable: equal scores keep the shuffled order
         chosen = [(c.name, c.idle) for c in inside] + [(name, cut) for name in at_cut[: most - len(inside)]]
     else:
         chosen = [(c.name, c.idle) for c in ranked]

@@ -59,7 +59,7 @@ class Holding:
     problem: str | None = None
     #: percent of the compute of each GPU in ``gpus`` (of the node's, while ``pending``) guaranteed to it
     compute: int = 0
-    #: not a pod: room the claim allocator keeps free for kube-scheduler (``core.placement.claimroom``),
+    #: not a pod: room the claim allocator keeps free for kube-scheduler (``core.placement.claims.room``),
     #: counted against the GPU's memory and compute and never as a pod on it (no sharer, no MPS or plain mode)
     kept: bool = False
 

@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Final
 
 from gpushared.contract import ContractError, dra
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.checkpoint import format_checkpoint, parse_checkpoint
-from gpushared.core.dra.claims import ClaimRef
 from gpushared.core.dra.prepare import PreparedClaim, cdi_spec
 
 log = logging.getLogger(__name__)

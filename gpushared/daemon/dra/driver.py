@@ -24,7 +24,7 @@ from concurrent import futures
 from typing import Any
 
 from gpushared.contract import GpuInventory
-from gpushared.core.dra.claims import ClaimRef, reserved_pods
+from gpushared.core.dra.allocated import ClaimRef, reserved_pods
 from gpushared.core.dra.prepare import ClaimRead, DraNode, PreparedClaim, PrepareRefusal, decide_all
 from gpushared.core.node.allocate import NodeFacts
 from gpushared.core.shared.bodies import PodBody, uid_of

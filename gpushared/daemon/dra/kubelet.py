@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import grpc
 
 from gpushared.contract import dra
-from gpushared.core.dra.claims import ClaimRef
+from gpushared.core.dra.allocated import ClaimRef
 from gpushared.core.dra.prepare import PreparedClaim
 from gpushared.kubelet.dra.v1 import api_pb2 as v1
 from gpushared.kubelet.dra.v1 import api_pb2_grpc as v1_grpc

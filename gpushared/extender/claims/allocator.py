@@ -2,11 +2,11 @@
 
 kube-scheduler by itself allocates a claim first fit on a node its default scores chose. gpushared's
 webhook holds every new pod that uses a claim of gpushared's DeviceClass back with a scheduling gate
-(``core.placement.admission.CLAIM_GATE``); the leader's allocator, on the extender's event loop:
+(``core.placement.claims.gate.CLAIM_GATE``); the leader's allocator, on the extender's event loop:
 
-1. reads each gated pod's claims from its cache (``claims.cache.ClaimCache``; ``core.placement.claims.read_pod``);
+1. reads each gated pod's claims from its cache (``claims.cache.ClaimCache``; ``core.placement.claims.pods.read_pod``);
 2. chooses the node and devices with the extender's policy over the same ledgers
-   (``core.placement.claimchoice``), and counts the choice at once (assume), before any write;
+   (``core.placement.claims.choice``), and counts the choice at once (assume), before any write;
 3. writes each claim's ``status.allocation`` (``core.dra.allocation``), guarded by the resourceVersion it
    read: a claim changed meanwhile, or written by a second allocator, fails with 409 and nothing is taken;
 4. removes the gate, with a JSON Patch that tests the pod's UID and the gate's place: kube-scheduler then
@@ -39,9 +39,9 @@ from gpushared.core.placement.claims.choice import ClaimChoice, NoRoom, holdings
 from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.claims.pods import read_pod
 from gpushared.core.placement.policies import Policy
-from gpushared.core.shared.bodies import Key, PodBody, has_gate, key_of, uid_of, version_of
+from gpushared.core.shared.bodies import Key, ObjectBody, PodBody, has_gate, key_of, uid_of, version_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.cache import Body, ClaimCache
+from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.claims.fence import FENCED, ClaimFence
 from gpushared.extender.claims.placing import ClaimPlacer
 from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
@@ -393,18 +393,13 @@ class ClaimAllocator:
             del self.written_for[claim_uid]
             claim = self.claim_cache.claim(ask.namespace, ask.name)
             status = (claim or {}).get("status") or {}
-            if (
-                claim is None
-                or _uid_of(claim) != claim_uid
-                or not status.get("allocation")
-                or status.get("reservedFor")
-            ):
+            if claim is None or uid_of(claim) != claim_uid or not status.get("allocation") or status.get("reservedFor"):
                 continue
             if self.cache.state.node_of.get(pod_uid) is not None:
                 continue  # bound meanwhile: the kubelet reserves it
             self._spawn(self._release(claim))
 
-    async def _release(self, claim: Body) -> None:
+    async def _release(self, claim: ObjectBody) -> None:
         if await self.writes.release(claim):
             self.counts["released"] += 1
 
@@ -422,7 +417,3 @@ class ClaimAllocator:
     def _not_gated_event(self, pod: PodBody) -> None:
         message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"
         self._spawn(self.event(pod, "ClaimsNotGated", message))
-
-
-def _uid_of(body: Body) -> str:
-    return str((body.get("metadata") or {}).get("uid") or "")

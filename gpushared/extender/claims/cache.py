@@ -8,7 +8,7 @@ allocator reads the cache and assumes what it writes, on the loop too. No lock g
 held across a call to the API server.
 
 A node's ledger is the same ``Ledger`` the extender places gpu-mem pods with, built from the node's GPU
-inventory (its Node annotation, in the cache) and the claims allocated there (``core.dra.claims``, one
+inventory (its Node annotation, in the cache) and the claims allocated there (``core.dra.allocated``, one
 holding per device), and kept until one of them changes.
 """
 
@@ -20,10 +20,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpushared.contract import GpuInventory, dra
-from gpushared.core.dra.claims import claim_holdings
+from gpushared.core.dra.allocated import claim_holdings
 from gpushared.core.placement.claims.asks import read_pending
-from gpushared.core.placement.claims.pods import ClaimRef, allocated_node, pod_claims
-from gpushared.core.shared.bodies import Key, PodBody, version_of
+from gpushared.core.placement.claims.pods import PodClaimRef, allocated_node, pod_claims
+from gpushared.core.shared.bodies import Key, ObjectBody, PodBody, key_of, uid_of, version_of
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.extender.inbox import Inbox, Owner
 from gpushared.kube.informer import Informer
@@ -31,25 +31,14 @@ from gpushared.kube.rest import Rest
 
 log = logging.getLogger(__name__)
 
-Body = dict[str, Any]
-
-
-def _key(body: Body) -> Key:
-    meta = body.get("metadata") or {}
-    return str(meta.get("namespace") or ""), str(meta.get("name") or "")
-
-
-def _uid(body: Body) -> str:
-    return str((body.get("metadata") or {}).get("uid") or "")
-
 
 class ClaimCache:
     def __init__(self, *, driver: str = dra.DRIVER, device_class: str = dra.DEVICE_CLASS) -> None:
         self.driver, self.device_class = driver, device_class
         self.inbox: Inbox | None = None
-        self.informers: list[Informer[Body]] = []
+        self.informers: list[Informer[ObjectBody]] = []
         #: namespace -> name -> the claim as last seen (watched, or as a write of ours returned it)
-        self.claims: dict[str, dict[str, Body]] = {}
+        self.claims: dict[str, dict[str, ObjectBody]] = {}
         #: slice name -> (its node, the device names it publishes for this driver)
         self._slices: dict[str, tuple[str, frozenset[str]]] = {}
         self._published: dict[str, frozenset[str]] | None = None
@@ -117,13 +106,13 @@ class ClaimCache:
         else:
             self.on_template(old, new)
 
-    def on_template(self, old: Body | None, new: Body | None) -> None:
+    def on_template(self, old: ObjectBody | None, new: ObjectBody | None) -> None:
         """A ResourceClaimTemplate: whether the claims made from it ask for this driver's class."""
         if old is not None:
-            self._gate((*_key(old), True), None)
+            self._gate((*key_of(old), True), None)
         if new is not None:
             spec = (new.get("spec") or {}).get("spec") or {}
-            self._gate((*_key(new), True), read_pending({"spec": spec}, device_class=self.device_class) is not None)
+            self._gate((*key_of(new), True), read_pending({"spec": spec}, device_class=self.device_class) is not None)
 
     def _gate(self, key: tuple[str, str, bool], gates: bool | None) -> None:
         if gates is None:
@@ -134,19 +123,19 @@ class ClaimCache:
 
     # --- what the informers show ----------------------------------------------------------------------
 
-    def on_claim(self, old: Body | None, new: Body | None) -> None:
+    def on_claim(self, old: ObjectBody | None, new: ObjectBody | None) -> None:
         if old is not None:
-            namespace, name = _key(old)
+            namespace, name = key_of(old)
             known = self.claims.get(namespace, {}).get(name)
-            if known is not None and (new is None or _uid(known) != _uid(new)):
+            if known is not None and (new is None or uid_of(known) != uid_of(new)):
                 self._drop(known)
             if new is None:
                 self._gate((namespace, name, False), None)
         if new is None:
             return
-        namespace, name = _key(new)
+        namespace, name = key_of(new)
         known = self.claims.get(namespace, {}).get(name)
-        if known is not None and _uid(known) == _uid(new) and version_of(new) < version_of(known):
+        if known is not None and uid_of(known) == uid_of(new) and version_of(new) < version_of(known):
             return  # older than what a write of ours returned: the watch is behind it, not the claim
         self._drop(known)
         self.claims.setdefault(namespace, {})[name] = new
@@ -155,15 +144,15 @@ class ClaimCache:
         if node is not None:
             self._on_node.setdefault(node, set()).add((namespace, name))
             self._changed(node)
-        assumed = self.assumed.get(_uid(new))
+        assumed = self.assumed.get(uid_of(new))
         if assumed is not None and node is not None:
-            self.assumed.pop(_uid(new))  # shown: counted from the claim itself now
+            self.assumed.pop(uid_of(new))  # shown: counted from the claim itself now
             self._changed(assumed[0])
 
-    def _drop(self, body: Body | None) -> None:
+    def _drop(self, body: ObjectBody | None) -> None:
         if body is None:
             return
-        namespace, name = _key(body)
+        namespace, name = key_of(body)
         if self.claims.get(namespace, {}).get(name) is body:
             del self.claims[namespace][name]
             if not self.claims[namespace]:
@@ -173,7 +162,7 @@ class ClaimCache:
             self._on_node.get(node, set()).discard((namespace, name))
             self._changed(node)
 
-    def on_slice(self, old: Body | None, new: Body | None) -> None:
+    def on_slice(self, old: ObjectBody | None, new: ObjectBody | None) -> None:
         self._published = None
         if old is not None:
             self._slices.pop(str((old.get("metadata") or {}).get("name")), None)
@@ -198,17 +187,17 @@ class ClaimCache:
             self._published = found
         return self._published
 
-    def _saw(self, old: Body | None, new: Body | None) -> None:
+    def _saw(self, old: ObjectBody | None, new: ObjectBody | None) -> None:
         """The claim watch showed a claim changed (or gone: a gone claim counts as shown to those waiting)."""
         if new is None:
             if old is not None:
-                self.shown.pop(_uid(old), None)
-                gone = _uid(old)
+                self.shown.pop(uid_of(old), None)
+                gone = uid_of(old)
                 for versions, future in self._waiting:
                     if gone in versions and not future.done():
                         future.set_result(None)
             return
-        uid = _uid(new)
+        uid = uid_of(new)
         self.shown[uid] = max(self.shown.get(uid, 0), version_of(new))
         for versions, future in self._waiting:
             if not future.done() and all(self.shown.get(u, 0) >= v for u, v in versions.items()):
@@ -244,20 +233,20 @@ class ClaimCache:
         if known is not None:
             self._changed(known[0])
 
-    def written(self, body: Body) -> None:
+    def written(self, body: ObjectBody) -> None:
         """A claim as a write of ours returned it: what the API server stored, applied at once."""
-        namespace, name = _key(body)
+        namespace, name = key_of(body)
         self.on_claim(self.claims.get(namespace, {}).get(name), body)
 
     # --- what the allocator reads ---------------------------------------------------------------------
 
-    def gating_of(self, pod: PodBody, namespace: str) -> dict[ClaimRef, bool | None]:
+    def gating_of(self, pod: PodBody, namespace: str) -> dict[PodClaimRef, bool | None]:
         """For the webhook (any thread): whether each claim or template the new pod names gates it; None
         where the cache does not hold it (yet)."""
         known = self.gating
         return {ref: known.get((namespace, ref.name, ref.template)) for ref in pod_claims(pod)}
 
-    def claim(self, namespace: str, name: str) -> Body | None:
+    def claim(self, namespace: str, name: str) -> ObjectBody | None:
         return self.claims.get(namespace, {}).get(name)
 
     def ledger(self, node: str, inventory: GpuInventory, *, assumed: bool = True) -> Ledger:
@@ -275,7 +264,7 @@ class ClaimCache:
                 self.problems.add(problem)
                 log.warning("claim allocator: %s", problem)
         if assumed:
-            shown = {_uid(claim) for claim in claims}
+            shown = {uid_of(claim) for claim in claims}
             for uid, (where, held) in self.assumed.items():
                 if where == node and uid not in shown:
                     holdings.extend(held)

@@ -7,14 +7,14 @@ a hand-over, a timeout), and two allocators writing different claims could each 
 room. So for ``KUBE_WINDOW_SECONDS`` after such a pod reached kube-scheduler, the allocator keeps free on
 each GPU what the pod's pending claims could take there as kube-scheduler may see the node (the claims the
 watch shows, without the allocator's writes it may not show yet), and on each GPU the sum over such pods,
-never more than the GPU's free room (``core.placement.claimroom``: kube-scheduler never puts its own pods
+never more than the GPU's free room (``core.placement.claims.room``: kube-scheduler never puts its own pods
 past a GPU's capacity). A gated pod is placed where it fits with that room counted; one that fits only in
 it waits (``FENCED``). The fence holds room, never whole nodes: a tenant's 1 GiB pods that kube-scheduler
 can never place for a reason the fence does not model (a required pod affinity no pod satisfies) but whose
 claims fit everywhere keep 1 GiB per pod on each GPU, not every node, and an ordinary pod still fits beside
 them.
 
-Bounded, and never starving the gated pods: the fence weighs ``MOST_FENCED_KINDS`` kinds of pod (the same
+Bounded, and never starving the gated pods: the fence weighs ``MAX_FENCED_KINDS`` kinds of pod (the same
 claims' shape, CPU, memory and node selection: the pods of one kind take the same room each), those with
 the pods kube-scheduler was given last; a node's room is worked out again only when its ledger, CPU or
 labels, or the pods weighed, changed. A flood of pods can keep all of a GPU's free room, so the fence holds
@@ -51,7 +51,7 @@ KUBE_WINDOW_SECONDS = 10.0
 #: Kinds of pod kube-scheduler may be allocating for that the fence weighs, those it was given last: the
 #: fence's work is these kinds on the nodes that changed. Pods of further kinds are left to the driver's
 #: check at prepare, as pods past the window are.
-MOST_FENCED_KINDS = 32
+MAX_FENCED_KINDS = 32
 #: Why a pod waits while the fence keeps the room it would fit in.
 FENCED = (
     "kube-scheduler may be allocating claims of pods it was given in the room left for the pod; "
@@ -59,7 +59,7 @@ FENCED = (
 )
 
 
-class NodeRoom(NamedTuple):
+class KeptNodeRoom(NamedTuple):
     """One node's room kept, and what it was worked out from."""
 
     #: the ids and versions of what it read: the node's ledger as kube-scheduler may see it, its CPU, memory
@@ -92,8 +92,8 @@ class ClaimFence:
         self.kept: KeptRoom = NO_ROOM_KEPT
         #: the kinds weighed at the last ``hold``, and how many pods of each
         self._weighed: dict[PodAsk, int] = {}
-        #: node -> its room as last worked out (``NodeRoom``)
-        self._rooms: dict[str, NodeRoom] = {}
+        #: node -> its room as last worked out (``KeptNodeRoom``)
+        self._rooms: dict[str, KeptNodeRoom] = {}
         #: pod UID -> when it reached kube-scheduler with pending claims of this driver
         self.handed_at: dict[str, float] = {}
         #: gated pod UID -> since when the fence holds it back, without a break
@@ -110,7 +110,7 @@ class ClaimFence:
 
     def passed_by_us(self, uid: str) -> None:
         self.passed.add(uid)
-        del_oldest(self.passed)
+        clear_if_over(self.passed)
 
     def clear(self) -> None:
         self.kube_allocating.clear()
@@ -127,7 +127,7 @@ class ClaimFence:
         known = gated_before or any(uid in seen for seen in (self.not_gated, self.passed, self.known_before))
         if not known and self._uses_ours(pod, claims):
             self.not_gated.add(uid)
-            del_oldest(self.not_gated)
+            clear_if_over(self.not_gated)
             self.counts["not_gated"] += 1
             self.told(pod)
         read = read_pod(pod, claims, device_class=self.device_class)
@@ -143,7 +143,7 @@ class ClaimFence:
             when = self.handed_at.get(uid_of(pod), 0.0)
             known = kinds.get(ask)
             kinds[ask] = (asks, 1, when) if known is None else (known[0], known[1] + 1, max(known[2], when))
-        latest = sorted(kinds.items(), key=lambda item: item[1][2], reverse=True)[:MOST_FENCED_KINDS]
+        latest = sorted(kinds.items(), key=lambda item: item[1][2], reverse=True)[:MAX_FENCED_KINDS]
         weighed = {ask: count for ask, (_, count, _) in latest}
         asks_of = {ask: asks for ask, (asks, _, _) in latest}
         if not weighed:
@@ -158,7 +158,7 @@ class ClaimFence:
         """Each node's room, worked out again where its ledger, CPU or memory changed or the kinds weighed did
         (what a kind could take there, only where the node changed); ``kept`` stays the same object while no
         node's room changed."""
-        rooms: dict[str, NodeRoom] = {}
+        rooms: dict[str, KeptNodeRoom] = {}
         changed = False
         for name, node, ledger, given in self.placer.shown():
             stamp = (
@@ -183,7 +183,7 @@ class ClaimFence:
                 for ask in weighed
             }
             room = kept_room(((takes[ask], count) for ask, count in weighed.items()), ledger)
-            rooms[name] = NodeRoom(stamp, (ledger, given), takes, room)
+            rooms[name] = KeptNodeRoom(stamp, (ledger, given), takes, room)
             changed = changed or known is None or known.room != room
         changed = changed or rooms.keys() != self._rooms.keys() or self.kept is NO_ROOM_KEPT
         self._rooms = rooms
@@ -212,7 +212,7 @@ class ClaimFence:
         return False
 
 
-def del_oldest(seen: set[str], most: int = 100_000) -> None:
-    """Keep a set of UIDs bounded: past ``most``, it is emptied (a UID seen again is counted again)."""
-    if len(seen) > most:
+def clear_if_over(seen: set[str], limit: int = 100_000) -> None:
+    """Keep a set of UIDs bounded: past ``limit`` UIDs, it is emptied whole (a UID seen again is counted again)."""
+    if len(seen) > limit:
         seen.clear()

@@ -1,5 +1,5 @@
 """Where the claim allocator puts a gated pod's claims now (issue #54): the nodes it may go to, and on each the
-placement ``core.placement.claimchoice`` works out, kept until something it read changes.
+placement ``core.placement.claims.choice`` works out, kept until something it read changes.
 
 The candidates are the nodes whose ResourceSlices publish this driver's GPUs and that kube-scheduler's
 filters would pass as far as the extender counts them: the pod's CPU and memory requests fit, and its node
@@ -9,8 +9,8 @@ changes: a burst of a thousand pods alike prices each node once per change, not 
 extender's filter index keeps its ranks the same way).
 
 While kube-scheduler may be allocating claims of pods it was given, a gated pod is placed on each node's
-ledger with the room kept for them counted (``core.placement.claimroom``, worked out by
-``extender.claimfence``). And a pod that found no room finds none until something a placement reads changes:
+ledger with the room kept for them counted (``core.placement.claims.room``, worked out by
+``extender.claims.fence``). And a pod that found no room finds none until something a placement reads changes:
 once a step (``look``) the placer sees whether anything did, and until then the pods of a kind that found no
 room are not priced again: two thousand pods waiting for room cost a step a lookup each, not a pricing.
 """
@@ -27,14 +27,14 @@ from gpushared.contract import GpuInventory, dra
 from gpushared.core.dra.slices import nvlink_domains
 from gpushared.core.placement.claims.asks import ClaimAsk
 from gpushared.core.placement.claims.choice import (
-    Candidate,
+    CandidateNode,
     ClaimChoice,
     NoRoom,
     Resources,
     Setting,
     best_of,
+    kube_resource_score,
     place_on,
-    preference,
 )
 from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, with_kept
 from gpushared.core.placement.cpu import cpu_of, memory_request
@@ -175,11 +175,11 @@ class ClaimPlacer:
         return best_of(
             asks,
             placed,
-            preference=lambda choice: by_name[choice.node].preference,
+            kube_score=lambda choice: by_name[choice.node].kube_score,
             pick=lambda tied: tied[self.rng.randrange(len(tied))],
         )
 
-    def _placed(self, candidate: Candidate, asks: Sequence[ClaimAsk], kind: Any, mix: int) -> ClaimChoice | None:
+    def _placed(self, candidate: CandidateNode, asks: Sequence[ClaimAsk], kind: Any, mix: int) -> ClaimChoice | None:
         node = self.cache.state.nodes[candidate.name]
         ledger = candidate.ledger
         stamp = (ledger.version, node.cpu_version, mix, len(candidate.devices))
@@ -193,7 +193,7 @@ class ClaimPlacer:
         self._placements[key] = (weakref.ref(ledger), stamp, placed)
         return placed
 
-    def candidates(self, ask: PodAsk, *, kept: KeptRoom = NO_ROOM_KEPT) -> list[Candidate]:
+    def candidates(self, ask: PodAsk, *, kept: KeptRoom = NO_ROOM_KEPT) -> list[CandidateNode]:
         """The nodes publishing this driver's GPUs that kube-scheduler's filters would pass for the pod as far
         as the extender counts them (``admits``), each with its ledger of claims, the allocator's writes the
         watch does not show yet counted, and the room ``kept`` on the node's GPUs."""
@@ -210,13 +210,13 @@ class ClaimPlacer:
             ledger = self.claim_cache.ledger(name, inventory)
             room = kept.get(name)
             found.append(
-                Candidate(
+                CandidateNode(
                     name=name,
                     ledger=self._kept_on(name, ledger, room) if room else ledger,
                     devices=given,
                     domains=domains,
                     setting=Setting(mix=mix, cpu=cpu, pod_cpu=ask.cpu, model=node.model, pinned=ask.models is not None),
-                    preference=preference(resources, pod_cpu=ask.cpu, pod_memory=ask.memory),
+                    kube_score=kube_resource_score(resources, pod_cpu=ask.cpu, pod_memory=ask.memory),
                 )
             )
         return found

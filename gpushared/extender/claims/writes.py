@@ -21,9 +21,9 @@ from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.placement.claims.asks import ClaimAsk
 from gpushared.core.placement.claims.choice import ClaimChoice
 from gpushared.core.placement.claims.gate import CLAIM_GATE
-from gpushared.core.shared.bodies import PodBody, key_of, meta_of, uid_of
+from gpushared.core.shared.bodies import ObjectBody, PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.cache import Body, ClaimCache
+from gpushared.extender.claims.cache import ClaimCache
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
@@ -112,7 +112,7 @@ class ClaimWrites:
         #: the last permission the API server refused (the allocator's, read by its metric and readiness)
         self.refusals = Refusals()
 
-    def allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> Body | None:
+    def allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> ObjectBody | None:
         """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
         claim = self.claim_cache.claim(ask.namespace, ask.name)
         if claim is None or str((claim.get("metadata") or {}).get("uid")) != ask.uid:
@@ -173,7 +173,7 @@ class ClaimWrites:
                 return Gate.GONE  # deleted and made again: not the pod decided
         return Gate.FAILED
 
-    async def release(self, claim: Body) -> bool:
+    async def release(self, claim: ObjectBody) -> bool:
         """Remove the claim's allocation, guarded by the resourceVersion it was read at: whether it was."""
         status = {k: v for k, v in (claim.get("status") or {}).items() if k not in ("allocation", "devices")}
         try:

@@ -17,8 +17,8 @@ unit (bytes rounded up to whole units, as the slice's ``validRange`` steps round
   sum of the parts' prices. A GPU is never given to two devices of one pod's claims.
 
 A GPU taken whole (a request that names no memory) is one with nothing on it; it consumes all of its
-memory. Only GPUs that are devices of the node's ResourceSlice are given out (``Candidate.devices``).
-Pure: the component builds each node's :class:`Candidate` and writes what :func:`choose` returns.
+memory. Only GPUs that are devices of the node's ResourceSlice are given out (``CandidateNode.devices``).
+Pure: the component builds each node's :class:`CandidateNode` and writes what :func:`choose` returns.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Setting:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class CandidateNode:
     """A node the pod may go to: its ledger (its claims and pods counted), and what it publishes."""
 
     name: str
@@ -72,7 +72,7 @@ class Candidate:
     domains: Mapping[int, str] = field(default_factory=dict)
     setting: Setting = Setting()
     #: kube-scheduler's own score of the node for the pod (higher is better): breaks the policy's ties
-    preference: float = 0.0
+    kube_score: float = 0.0
 
 
 class Part(NamedTuple):
@@ -122,7 +122,7 @@ class Resources(NamedTuple):
     memory_requested: int
 
 
-def preference(node: Resources | None, *, pod_cpu: int, pod_memory: int) -> float:
+def kube_resource_score(node: Resources | None, *, pod_cpu: int, pod_memory: int) -> float:
     """kube-scheduler's own resource scores of the node with the pod on it, as it adds them to an extender's
     (LeastAllocated plus BalancedAllocation over CPU and memory, weight 1 each, the formula the replay's
     published figures use): the claim allocator's tie-break between nodes its policy ranks equal, since it
@@ -183,7 +183,7 @@ def first(tied: Sequence[ClaimChoice]) -> ClaimChoice:
 
 def choose(
     asks: Sequence[ClaimAsk],
-    candidates: Sequence[Candidate],
+    candidates: Sequence[CandidateNode],
     policy: Policy,
     *,
     pick: Callable[[Sequence[ClaimChoice]], ClaimChoice] = first,
@@ -195,19 +195,19 @@ def choose(
         return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
     by_name = {c.name: c for c in candidates}
     placed = (place_on(asks, c, policy) for c in candidates)
-    return best_of(asks, placed, preference=lambda choice: by_name[choice.node].preference, pick=pick)
+    return best_of(asks, placed, kube_score=lambda choice: by_name[choice.node].kube_score, pick=pick)
 
 
 def best_of(
     asks: Sequence[ClaimAsk],
     placed: Iterable[ClaimChoice | None],
     *,
-    preference: Callable[[ClaimChoice], float],
+    kube_score: Callable[[ClaimChoice], float],
     pick: Callable[[Sequence[ClaimChoice]], ClaimChoice] = first,
 ) -> ClaimChoice | NoRoom:
     """The best of the nodes' placements (None: the claims do not fit there): the best rank as
     ``policies.best_rank`` has it (the best-linked, then the lowest price, then among prices that
-    ``policies.ties`` calls equal the lowest tie-break), then kube-scheduler's highest ``preference`` for the
+    ``policies.ties`` calls equal the lowest tie-break), then kube-scheduler's highest ``kube_score`` for the
     node (asked of the tied only); ``pick`` chooses among what is still equal (kube-scheduler draws at random
     among equal scores; tests and the default take the first name)."""
     found = [choice for choice in placed if choice is not None]
@@ -217,13 +217,13 @@ def best_of(
         return NoRoom(f"no node has room for the {devices} device(s) the pod's claims ask for")
     tied = [choice for choice in found if ties(choice.rank, best)]
     if len(tied) > 1:
-        scored = [(preference(choice), choice) for choice in tied]
+        scored = [(kube_score(choice), choice) for choice in tied]
         top = max(score for score, _ in scored)
         tied = [choice for score, choice in scored if score == top]
     return pick(tied)
 
 
-def place_on(asks: Sequence[ClaimAsk], candidate: Candidate, policy: Policy) -> ClaimChoice | None:
+def place_on(asks: Sequence[ClaimAsk], candidate: CandidateNode, policy: Policy) -> ClaimChoice | None:
     """The pod's claims on one node: the devices each request gets and the node's rank; None if they do not fit."""
     ledger = candidate.ledger
     pieces = parts(asks, ledger.unit)
@@ -234,7 +234,7 @@ def place_on(asks: Sequence[ClaimAsk], candidate: Candidate, policy: Policy) -> 
     return _place_in_turn(pieces, candidate, policy)
 
 
-def _place_one_shape(pieces: Sequence[Part], candidate: Candidate, policy: Policy) -> ClaimChoice | None:
+def _place_one_shape(pieces: Sequence[Part], candidate: CandidateNode, policy: Policy) -> ClaimChoice | None:
     first = pieces[0]
     assert first.units is not None
     request = _request(first.units, sum(p.gpus for p in pieces), compute=first.compute, mps=first.mps)
@@ -245,7 +245,7 @@ def _place_one_shape(pieces: Sequence[Part], candidate: Candidate, policy: Polic
     return ClaimChoice(candidate.name, rank, tuple(_picks(pieces, chosen, candidate, first.units)))
 
 
-def _place_in_turn(pieces: Sequence[Part], candidate: Candidate, policy: Policy) -> ClaimChoice | None:
+def _place_in_turn(pieces: Sequence[Part], candidate: CandidateNode, policy: Policy) -> ClaimChoice | None:
     """Each part on the node's ledger with the parts before it counted (a copy: the real one is read only)."""
     ledger = Ledger.build(candidate.ledger.inventory, candidate.ledger.holdings())
     taken: set[int] = set()
@@ -275,7 +275,7 @@ def _place_in_turn(pieces: Sequence[Part], candidate: Candidate, policy: Policy)
 
 
 def _price_part(
-    part: Part, candidate: Candidate, ledger: Ledger, policy: Policy, taken: set[int]
+    part: Part, candidate: CandidateNode, ledger: Ledger, policy: Policy, taken: set[int]
 ) -> tuple[NodeRank, Choice, int] | None:
     """One part's GPUs on the node as it is with the earlier parts counted, never a GPU already taken."""
     if part.units is not None:
@@ -298,7 +298,7 @@ def _price_part(
 
 
 def _price(
-    candidate: Candidate,
+    candidate: CandidateNode,
     ledger: Ledger,
     request: PodRequest,
     policy: Policy,
@@ -330,7 +330,7 @@ def _price(
     return best
 
 
-def _picks(pieces: Sequence[Part], chosen: Choice, candidate: Candidate, units: int) -> list[Pick]:
+def _picks(pieces: Sequence[Part], chosen: Choice, candidate: CandidateNode, units: int) -> list[Pick]:
     """The chosen GPUs dealt to the parts in order (one shape: any device may go to any of its requests)."""
     indices = [v.gpu.index for v in chosen]
     picks: list[Pick] = []
@@ -352,7 +352,7 @@ def _request(units: int, gpus: int, *, compute: int, mps: bool) -> PodRequest:
 
 def holdings_of(choice: ClaimChoice, asks: Sequence[ClaimAsk]) -> list[Holding]:
     """What the claims hold on the chosen node once allocated, one holding per request of each claim (its
-    UID ``<claim UID>/<request>``, as ``core.dra.claims.claim_holdings`` names them per device): counted in
+    UID ``<claim UID>/<request>``, as ``core.dra.allocated.claim_holdings`` names them per device): counted in
     the allocator's book before the claim watch shows the allocation (assumed)."""
     result: list[Holding] = []
     for number, ask in enumerate(asks):

@@ -4,14 +4,14 @@ claims, and the webhook's decision to add it."""
 from __future__ import annotations
 
 from gpushared.core.placement.admission import SchedulerRoute, gate_operation
-from gpushared.core.placement.claims.pods import ClaimRef, pod_claims
+from gpushared.core.placement.claims.pods import PodClaimRef, pod_claims
 from gpushared.core.shared.bodies import PodBody
 
 #: The scheduling gate the claim allocator removes once it has allocated a pod's claims (issue #54).
 CLAIM_GATE = "gpushared.io/claim-allocator"
 
 
-def claim_gate(pod: PodBody, *, ours: dict[ClaimRef, bool | None]) -> SchedulerRoute:
+def claim_gate(pod: PodBody, *, ours: dict[PodClaimRef, bool | None]) -> SchedulerRoute:
     """Hold a new pod back from kube-scheduler while the claim allocator places its claims: a scheduling
     gate, added at creation (the only time one can be), when a claim or template it references asks for
     this driver's DeviceClass. ``ours`` says so for each reference: True, False, or None where the

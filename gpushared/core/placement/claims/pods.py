@@ -17,14 +17,14 @@ MAX_POD_CLAIMS = 32
 
 
 @dataclass(frozen=True)
-class ClaimRef:
+class PodClaimRef:
     """One of a pod's ``spec.resourceClaims``: a claim by name, or the template a claim is made from."""
 
     template: bool
     name: str
 
 
-def pod_claims(pod: PodBody) -> list[ClaimRef]:
+def pod_claims(pod: PodBody) -> list[PodClaimRef]:
     """The claims and claim templates a pod references, at most :data:`MAX_POD_CLAIMS`; entries that name
     neither are skipped (the API server refuses them)."""
     found = []
@@ -34,7 +34,7 @@ def pod_claims(pod: PodBody) -> list[ClaimRef]:
         for key, template in (("resourceClaimName", False), ("resourceClaimTemplateName", True)):
             name = entry.get(key)
             if isinstance(name, str) and name:
-                found.append(ClaimRef(template=template, name=name))
+                found.append(PodClaimRef(template=template, name=name))
                 break
     return found
 

@@ -13,7 +13,7 @@ allocator then places a gated pod on the node's ledger with that room counted (:
 pod still fits a 16 GiB GPU where five pods of 1 GiB could go, where holding whole nodes for them once
 stopped it.
 
-Pure: the component says which pods count and on which nodes (``extender.claimfence``).
+Pure: the component says which pods count and on which nodes (``extender.claims.fence``).
 """
 
 from __future__ import annotations
