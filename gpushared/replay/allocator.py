@@ -27,7 +27,7 @@ from typing import Any
 
 from gpushared.contract import dra
 from gpushared.core.placement.claims.asks import ClaimAsk, read_pending
-from gpushared.core.placement.claims.choice import CandidateNode, ClaimChoice, Setting, best_of, place_on
+from gpushared.core.placement.claims.choice import CandidateNode, ClaimChoice, Setting, choose, place_on
 from gpushared.core.placement.fragmentation import RequestMix
 from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
@@ -116,14 +116,12 @@ class AllocatorCluster(FirstFitCluster):
             return False
         request = self._request(pod)
         need = request.total
-        found = [
-            self._place_on(index, node, ask, pod)
-            for index, node in enumerate(self.nodes)
-            if node.gpu_free >= need and node.admits(pod)
-        ]
-        result = best_of(
+        passing = [(index, node) for index, node in enumerate(self.nodes) if node.gpu_free >= need and node.admits(pod)]
+        result = choose(
             [ask],
-            found,
+            passing,
+            self.chosen_policy,
+            place=lambda candidate: self._place_on(*candidate, ask, pod),
             kube_score=lambda choice: float(self._in_tree(self.nodes[self.index_of[choice.node]], pod)),
             pick=lambda tied: tied[self.rng.randrange(len(tied))],
         )

@@ -32,7 +32,7 @@ from gpushared.core.placement.claims.choice import (
     NoRoom,
     Resources,
     Setting,
-    best_of,
+    choose,
     kube_resource_score,
     place_on,
 )
@@ -166,16 +166,13 @@ class ClaimPlacer:
     def _choose(self, ask: PodAsk, asks: Sequence[ClaimAsk], *, fenced: bool) -> ClaimChoice | NoRoom:
         self.pricings += 1
         candidates = self.candidates(ask, kept=self.kept if fenced else NO_ROOM_KEPT)
-        if not candidates:
-            return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
         kind = (ask.shape, ask.cpu if self.policy.reads_cpu else 0, ask.models is not None)
         mix = self.cache.state.mix_generation if self.policy.reads_mix or self.policy.reads_pressure else 0
-        by_name = {c.name: c for c in candidates}
-        placed = [self._placed(candidate, asks, kind, mix) for candidate in candidates]
-        return best_of(
+        return choose(
             asks,
-            placed,
-            kube_score=lambda choice: by_name[choice.node].kube_score,
+            candidates,
+            self.policy,
+            place=lambda candidate: self._placed(candidate, asks, kind, mix),
             pick=lambda tied: tied[self.rng.randrange(len(tied))],
         )
 

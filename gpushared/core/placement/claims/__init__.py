@@ -5,7 +5,8 @@
 - ``pods``: a pod's claim references (``pod_claims``) and what the allocator makes of a gated pod's claims
   (``read_pod``: the asks, the node an allocated claim fixes, or why it waits).
 - ``gate``: the scheduling gate (``CLAIM_GATE``) and whether the webhook adds it to a new pod (``claim_gate``).
-- ``choice``: the node and each request's GPUs, ranked by the extender's policy (``best_of``, ``place_on``).
+- ``choice``: the node and each request's GPUs, ranked by the extender's policy (``choose``, over
+  ``place_on`` on each node).
 - ``room``: the room kept free on each GPU for pods kube-scheduler may allocate first fit (``could_take``,
   ``kept_room``).
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar, cast
 
 from gpushared.contract import ComputeShare, MemoryUnit
 from gpushared.core.placement.claims.asks import ClaimAsk
@@ -35,6 +35,9 @@ from gpushared.core.placement.pricing import NodeCpu, PricingContext
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.core.shared.requests import ContainerRequest, PodRequest
 from gpushared.core.shared.verdicts import fitting
+
+#: A node the pod may go to, as a caller of :func:`choose` keeps it.
+C = TypeVar("C")
 
 
 @dataclass(frozen=True)
@@ -183,22 +186,32 @@ def first(tied: Sequence[ClaimChoice]) -> ClaimChoice:
 
 def choose(
     asks: Sequence[ClaimAsk],
-    candidates: Sequence[CandidateNode],
+    candidates: Sequence[C],
     policy: Policy,
     *,
     pick: Callable[[Sequence[ClaimChoice]], ClaimChoice] = first,
+    place: Callable[[C], ClaimChoice | None] | None = None,
+    kube_score: Callable[[ClaimChoice], float] | None = None,
 ) -> ClaimChoice | NoRoom:
-    """The best node for the pod's claims and the devices each request gets there; or why none fits."""
+    """The best node for the pod's claims and the devices each request gets there; or why none fits.
+
+    Every caller decides here: the allocator, the trace replay and the tests. ``place`` works out the claims'
+    placement on one candidate (default: :func:`place_on`, for candidates that are :class:`CandidateNode`;
+    the allocator and the replay keep placements between pods and pass their own); ``kube_score`` is
+    kube-scheduler's score of a choice's node (default: the candidate's ``kube_score``)."""
     if not asks:
         return NoRoom("the pod has no pending claim of this driver")
     if not candidates:
         return NoRoom("no node publishes this driver's GPUs and passes the pod's CPU, memory and node selection")
-    by_name = {c.name: c for c in candidates}
-    placed = (place_on(asks, c, policy) for c in candidates)
-    return best_of(asks, placed, kube_score=lambda choice: by_name[choice.node].kube_score, pick=pick)
+    if place is None:
+        place = cast("Callable[[C], ClaimChoice | None]", lambda candidate: place_on(asks, candidate, policy))
+    if kube_score is None:
+        by_name = {c.name: c for c in cast("Sequence[CandidateNode]", candidates)}
+        kube_score = lambda choice: by_name[choice.node].kube_score  # noqa: E731
+    return _best_of(asks, [place(candidate) for candidate in candidates], kube_score=kube_score, pick=pick)
 
 
-def best_of(
+def _best_of(
     asks: Sequence[ClaimAsk],
     placed: Iterable[ClaimChoice | None],
     *,
