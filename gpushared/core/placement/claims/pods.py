@@ -5,12 +5,11 @@ hands the pod over)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from gpushared.contract import dra
-from gpushared.core.placement.claims.asks import MAX_REQUESTS, ClaimAsk, Handover, asks_class, read_pending
-from gpushared.core.shared.bodies import PodBody
+from gpushared.core.placement.claims.asks import ClaimAsk, Handover, asks_class, read_pending
 
 #: The most claim references a pod may have (the API server allows 32 ``resourceClaims``).
 MAX_POD_CLAIMS = 32
@@ -18,23 +17,27 @@ MAX_POD_CLAIMS = 32
 
 @dataclass(frozen=True)
 class PodClaimRef:
-    """One of a pod's ``spec.resourceClaims``: a claim by name, or the template a claim is made from."""
+    """One of a pod's ``spec.resourceClaims``: a claim by name, or the template a claim is made from. Two refs
+    are the same when they name the same claim or template, whatever the pod calls them."""
 
     template: bool
     name: str
+    #: the pod's own name for it (``spec.resourceClaims[].name``), "" where it gives none
+    entry: str = field(default="", compare=False)
 
 
-def pod_claims(pod: PodBody) -> list[PodClaimRef]:
+def pod_claims(pod: Mapping[str, Any]) -> list[PodClaimRef]:
     """The claims and claim templates a pod references, at most :data:`MAX_POD_CLAIMS`; entries that name
-    neither are skipped (the API server refuses them)."""
+    neither are skipped (the API server refuses them). The one reader of ``spec.resourceClaims``."""
     found = []
     for entry in ((pod.get("spec") or {}).get("resourceClaims") or [])[:MAX_POD_CLAIMS]:
-        if not isinstance(entry, dict):
+        if not isinstance(entry, Mapping):
             continue
+        own = entry.get("name")
         for key, template in (("resourceClaimName", False), ("resourceClaimTemplateName", True)):
             name = entry.get(key)
             if isinstance(name, str) and name:
-                found.append(PodClaimRef(template=template, name=name))
+                found.append(PodClaimRef(template=template, name=name, entry=own if isinstance(own, str) else ""))
                 break
     return found
 
@@ -57,23 +60,22 @@ class PodClaims:
 
 def claim_names(pod: Mapping[str, Any]) -> list[tuple[str, str | None]]:
     """(the pod's name for each claim, the ResourceClaim's name or None while the claim made from its
-    template does not exist yet), at most :data:`MAX_REQUESTS` entries."""
-    spec = pod.get("spec") or {}
+    template does not exist yet), at most :data:`MAX_POD_CLAIMS` entries; references the pod gives no name
+    of its own are skipped (the API server refuses them)."""
     made = {
         entry.get("name"): entry.get("resourceClaimName")
-        for entry in ((pod.get("status") or {}).get("resourceClaimStatuses") or [])[:MAX_REQUESTS]
+        for entry in ((pod.get("status") or {}).get("resourceClaimStatuses") or [])[:MAX_POD_CLAIMS]
         if isinstance(entry, Mapping)
     }
     found: list[tuple[str, str | None]] = []
-    for entry in (spec.get("resourceClaims") or [])[:MAX_REQUESTS]:
-        if not isinstance(entry, Mapping) or not isinstance(entry.get("name"), str):
+    for ref in pod_claims(pod):
+        if not ref.entry:
             continue
-        direct = entry.get("resourceClaimName")
-        if isinstance(direct, str) and direct:
-            found.append((entry["name"], direct))
-        elif entry.get("resourceClaimTemplateName"):
-            named = made.get(entry["name"])
-            found.append((entry["name"], named if isinstance(named, str) and named else None))
+        if not ref.template:
+            found.append((ref.entry, ref.name))
+            continue
+        named = made.get(ref.entry)
+        found.append((ref.entry, named if isinstance(named, str) and named else None))
     return found
 
 
