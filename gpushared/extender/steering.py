@@ -22,6 +22,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from gpushared.core.placement.claims.choice import Resources, kube_resource_score
 from gpushared.core.placement.cpu import cpu_of, memory_request
@@ -32,8 +33,8 @@ from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.verdicts import idle_gpu_mib
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.cache import ClaimCache
+from gpushared.extender.gatedwork import GatedPodWorker, Patched, patch_pod
 from gpushared.kube.aioapi import AsyncApi
-from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ MAX_IN_FLIGHT = 32
 LedgerOf = Callable[[str], Ledger | None]
 
 
-class Steerer:
+class Steerer(GatedPodWorker):
     def __init__(
         self,
         cache: ClusterCache,
@@ -56,17 +57,11 @@ class Steerer:
         rng: random.Random | None = None,
     ) -> None:
         """``ledger_of``: a node's GPUs with what holds them (the claims on a DRA node), or None."""
+        super().__init__(clock)
         self.cache, self.api, self.ledger_of = cache, api, ledger_of
-        self.clock = clock
         self.rng = rng or random.Random()
-        self.inflight: set[Key] = set()
-        #: pod UID -> when the steerer first saw it gated
-        self.first_seen: dict[str, float] = {}
         #: steered (a preference added), unsteered (every node the same to the extender: the gate only went)
         self.counts: Counter[str] = Counter()
-        #: seconds from first seen gated to ungated, per pod
-        self.latencies: list[float] = []
-        self._tasks: set[asyncio.Task[None]] = set()
 
     async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
         while True:
@@ -87,18 +82,11 @@ class Steerer:
                 continue
             self.first_seen.setdefault(uid_of(pod), now)
             self.inflight.add(key)
-            task = asyncio.ensure_future(self._steer(key, pod))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self.spawn(self._steer(key, pod))
             started += 1
-        if len(self.first_seen) > 2 * len(self.cache.steering) + 100:
-            waiting = {uid_of(pod) for pod in self.cache.steering.values()}
-            self.first_seen = {uid: t for uid, t in self.first_seen.items() if uid in waiting}
+        waiting = self.cache.steering
+        self.forget_gone(waiting.values(), [self.first_seen], most=2 * len(waiting) + 100)
         return started
-
-    async def settle(self) -> None:
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     def decide(self, pod: PodBody) -> tuple[Preferred, ...]:
         """The preferred terms for the pod (none: no preference), from the cache as it is now."""
@@ -126,39 +114,26 @@ class Steerer:
 
     async def _steer(self, key: Key, seen: PodBody) -> None:
         namespace, name = key
+        decided: list[tuple[Preferred, ...]] = []
+
+        def operations_of(pod: PodBody) -> list[dict[str, Any]] | None:
+            decided.append(self.decide(pod))
+            return steer_operations(pod, decided[-1])
+
         try:
-            for _ in range(2):  # a pod changed between the read and the patch is read once more
-                try:
-                    pod = await self.api.get_pod(namespace, name)
-                except KubeError as exc:
-                    if exc.status != 404:
-                        log.info("pod %s/%s not read for steering (tried again): %s", namespace, name, exc)
-                    return
-                if uid_of(pod) != uid_of(seen):
-                    return  # deleted and made again: the new one is seen on its own
-                terms = self.decide(pod)
-                operations = steer_operations(pod, terms)
-                if operations is None:
-                    return  # its gate went already
-                try:
-                    await self.api.json_patch_pod(namespace, name, operations)
-                except KubeError as exc:
-                    if exc.status in (409, 422):
-                        continue
-                    if exc.status != 404:
-                        log.warning("pod %s/%s not steered (tried again): %s", namespace, name, exc)
-                    return
-                self._done(pod, terms)
-                return
+            patch = await patch_pod(self.api, seen, operations_of, read_first=True)
         finally:
             self.inflight.discard(key)
+        if patch.outcome is Patched.DONE and patch.pod is not None:
+            self._done(patch.pod, decided[-1])
+        elif patch.outcome is Patched.UNREAD:
+            log.info("pod %s/%s not read for steering (tried again): %s", namespace, name, patch.error)
+        elif patch.outcome is Patched.FAILED and patch.error is not None:
+            log.warning("pod %s/%s not steered (tried again): %s", namespace, name, patch.error)
 
     def _done(self, pod: PodBody, terms: tuple[Preferred, ...]) -> None:
         self.counts["steered" if terms else "unsteered"] += 1
-        started = self.first_seen.pop(uid_of(pod), None)
-        if started is not None:
-            self.latencies.append(self.clock() - started)
-            del self.latencies[:-10_000]
+        self.waited(uid_of(pod))
         named = ", ".join(f"{n} ({t.weight})" for t in terms for n in t.nodes)
         log.debug("pod %s/%s ungated, preferring %s", *key_of(pod), named or "no node")
 

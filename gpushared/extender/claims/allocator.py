@@ -45,6 +45,7 @@ from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.claims.fence import FENCED, ClaimFence
 from gpushared.extender.claims.placing import ClaimPlacer
 from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
+from gpushared.extender.gatedwork import GatedPodWorker
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
 from gpushared.kube.errors import KubeError
@@ -126,7 +127,7 @@ def pod_events(api: Api) -> Event:
     return event
 
 
-class ClaimAllocator:
+class ClaimAllocator(GatedPodWorker):
     def __init__(
         self,
         cache: ClusterCache,
@@ -138,13 +139,10 @@ class ClaimAllocator:
         event: Event = _no_event,
         rng: random.Random | None = None,
     ) -> None:
+        super().__init__(clock)
         self.cache, self.claim_cache, self.api, self.settings = cache, claim_cache, api, settings
-        self.clock, self.event = clock, event
+        self.event = event
         self.rng = rng or random.Random()
-        #: pods whose claims are being written or whose gate is being removed: not decided again meanwhile
-        self.inflight: set[Key] = set()
-        #: pod UID -> when the allocator first saw it gated (its latency, and the opt-in timeout)
-        self.first_seen: dict[str, float] = {}
         #: pod UID -> why it waits, as last told (a reason changes: told again)
         self.told: dict[str, str] = {}
         #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
@@ -152,9 +150,6 @@ class ClaimAllocator:
         #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated,
         #: not_ours, refused (``metrics.ClaimAllocations.OUTCOMES``)
         self.counts: Counter[str] = Counter()
-        #: seconds from first seen gated to ungated, per pod allocated (the latency figures' source)
-        self.latencies: list[float] = []
-        self._tasks: set[asyncio.Task[None]] = set()
         self.writes = ClaimWrites(cache, claim_cache, api, driver=settings.driver, class_config=settings.class_config)
         self.placer = ClaimPlacer(cache, claim_cache, settings.policy, model_label=settings.model_label, rng=self.rng)
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
@@ -238,9 +233,9 @@ class ClaimAllocator:
             started += 1
             if isinstance(decision, Allocate):
                 self._assume(decision)
-                self._spawn(self._allocate(pod, decision))
+                self.spawn(self._allocate(pod, decision))
             else:
-                self._spawn(self._ungate(pod, decision))
+                self.spawn(self._ungate(pod, decision))
         self._cursor = start + decided
         self.undecided = len(gated) - decided
         self._last_decided = decided
@@ -252,27 +247,13 @@ class ClaimAllocator:
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
         per_pod = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told)
-        if sum(len(kept) for kept in per_pod) <= 4 * len(self.cache.claiming) + 100:
-            return
-        waiting = {uid_of(pod) for pod in self.cache.claiming.values()}
-        for kept in per_pod:
-            for uid in [uid for uid in kept if uid not in waiting]:
-                del kept[uid]
+        waiting = self.cache.claiming
+        self.forget_gone(waiting.values(), per_pod, most=4 * len(waiting) + 100)
 
     def _quiet(self, now: float) -> bool:
         """No allocation of the allocator in flight, and none written in the last QUIET_SECONDS."""
         writing = bool(self.inflight) or bool(self.claim_cache.assumed)
         return not writing and now - self.last_write >= QUIET_SECONDS
-
-    def _spawn(self, work: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def settle(self) -> None:
-        """Wait for every write started (tests; a clean stop)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
     # --- deciding (no I/O) ---------------------------------------------------------------------------------
 
@@ -365,12 +346,8 @@ class ClaimAllocator:
                 return  # gone (its claims are released), removed already, refused, or tried again at the next step
             self.counts[decision.outcome] += 1
             self.fence.passed_by_us(uid_of(pod))
-            started = self.first_seen.get(uid_of(pod)) if decision.outcome != "allocated" else None
             if decision.outcome == "allocated":
-                started = self.first_seen.pop(uid_of(pod), None)
-            if decision.outcome == "allocated" and started is not None:
-                self.latencies.append(self.clock() - started)
-                del self.latencies[:-10_000]
+                self.waited(uid_of(pod))
             self.told.pop(uid_of(pod), None)
             if decision.outcome == "not_ours":
                 log.info("pod %s/%s: %s: ungated", *key, decision.reason)
@@ -397,7 +374,7 @@ class ClaimAllocator:
                 continue
             if self.cache.state.node_of.get(pod_uid) is not None:
                 continue  # bound meanwhile: the kubelet reserves it
-            self._spawn(self._release(claim))
+            self.spawn(self._release(claim))
 
     async def _release(self, claim: ObjectBody) -> None:
         if await self.writes.release(claim):
@@ -412,8 +389,8 @@ class ClaimAllocator:
         self.told[uid] = reason
         if event == "WaitingForClaimAllocator":
             log.info("pod %s/%s waits for the claim allocator: %s", *key_of(pod), reason)
-        self._spawn(self.event(pod, event, reason))
+        self.spawn(self.event(pod, event, reason))
 
     def _not_gated_event(self, pod: PodBody) -> None:
         message = "reached kube-scheduler without the claim allocator's gate: its claims are allocated first fit"
-        self._spawn(self.event(pod, "ClaimsNotGated", message))
+        self.spawn(self.event(pod, "ClaimsNotGated", message))

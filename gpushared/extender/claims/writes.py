@@ -16,6 +16,7 @@ import enum
 import logging
 import re
 import uuid
+from typing import Any
 
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.placement.claims.asks import ClaimAsk
@@ -24,6 +25,7 @@ from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.shared.bodies import ObjectBody, PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.cache import ClaimCache
+from gpushared.extender.gatedwork import Patched, patch_pod
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.errors import KubeError
 
@@ -95,6 +97,16 @@ class Gate(enum.Enum):
     REFUSED = "refused"
 
 
+#: What became of a gate's removal, by what became of its patch.
+_GATE_OF = {
+    Patched.DONE: Gate.REMOVED,
+    Patched.NOTHING: Gate.ABSENT,
+    Patched.GONE: Gate.GONE,
+    Patched.UNREAD: Gate.FAILED,
+    Patched.FAILED: Gate.FAILED,
+}
+
+
 class ClaimWrites:
     def __init__(
         self,
@@ -141,37 +153,25 @@ class ClaimWrites:
     async def remove_gate(self, pod: PodBody) -> Gate:
         """Remove the allocator's gate from the pod, testing its UID and the gate's place. A pod whose gates
         moved meanwhile is read again and tried once more."""
-        namespace, name = key_of(pod)
-        uid = uid_of(pod)
-        for _ in range(2):
-            gates = (pod.get("spec") or {}).get("schedulingGates") or []
+
+        def operations_of(current: PodBody) -> list[dict[str, Any]] | None:
+            gates = (current.get("spec") or {}).get("schedulingGates") or []
             at = next((i for i, g in enumerate(gates) if isinstance(g, dict) and g.get("name") == CLAIM_GATE), None)
             if at is None:
-                return Gate.ABSENT
-            operations = [
-                {"op": "test", "path": "/metadata/uid", "value": uid},
+                return None
+            return [
+                {"op": "test", "path": "/metadata/uid", "value": uid_of(pod)},
                 {"op": "test", "path": f"/spec/schedulingGates/{at}/name", "value": CLAIM_GATE},
                 {"op": "remove", "path": f"/spec/schedulingGates/{at}"},
             ]
-            try:
-                await self.api.json_patch_pod(namespace, name, operations)
-                return Gate.REMOVED
-            except KubeError as exc:
-                if exc.status == 404:
-                    return Gate.GONE
-                if refused_permission(exc):
-                    self.refused = exc
-                    return Gate.REFUSED
-                if exc.status not in (409, 422):
-                    log.warning("pod %s/%s: its gate was not removed (tried again): %s", namespace, name, exc)
-                    return Gate.FAILED
-            try:
-                pod = await self.api.get_pod(namespace, name)
-            except KubeError as exc:
-                return Gate.GONE if exc.status == 404 else Gate.FAILED
-            if uid_of(pod) != uid:
-                return Gate.GONE  # deleted and made again: not the pod decided
-        return Gate.FAILED
+
+        patch = await patch_pod(self.api, pod, operations_of, read_first=False)
+        if patch.outcome is Patched.FAILED and patch.error is not None:
+            if refused_permission(patch.error):
+                self.refused = patch.error
+                return Gate.REFUSED
+            log.warning("pod %s/%s: its gate was not removed (tried again): %s", *key_of(pod), patch.error)
+        return _GATE_OF[patch.outcome]
 
     async def release(self, claim: ObjectBody) -> bool:
         """Remove the claim's allocation, guarded by the resourceVersion it was read at: whether it was."""
