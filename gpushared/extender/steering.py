@@ -1,4 +1,4 @@
-"""The steerer (issue #54): CPU-only pods given the extender's choice of node where kube-scheduler calls no
+"""The steerer: CPU-only pods given the extender's choice of node where kube-scheduler calls no
 extender (``core.placement.steering``; opt-in, ``--steer-cpu-pods``).
 
 The webhook gates a new CPU-only pod in the namespaces an operator labelled. The leader, on the extender's

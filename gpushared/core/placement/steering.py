@@ -1,4 +1,5 @@
-"""Steering CPU-only pods where kube-scheduler calls no extender (issue #54, the claim allocator alone).
+"""Steering CPU-only pods where kube-scheduler calls no extender (a cluster that runs the claim
+allocator alone).
 
 On a managed cluster kube-scheduler places pods that ask for no GPU by its own scores, which spread them
 over every node: onto GPU nodes whose GPUs fgd keeps idle for the pods to come, whose CPU they then use up.

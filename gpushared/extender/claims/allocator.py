@@ -1,4 +1,4 @@
-"""The claim allocator (issue #54): gpushared's policies for DRA claims, in front of kube-scheduler.
+"""The claim allocator: gpushared's policies for DRA claims, in front of kube-scheduler.
 
 kube-scheduler by itself allocates a claim first fit on a node its default scores chose. gpushared's
 webhook holds every new pod that uses a claim of gpushared's DeviceClass back with a scheduling gate

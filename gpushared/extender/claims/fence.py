@@ -1,4 +1,4 @@
-"""The claim allocator's fence (issue #54): the pods kube-scheduler may be allocating claims of this driver
+"""The claim allocator's fence: the pods kube-scheduler may be allocating claims of this driver
 for, the room the allocator keeps free for them meanwhile, and the pods it counts as having reached
 kube-scheduler without the gate.
 

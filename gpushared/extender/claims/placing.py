@@ -1,4 +1,4 @@
-"""Where the claim allocator puts a gated pod's claims now (issue #54): the nodes it may go to, and on each the
+"""Where the claim allocator puts a gated pod's claims now: the nodes it may go to, and on each the
 placement ``core.placement.claims.choice`` works out, kept until something it read changes.
 
 The candidates are the nodes whose ResourceSlices publish this driver's GPUs and that kube-scheduler's

@@ -1,4 +1,4 @@
-"""What a pending DRA claim asks of gpushared's GPUs, as the claim allocator places it (issue #54).
+"""What a pending DRA claim asks of gpushared's GPUs, as the claim allocator places it.
 
 The claim allocator places the claims of gated pods with gpushared's policies instead of kube-scheduler's
 first fit. It places only what it can place exactly as kube-scheduler would allocate it; anything else is

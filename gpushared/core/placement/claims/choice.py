@@ -1,4 +1,4 @@
-"""Where the claim allocator puts a pod's pending DRA claims: the node, and each request's GPUs there (issue #54).
+"""Where the claim allocator puts a pod's pending DRA claims: the node, and each request's GPUs there.
 
 kube-scheduler by itself allocates a claim first fit on a node its default scores chose
 (``replay.kubescheduler``). The claim allocator chooses instead, with the extender's own policies over the
@@ -6,7 +6,7 @@ same ledgers: every node the pod may go to is ranked by the policy (``Policy.app
 a gpu-mem pod), the best rank wins, kube-scheduler's own score of the node breaks ties, then the name. So a
 pod whose claims ask what a gpu-mem pod asks is placed where the extender would place that pod.
 
-What a pod asks is the asks of its pending claims (``core.placement.claims.ClaimAsk``), in the node's memory
+What a pod asks is the asks of its pending claims (``core.placement.claims.asks.ClaimAsk``), in the node's memory
 unit (bytes rounded up to whole units, as the slice's ``validRange`` steps round them):
 
 - **one shape** (every device the same memory, compute and MPS, and NVLink asked by at most one claim): one

@@ -7,7 +7,7 @@ from gpushared.core.placement.admission import SchedulerRoute, gate_operation
 from gpushared.core.placement.claims.pods import PodClaimRef, pod_claims
 from gpushared.core.shared.bodies import PodBody
 
-#: The scheduling gate the claim allocator removes once it has allocated a pod's claims (issue #54).
+#: The scheduling gate the claim allocator removes once it has allocated a pod's claims.
 CLAIM_GATE = "gpushared.io/claim-allocator"
 
 
