@@ -36,6 +36,7 @@ from gpushared.extender.http.server import application, serve
 from gpushared.extender.http.tls import ServingTls
 from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.mixing import MixTaker
+from gpushared.extender.preempting import Preempter
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler
@@ -148,6 +149,7 @@ class Extender:
         self.steerer: Steerer | None = None
         if settings.steer:
             self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.claim_cache))
+        self.preempter = Preempter(cache, settings.resources, clock=time.monotonic, nominations=scheduler.nominations)
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
         self.metrics = metrics = ExtenderMetrics()
@@ -157,6 +159,7 @@ class Extender:
             primer=self.primer,
             allocator=self.allocator,
             steerer=self.steerer,
+            preempter=self.preempter,
         )
         self.tls = ServingTls(settings.server, expiry=metrics.certificate_expiry)
         guard = Guard(
@@ -178,6 +181,7 @@ class Extender:
             claim_gating=None if self.claim_cache is None else self.claim_cache.gating_of,
             steer_gating=None if self.steerer is None else self._lease_held,
             claims_problem=None if self.allocator is None else self._claims_problem,
+            preempter=self.preempter,
         )
         self.app = self._application(scheduler)
 

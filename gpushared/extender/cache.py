@@ -44,6 +44,7 @@ from gpushared.core.shared.bodies import (
     slim_pod,
     uid_of,
 )
+from gpushared.core.shared.ledger import GpuVerdict
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.core.shared.verdicts import explain
 from gpushared.extender.inbox import BATCH, Inbox, Owner
@@ -181,11 +182,19 @@ class ClusterCache:
     # --- binds: assume, forget, and what ends a reservation ---------------------------------------------------
 
     def reserve(
-        self, name: str, pod: PodBody, request: PodRequest, *, policy: Policy, now_ns: int
+        self,
+        name: str,
+        pod: PodBody,
+        request: PodRequest,
+        *,
+        policy: Policy,
+        now_ns: int,
+        held: Callable[[list[GpuVerdict]], list[GpuVerdict]] | None = None,
     ) -> Reservation | Rejected:
         """Choose the pod's GPUs on node ``name`` with ``policy`` and count the pod there at once, with the
         annotations that record the choice; or say why it cannot go there. From the judgement to the count
-        nothing else runs: two binds to one node never both take the same memory."""
+        nothing else runs: two binds to one node never both take the same memory. ``held``: the verdicts with
+        the room held for preemptors taken off (``preempting.Nominations.verdicts``)."""
         self.owner.check("reserve")
         self.inbox.drain(BATCH)  # fresher: a pod deleted or bound by others a moment ago (a relist, at most a batch)
         known = self.reservations.assumed(uid_of(pod))
@@ -197,6 +206,8 @@ class ClusterCache:
         if isinstance(judged, Rejected):
             return judged
         verdicts, setting = judged
+        if held is not None:
+            verdicts = held(verdicts)
         choice = policy.choose(verdicts, request, setting)
         if choice is None:
             return Rejected(f"it does not fit node {name}: {explain(verdicts, gpus=request.gpus)}")

@@ -48,6 +48,34 @@ class Primed(Collector):
         )
 
 
+class Preemptions(Collector):
+    """What the preempt verb made of the nodes kube-scheduler proposed (``preempting.Preempter``), and the
+    preemptors whose freed GPUs are held, read from it."""
+
+    OUTCOMES = ("kept", "dropped", "passed")
+
+    def __init__(self) -> None:
+        self.preempter: Any = None
+
+    def collect(self) -> Iterator[Any]:
+        counts = self.preempter.counts if self.preempter is not None else {}
+        family = CounterMetricFamily(
+            "gpushared_extender_preemption_nodes",
+            "Nodes kube-scheduler proposed for a preemption: kept with victims that free a GPU, dropped "
+            "because none does, or passed with kube-scheduler's own victims (a pod without GPU memory)",
+            labels=("outcome",),
+        )
+        for outcome in self.OUTCOMES:
+            family.add_metric((outcome,), counts.get(outcome, 0))
+        yield family
+        offers = self.preempter.nominations.offers if self.preempter is not None else {}
+        yield GaugeMetricFamily(
+            "gpushared_extender_preemptors_held",
+            "Preempting pods whose freed GPUs are held for them until they bind",
+            value=len(offers),
+        )
+
+
 class ClaimAllocations(Collector):
     """The claim allocator's outcomes and waits (``claims.allocator.ClaimAllocator``), read from it."""
 
@@ -168,6 +196,8 @@ class ExtenderMetrics:
         self.registry.register(self.claims)
         self.steered = Steered()
         self.registry.register(self.steered)
+        self.preemptions = Preemptions()
+        self.registry.register(self.preemptions)
         self.allocation_edits = Gauge(
             "gpushared_extender_allocation_edits",
             "Bound pods whose GPU annotations were edited to name other GPUs; the cache keeps their GPUs",
@@ -222,6 +252,7 @@ class ExtenderMetrics:
         primer: Any,
         allocator: Any = None,
         steerer: Any = None,
+        preempter: Any = None,
     ) -> None:
         """Read the gauges from the cache (on the event loop, which serves /metrics and owns the cache)."""
         state, reservations = cache.state, cache.reservations
@@ -235,3 +266,4 @@ class ExtenderMetrics:
         self.primed.primer = primer
         self.claims.allocator = allocator
         self.steered.steerer = steerer
+        self.preemptions.preempter = preempter

@@ -27,6 +27,7 @@ from gpushared.extender.http.calls import TEXT, Answer, Call, Handler, json_answ
 from gpushared.extender.http.config import MAX_REVIEW_BYTES
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.metrics import ExtenderMetrics
+from gpushared.extender.preempting import Preempter
 from gpushared.extender.scheduler import BindError, Scheduler
 
 log = logging.getLogger(__name__)
@@ -51,6 +52,7 @@ class Routes:
         claim_gating: Callable[[PodBody, str], dict[PodClaimRef, bool | None]] | None = None,
         steer_gating: Callable[[], bool] | None = None,
         claims_problem: Callable[[], str | None] | None = None,
+        preempter: Preempter | None = None,
     ) -> None:
         """``webhook_scheduler``: where ``<prefix>/mutate`` sends new pods that ask for GPU memory
         (``core.placement.admission``); ``public_pod_names``: /inspect names pods to callers without a client
@@ -64,6 +66,7 @@ class Routes:
         self.claim_gating = claim_gating
         self.steer_gating = steer_gating
         self.claims_problem = claims_problem
+        self.preempter = preempter
         self.scheduler = scheduler
         self.guard = guard
         self.metrics = metrics
@@ -79,6 +82,7 @@ class Routes:
             f"{prefix}/prioritize": {"POST": verb("prioritize", self.prioritize)},
             f"{prefix}/prioritize-no-gpu": {"POST": verb("prioritize-no-gpu", self.prioritize_no_gpu)},
             f"{prefix}/bind": {"POST": verb("bind", self.bind)},
+            f"{prefix}/preempt": {"POST": verb("preempt", self.preempt)},
             f"{prefix}/mutate": {"POST": verb("mutate", self.mutate, stateless=True)},
             f"{prefix}/mutate-steer": {"POST": verb("mutate-steer", self.mutate_steer, stateless=True)},
             f"{prefix}/inspect": {"GET": self.inspect_all},
@@ -128,6 +132,13 @@ class Routes:
             log.warning("bind refused: %s", exc)
             return json_answer(wire.binding_result(str(exc)))
         return json_answer(wire.binding_result())
+
+    async def preempt(self, raw: bytes) -> Answer:
+        """kube-scheduler's proposed victims, revised so that they free a GPU for the pod (``preempting``)."""
+        args = wire.parse_preemption(raw, max_nodes=self.max_nodes)
+        if self.preempter is None:
+            return json_answer(wire.preemption_result({}))
+        return json_answer(wire.preemption_result(self.preempter.preempt(args)))
 
     async def mutate(self, raw: bytes) -> Answer:
         """The mutating admission webhook: the API server calls it for every pod created in the namespaces

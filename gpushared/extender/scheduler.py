@@ -26,6 +26,7 @@ from gpushared.core.shared.requests import pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import BindingArgs, ExtenderArgs
 from gpushared.extender.index import PRICES_PER_TURN
+from gpushared.extender.nominations import Nominations
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import KubeError, NotFound
 
@@ -50,6 +51,9 @@ class Filtered(NamedTuple):
 PACED_ROUNDS = 4
 
 Answered = TypeVar("Answered")
+
+#: Why a node that has room does not pass: the room is held for a preemptor that outranks the pod.
+HELD = "the free room on its GPUs is held for a pod that preempted others for it"
 
 #: A Kubernetes UID as the API server writes them.
 _UID = re.compile(r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}")
@@ -83,6 +87,8 @@ class Scheduler:
         #: without prioritizeVerb: one HTTP call per pod fewer, and kube-scheduler scores a few nodes, not
         #: hundreds (docs/benchmarks.md, "The scheduler with the extender")
         self.rank_in_filter = rank_in_filter
+        #: the GPUs freed by preemption, held for their preemptors (``nominations``)
+        self.nominations = Nominations(cache.pending.values, cache.state.nodes, time.monotonic)
 
     async def close(self) -> None:
         await self.api.close()
@@ -124,6 +130,10 @@ class Scheduler:
             return Filtered([], {}, f"pod {_pod_name(args.pod)}: {exc}")
         index = self.cache.index
         passed, failed = index.filter(args.names, request)
+        if self.nominations.offers and passed:
+            held = {name for name in passed if not self.nominations.fits(name, args.pod, request)}
+            failed.update((name, HELD) for name in held)
+            passed = [name for name in passed if name not in held]
         if not passed:
             return Filtered([], failed)
         if self.rank_in_filter and len(passed) > 1:
@@ -185,7 +195,14 @@ class Scheduler:
             raise BindError(f"{where}: {fence}")
         if not self.may_bind():
             raise BindError(f"{where}: this extender stopped leading before it could bind; kube-scheduler retries")
-        reserved = self.cache.reserve(args.node, pod, request, policy=self.policy, now_ns=self.clock())
+        reserved = self.cache.reserve(
+            args.node,
+            pod,
+            request,
+            policy=self.policy,
+            now_ns=self.clock(),
+            held=lambda verdicts: self.nominations.verdicts(args.node, pod, verdicts, request),
+        )
         if isinstance(reserved, Rejected):
             raise BindError(f"{where}: {reserved.reason}")
         gpus, annotations, unit = reserved

@@ -43,7 +43,7 @@ def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
     assert first == extender
     assert extender["urlPrefix"].endswith("/gpushare-scheduler")
     # The extender ranks in filter (its default): no prioritize call, the same choice (docs/install.md).
-    assert (extender["filterVerb"], extender["bindVerb"]) == ("filter", "bind")
+    assert (extender["filterVerb"], extender["bindVerb"], extender["preemptVerb"]) == ("filter", "bind", "preempt")
     assert "prioritizeVerb" not in extender and "weight" not in extender
     assert extender["nodeCacheCapable"] is True
     assert extender["httpTimeout"]

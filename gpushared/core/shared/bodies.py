@@ -45,6 +45,10 @@ class PodSpec(TypedDict, total=False):
     resourceClaims: list[dict[str, object]]
     #: ``{name}``: what holds the pod back from scheduling (set at creation, only ever removed)
     schedulingGates: list[dict[str, object]]
+    #: resolved from its PriorityClass by the API server at creation (0 where it names none)
+    priority: int
+    #: ``Never``: the pod waits rather than have others evicted for it
+    preemptionPolicy: str
 
 
 class ContainerStateTerminated(TypedDict, total=False):
@@ -70,6 +74,8 @@ class PodStatus(TypedDict, total=False):
     resourceClaimStatuses: list[dict[str, object]]
     containerStatuses: list[ContainerStatus]
     initContainerStatuses: list[ContainerStatus]
+    #: the node kube-scheduler evicted pods on for this one, and expects it to go to
+    nominatedNodeName: str
 
 
 class PodBody(TypedDict, total=False):
@@ -267,6 +273,8 @@ def slim_pod(pod: PodBody) -> PodBody:
         slim_spec["nodeName"] = sys.intern(spec["nodeName"])
     if spec.get("schedulerName") not in (None, "", "default-scheduler"):  # whose binds it waits for
         slim_spec["schedulerName"] = sys.intern(str(spec["schedulerName"]))
+    if isinstance(spec.get("priority"), int) and spec["priority"]:  # who may be evicted for whom
+        slim_spec["priority"] = spec["priority"]
     for part in ("initContainers", "containers"):
         if spec.get(part):
             slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
@@ -297,26 +305,35 @@ def slim_pod(pod: PodBody) -> PodBody:
         id(slim_spec.get("containers")),
         tuple(sorted(overhead.items())) if overhead else None,
         slim_spec.get("schedulerName"),
+        slim_spec.get("priority"),
     )
     if selector or required or claims or gates:  # pods that choose nodes or use claims keep a spec of their own
         slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}
     else:
         slim = {"metadata": slim_meta, "spec": _shared(spec_key, slim_spec)}
-    slim_status: dict[str, Any] = {}
-    if "phase" in status:
-        slim_status["phase"] = sys.intern(status["phase"])
-    if status.get("resourceClaimStatuses"):
-        slim_status["resourceClaimStatuses"] = status["resourceClaimStatuses"]
-    if meta.get("deletionTimestamp") and status.get("containerStatuses"):
-        slim_status["containerStatuses"] = [
-            {"name": c.get("name", ""), "state": {"terminated": (c.get("state") or {}).get("terminated")}}
-            for c in status["containerStatuses"]
-        ]
+    slim_status = _slim_status(status, deleting=bool(meta.get("deletionTimestamp")))
     if len(slim_status) == 1 and "phase" in slim_status:
         slim["status"] = _shared(("status", slim_status["phase"]), slim_status)
     elif slim_status:
         slim["status"] = slim_status
     return cast(PodBody, slim)
+
+
+def _slim_status(status: Any, *, deleting: bool) -> dict[str, Any]:
+    """What :func:`slim_pod` keeps of a pod's status."""
+    slim_status: dict[str, Any] = {}
+    if "phase" in status:
+        slim_status["phase"] = sys.intern(status["phase"])
+    if status.get("resourceClaimStatuses"):
+        slim_status["resourceClaimStatuses"] = status["resourceClaimStatuses"]
+    if status.get("nominatedNodeName"):  # a preemptor: the room freed for it is held for it
+        slim_status["nominatedNodeName"] = sys.intern(str(status["nominatedNodeName"]))
+    if deleting and status.get("containerStatuses"):
+        slim_status["containerStatuses"] = [
+            {"name": c.get("name", ""), "state": {"terminated": (c.get("state") or {}).get("terminated")}}
+            for c in status["containerStatuses"]
+        ]
+    return slim_status
 
 
 def gpu_models(pod: PodBody, label: str) -> frozenset[str] | None:
@@ -421,6 +438,12 @@ def _string_map(value: Any, where: str) -> str | None:
     if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
         return f"'{where}' must be an object of strings"
     return None
+
+
+def priority_of(pod: PodBody) -> int:
+    """The pod's priority as the API server resolved it (0 where it has none, or one that is not a number)."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def has_gate(pod: PodBody, name: str) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from gpushared import contract
 from gpushared.contract import ContractError, GpuInfo, GpuInventory, MemoryUnit, ResourceNames
-from gpushared.core.shared.bodies import NodeBody, PodBody, annotations_of, meta_of
+from gpushared.core.shared.bodies import NodeBody, PodBody, annotations_of, meta_of, priority_of
 from gpushared.core.shared.quantity import parse_whole_quantity
 from gpushared.core.shared.requests import ContainerRequest, PodRequest, peak, pod_request, spec_request
 
@@ -62,6 +62,8 @@ class Holding:
     #: not a pod: room the claim allocator keeps free for kube-scheduler (``core.placement.claims.room``),
     #: counted against the GPU's memory and compute and never as a pod on it (no sharer, no MPS or plain mode)
     kept: bool = False
+    #: the pod's priority: who may be evicted for whom (``core.placement.preemption``)
+    priority: int = 0
 
 
 def holds_gpu_memory(pod: PodBody) -> bool:
@@ -139,6 +141,7 @@ def holding_from_pod(
         assigned=annotations.get(contract.ALIYUN_GPU_MEM_ASSIGNED) == "true",
         problem="; ".join(problems) or None,
         compute=compute,
+        priority=priority_of(pod),
     )
 
 

@@ -140,6 +140,79 @@ def binding_result(error: str = "") -> dict[str, Any]:
     return {"Error": error}
 
 
+# --- preemption -------------------------------------------------------------------------------------------------
+
+#: The most victims kube-scheduler names on one node: a node runs at most a few hundred pods.
+MAX_VICTIMS = 1_000
+
+
+@dataclass(frozen=True)
+class PreemptionArgs:
+    """ExtenderPreemptionArgs: the pod that fits nowhere, and for each node kube-scheduler would preempt on,
+    the pods it chose to evict there (by UID; the whole pods when the extender is not nodeCacheCapable) and
+    how many of them its PodDisruptionBudgets would be violated by."""
+
+    pod: PodBody
+    victims: dict[str, tuple[str, ...]]
+    pdb_violations: dict[str, int]
+
+
+def parse_preemption(body: bytes, *, max_nodes: int = MAX_NODES) -> PreemptionArgs:
+    fields = _object(body, "preempt")
+    pod = fields.get("pod")
+    if not isinstance(pod, dict) or not isinstance(pod.get("metadata"), dict):
+        raise WireError("preempt: 'Pod' must be a Kubernetes Pod object")
+    problem = pod_shape_problem(pod)
+    if problem:
+        raise WireError(f"preempt: {problem}")
+    meta, whole = fields.get("nodenametometavictims"), fields.get("nodenametovictims")
+    given = meta if meta is not None else whole
+    if given is None:
+        return PreemptionArgs(cast(PodBody, pod), {}, {})
+    if not isinstance(given, dict):
+        raise WireError("preempt: 'NodeNameToMetaVictims' must map node names to victims")
+    if len(given) > max_nodes:
+        raise WireError(f"preempt: {len(given)} nodes, more than the {max_nodes} one request may name")
+    victims: dict[str, tuple[str, ...]] = {}
+    violations: dict[str, int] = {}
+    for node, entry in given.items():
+        if not isinstance(entry, dict):
+            raise WireError(f"preempt: the victims on node {str(node)[:64]!r} must be an object")
+        keyed = {str(k).lower(): v for k, v in entry.items()}
+        pods = keyed.get("pods") or []
+        if not isinstance(pods, list) or len(pods) > MAX_VICTIMS or not all(isinstance(p, dict) for p in pods):
+            raise WireError(f"preempt: 'Pods' on node {str(node)[:64]!r} must be a list of at most {MAX_VICTIMS}")
+        uids = tuple(_victim_uid(p, whole=meta is None) for p in pods)
+        count = keyed.get("numpdbviolations") or 0
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise WireError(f"preempt: 'NumPDBViolations' on node {str(node)[:64]!r} must be a count")
+        victims[str(node)] = uids
+        violations[str(node)] = count
+    return PreemptionArgs(cast(PodBody, pod), victims, violations)
+
+
+def _victim_uid(item: dict[str, Any], *, whole: bool) -> str:
+    """A MetaPod's ``UID``, or a whole pod's ``metadata.uid``."""
+    if whole:
+        uid = (item.get("metadata") or {}).get("uid") if isinstance(item.get("metadata"), dict) else None
+    else:
+        uid = next((v for k, v in item.items() if str(k).lower() == "uid"), None)
+    if not isinstance(uid, str) or not _UID.fullmatch(uid):
+        raise WireError("preempt: each victim must name a pod UID")
+    return uid
+
+
+def preemption_result(victims: dict[str, tuple[tuple[str, ...], int]]) -> dict[str, Any]:
+    """ExtenderPreemptionResult: for each node the extender keeps, the pods to evict there (MetaPods, by UID)
+    and how many PodDisruptionBudgets that violates. A node left out is not preempted on."""
+    return {
+        "NodeNameToMetaVictims": {
+            node: {"Pods": [{"UID": uid} for uid in uids], "NumPDBViolations": violations}
+            for node, (uids, violations) in victims.items()
+        }
+    }
+
+
 # --- the mutating admission webhook (core/placement/admission.py decides) -------------------------------------------
 
 #: The AdmissionReview versions the API server may send (``admissionReviewVersions``); the answer is in the

@@ -1,0 +1,109 @@
+"""Preemption that frees a GPU: the extender's ``preempt`` verb, and the room it freed held for its preemptor.
+
+kube-scheduler counts ``aliyun.com/gpu-mem`` as one number per node, so its own choice of victims frees
+memory on the node but not room on one GPU: a 10 GiB pod on a node whose GPUs each have 6 GiB free gets a
+6 GiB pod evicted and still fits nowhere. kube-scheduler asks every extender with a ``preemptVerb`` to
+revise its choice: for each node it proposes, the extender answers the pods to evict there instead
+(``core.placement.preemption.select_victims``: on one GPU, or on as many as the pod asks, the lowest
+priorities first, then the fewest PodDisruptionBudgets broken, then the fewest pods), or leaves the node
+out where no set of lower-priority pods frees a GPU. kube-scheduler then picks one of the nodes, evicts
+those victims and nominates the node on the pod (``status.nominatedNodeName``).
+
+Until the preemptor binds, the GPUs its victims free are held for it (``nominations``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from gpushared.contract import ContractError, ResourceNames
+from gpushared.core.placement.cpu import cpu_of, memory_request
+from gpushared.core.placement.nodes import NodeState
+from gpushared.core.placement.preemption import Occupant, Victims, select_victims
+from gpushared.core.shared.bodies import PodBody, priority_of, uid_of
+from gpushared.core.shared.requests import PodRequest, pod_request
+from gpushared.extender.cache import ClusterCache
+from gpushared.extender.http.wire import PreemptionArgs
+from gpushared.extender.nominations import Nominations, Offer
+
+log = logging.getLogger(__name__)
+
+
+class Preempter:
+    """The ``preempt`` verb: kube-scheduler's proposed nodes, each with the victims that free a GPU."""
+
+    def __init__(
+        self, cache: ClusterCache, resources: ResourceNames, *, clock: Callable[[], float], nominations: Nominations
+    ) -> None:
+        self.cache, self.resources, self.clock = cache, resources, clock
+        self.nominations = nominations
+        #: per node proposed: kept (victims that free a GPU), dropped (none does), passed (not a GPU pod)
+        self.counts: dict[str, int] = {"kept": 0, "dropped": 0, "passed": 0}
+
+    def preempt(self, args: PreemptionArgs) -> dict[str, tuple[tuple[str, ...], int]]:
+        """For each node kube-scheduler proposes, the pods to evict there (by UID) and the PDB violations;
+        the nodes where no eviction frees a GPU for the pod are left out."""
+        self.cache.owner.check("preempt")
+        pod = args.pod
+        if (pod.get("spec") or {}).get("preemptionPolicy") == "Never":
+            return {}
+        try:
+            request = pod_request(pod, resources=self.resources)
+        except ContractError as exc:
+            log.info("preempt: pod %s: %s", uid_of(pod), exc)
+            return {}
+        if request.total <= 0:  # not a GPU pod: kube-scheduler's own victims stand
+            self.counts["passed"] += len(args.victims)
+            return {node: (uids, args.pdb_violations.get(node, 0)) for node, uids in args.victims.items()}
+        self.nominations.prune()
+        priority, uid = priority_of(pod), uid_of(pod)
+        answer: dict[str, tuple[tuple[str, ...], int]] = {}
+        for node, theirs in args.victims.items():
+            chosen = self._on_node(node, pod, request, priority, theirs)
+            if chosen is None:
+                self.counts["dropped"] += 1
+                continue
+            self.counts["kept"] += 1
+            victims, violations, gpus = chosen
+            answer[node] = (victims, violations)
+            offer = Offer(gpus, request.per_gpu, request.compute_request, priority, self.clock())
+            self.nominations.offer(uid, node, offer)
+        return answer
+
+    def _on_node(
+        self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str]
+    ) -> tuple[tuple[str, ...], int, tuple[int, ...]] | None:
+        usable = self.cache.state.usable(node, gpus=request.gpus)
+        if not isinstance(usable, tuple):
+            return None
+        state, ledger = usable
+        occupants = {
+            h.uid: Occupant(priority=h.priority) for h in ledger.holdings() if not h.kept and h.uid in state.pods
+        }
+        found: Victims | None = select_victims(ledger, request, priority=priority, occupants=occupants)
+        if found is None:
+            return None
+        victims = list(found.uids)
+        # kube-scheduler's victims free what else the pod needs there (CPU, memory); ours may free less of it
+        extra = [u for u in theirs if u not in victims and priority_of(state.pods.get(u) or {}) < priority]
+        while not _other_resources_fit(state, pod, victims):
+            if not extra:
+                return None
+            victims.append(extra.pop(0))
+        return tuple(victims), found.pdb_violations, found.gpus
+
+
+def _other_resources_fit(state: NodeState, pod: PodBody, victims: list[str]) -> bool:
+    """Whether the pod's CPU and memory requests fit the node once the victims are gone, as the cache counts
+    the node's pods (a node that does not say what it has is kube-scheduler's to judge)."""
+    gone = [state.pods[u] for u in victims if u in state.pods]
+    if state.cpu_allocatable is not None:
+        freed = sum(cpu_of(p) for p in gone)
+        if state.cpu_requested - freed + cpu_of(pod) > state.cpu_allocatable:
+            return False
+    if state.memory_allocatable is not None:
+        freed = sum(memory_request(p) for p in gone)
+        if state.memory_requested - freed + memory_request(pod) > state.memory_allocatable:
+            return False
+    return True
