@@ -157,6 +157,15 @@ ENV = "GPUSHARED_EXTENDER"
     "and the leader gives each a preferred node affinity for the nodes prioritize-no-gpu ranks best, then "
     "removes the gate.",
 )
+@click.option(
+    "--max-evictions-per-minute",
+    type=click.IntRange(0, 10_000),
+    default=20,
+    show_default=True,
+    help="The most pods preemption evicts a minute for the GPU pods of one namespace (the preempt verb answers "
+    "no node past it, and the preemptor waits): one tenant's high-priority pods cannot churn the others' "
+    "without end. 0: GPU pods preempt nothing.",
+)
 @click.option("--dra-driver", default=dra.DRIVER, show_default=True, help="The DRA driver's name.")
 @click.option("--dra-device-class", default=dra.DEVICE_CLASS, show_default=True, help="gpushared's DeviceClass.")
 @click.option(
@@ -194,6 +203,7 @@ def main(
     claim_allocator: bool,
     claim_handover_after: float | None,
     steer_cpu_pods: bool,
+    max_evictions_per_minute: int,
     dra_driver: str,
     dra_device_class: str,
     log_level: str,
@@ -258,6 +268,7 @@ def main(
         if claim_allocator
         else None,
         steer=steer_cpu_pods,
+        max_evictions_per_minute=max_evictions_per_minute,
     )
     app.run(settings, api=api, binder=binder)
 

@@ -36,7 +36,7 @@ from gpushared.extender.http.server import application, serve
 from gpushared.extender.http.tls import ServingTls
 from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.mixing import MixTaker
-from gpushared.extender.preempting import Preempter
+from gpushared.extender.preempting import MAX_EVICTIONS_PER_MINUTE, Preempter
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler
@@ -91,6 +91,8 @@ class ExtenderSettings:
     claims: AllocatorSettings | None = None
     #: the webhook gates CPU-only pods and the leader steers them off idle GPUs (``--steer-cpu-pods``)
     steer: bool = False
+    #: the most pods preemption evicts a minute for the preemptors of one namespace (0: none)
+    max_evictions_per_minute: int = MAX_EVICTIONS_PER_MINUTE
 
     @property
     def own_url(self) -> str:
@@ -149,7 +151,13 @@ class Extender:
         self.steerer: Steerer | None = None
         if settings.steer:
             self.steerer = Steerer(cache, binder, ledger_of=idle_ledger(cache, self.claim_cache))
-        self.preempter = Preempter(cache, settings.resources, clock=time.monotonic, nominations=scheduler.nominations)
+        self.preempter = Preempter(
+            cache,
+            settings.resources,
+            clock=time.monotonic,
+            nominations=scheduler.nominations,
+            max_evictions_per_minute=settings.max_evictions_per_minute,
+        )
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
         self.metrics = metrics = ExtenderMetrics()

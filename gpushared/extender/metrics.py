@@ -52,7 +52,7 @@ class Preemptions(Collector):
     """What the preempt verb made of the nodes kube-scheduler proposed (``preempting.Preempter``), and the
     preemptors whose freed GPUs are held, read from it."""
 
-    OUTCOMES = ("kept", "dropped", "passed")
+    OUTCOMES = ("kept", "dropped", "passed", "capped")
 
     def __init__(self) -> None:
         self.preempter: Any = None
@@ -62,7 +62,8 @@ class Preemptions(Collector):
         family = CounterMetricFamily(
             "gpushared_extender_preemption_nodes",
             "Nodes kube-scheduler proposed for a preemption: kept with victims that free a GPU, dropped "
-            "because none does, or passed with kube-scheduler's own victims (a pod without GPU memory)",
+            "because none does, passed with kube-scheduler's own victims (a pod without GPU memory), or capped "
+            "(the preemptor's namespace evicted its most this minute)",
             labels=("outcome",),
         )
         for outcome in self.OUTCOMES:

@@ -15,13 +15,14 @@ Until the preemptor binds, the GPUs its victims free are held for it (``nominati
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Callable, Iterable
 
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodes import NodeState
 from gpushared.core.placement.preemption import Occupant, Victims, select_victims
-from gpushared.core.shared.bodies import PodBody, priority_of, uid_of
+from gpushared.core.shared.bodies import PodBody, key_of, priority_of, uid_of
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import PreemptionArgs
@@ -29,17 +30,34 @@ from gpushared.extender.nominations import Nominations, Offer
 
 log = logging.getLogger(__name__)
 
+#: The most pods evicted a minute for the preemptors of one namespace, by default (``--max-evictions-per-minute``).
+MAX_EVICTIONS_PER_MINUTE = 20
+
 
 class Preempter:
-    """The ``preempt`` verb: kube-scheduler's proposed nodes, each with the victims that free a GPU."""
+    """The ``preempt`` verb: kube-scheduler's proposed nodes, each with the victims that free a GPU.
+
+    At most ``max_evictions_per_minute`` pods are evicted a minute for the preemptors of one namespace (its
+    preemptions past that get no node, and wait): one tenant's high-priority pods cannot churn the others'
+    without end. 0 turns preemption of GPU pods off."""
 
     def __init__(
-        self, cache: ClusterCache, resources: ResourceNames, *, clock: Callable[[], float], nominations: Nominations
+        self,
+        cache: ClusterCache,
+        resources: ResourceNames,
+        *,
+        clock: Callable[[], float],
+        nominations: Nominations,
+        max_evictions_per_minute: int = MAX_EVICTIONS_PER_MINUTE,
     ) -> None:
         self.cache, self.resources, self.clock = cache, resources, clock
         self.nominations = nominations
-        #: per node proposed: kept (victims that free a GPU), dropped (none does), passed (not a GPU pod)
-        self.counts: dict[str, int] = {"kept": 0, "dropped": 0, "passed": 0}
+        self.max_evictions_per_minute = max_evictions_per_minute
+        #: per namespace of preemptors, (when, how many evicted) in the last minute
+        self.evicted: dict[str, deque[tuple[float, int]]] = {}
+        #: per node proposed: kept (victims that free a GPU), dropped (none does), passed (not a GPU pod),
+        #: capped (the preemptor's namespace evicted its most this minute)
+        self.counts: dict[str, int] = {"kept": 0, "dropped": 0, "passed": 0, "capped": 0}
 
     def preempt(self, args: PreemptionArgs) -> dict[str, tuple[tuple[str, ...], int]]:
         """For each node kube-scheduler proposes, the pods to evict there (by UID) and the PDB violations;
@@ -57,6 +75,11 @@ class Preempter:
             self.counts["passed"] += len(args.victims)
             return {node: (uids, args.pdb_violations.get(node, 0)) for node, uids in args.victims.items()}
         self.nominations.prune()
+        namespace, now = key_of(pod)[0], self.clock()
+        if self._evicted_this_minute(namespace, now) >= self.max_evictions_per_minute:
+            self.counts["capped"] += len(args.victims)
+            log.info("preempt: namespace %s evicted its most this minute; pod %s waits", namespace, uid_of(pod))
+            return {}
         priority, uid = priority_of(pod), uid_of(pod)
         answer: dict[str, tuple[tuple[str, ...], int]] = {}
         for node, theirs in args.victims.items():
@@ -67,9 +90,20 @@ class Preempter:
             self.counts["kept"] += 1
             victims, violations, gpus = chosen
             answer[node] = (victims, violations)
-            offer = Offer(gpus, request.per_gpu, request.compute_request, priority, self.clock())
+            offer = Offer(gpus, request.per_gpu, request.compute_request, priority, now)
             self.nominations.offer(uid, node, offer)
+        if answer:  # kube-scheduler evicts on one of the nodes: counted as the fewest
+            self.evicted.setdefault(namespace, deque()).append((now, min(len(v) for v, _ in answer.values())))
         return answer
+
+    def _evicted_this_minute(self, namespace: str, now: float) -> int:
+        for name in list(self.evicted):
+            window = self.evicted[name]
+            while window and now - window[0][0] >= 60:
+                window.popleft()
+            if not window:
+                del self.evicted[name]
+        return sum(count for _, count in self.evicted.get(namespace, ()))
 
     def _on_node(
         self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str]

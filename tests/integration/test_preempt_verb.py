@@ -4,7 +4,7 @@ and the GPU they free held for the preemptor until it binds."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -138,3 +138,20 @@ def test_malformed_preemption_args_are_refused_precisely(extender: Extender) -> 
     assert status == 400 and "each victim must name a pod UID" in str(body)
     status, body = extender.post("preempt", {"Pod": {"metadata": {}}, "NodeNameToMetaVictims": []})
     assert status == 400 and "must map node names to victims" in str(body)
+
+
+def test_one_namespace_evicts_at_most_the_cap_a_minute(api: FakeApiServer, spawn: Callable[..., Extender]) -> None:
+    """With --max-evictions-per-minute 1, a namespace's second preemption in the minute gets no node, and waits;
+    another namespace's preemptor is not held back by it."""
+    extender = spawn(api, args=["--max-evictions-per-minute", "1"])
+    extender.wait_ready()
+    low = nine_low_pods(api, extender)
+    theirs = {"g4": [low["low-4"]["metadata"]["uid"]]}
+    first = api.create(waiting("first", 10, priority=HIGH))
+    assert preempt(extender, first, theirs)["NodeNameToMetaVictims"]
+    second = api.create(waiting("second", 10, priority=HIGH))
+    assert preempt(extender, second, theirs) == {"NodeNameToMetaVictims": {}}
+    other = {**waiting("other", 10, priority=HIGH), "metadata": {"name": "other", "namespace": "team-b"}}
+    assert preempt(extender, api.create(other), theirs)["NodeNameToMetaVictims"]
+    text = extender.get("/metrics")[1].decode()
+    assert 'gpushared_extender_preemption_nodes_total{outcome="capped"} 1.0' in text

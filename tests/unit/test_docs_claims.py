@@ -124,3 +124,11 @@ def test_every_module_the_docs_name_exists() -> None:
             if not full.exists():
                 missing.append(f"{page.name}: {path}")
     assert missing == []
+
+
+def test_one_default_for_the_eviction_cap() -> None:
+    """The CLI's default is the preempter's and the settings' default."""
+    from gpushared.extender.preempting import MAX_EVICTIONS_PER_MINUTE
+
+    assert cli_default("max_evictions_per_minute") == MAX_EVICTIONS_PER_MINUTE
+    assert app.ExtenderSettings.__dataclass_fields__["max_evictions_per_minute"].default == MAX_EVICTIONS_PER_MINUTE
