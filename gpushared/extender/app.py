@@ -28,8 +28,10 @@ from gpushared.core.placement.mixbook import ExpectedMix
 from gpushared.core.placement.policies import Policy
 from gpushared.core.placement.reservations import fence_window
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, pod_events
+from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, claim_events
 from gpushared.extender.claims.cache import ClaimCache
+from gpushared.extender.events import pod_events
+from gpushared.extender.evictions import Evictor
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
 from gpushared.extender.http.server import application, serve
@@ -50,6 +52,8 @@ log = logging.getLogger("gpushared.extender")
 
 #: How long the start waits for the API server's ``/version`` (the fence's window depends on it).
 VERSION_READ_SECONDS = 2.0
+#: Who writes the extender's own Events (preemption's).
+COMPONENT = "gpushared-extender"
 
 #: How often the event loop looks whether both informers have listed, before the extender is ready.
 LISTED_POLL_SECONDS = 0.05
@@ -138,7 +142,7 @@ class Extender:
         if settings.claims is not None:
             self.claim_cache = ClaimCache(driver=settings.claims.driver, device_class=settings.claims.device_class)
             self.claim_cache.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
-            self.allocator = ClaimAllocator(cache, self.claim_cache, binder, settings.claims, event=pod_events(api))
+            self.allocator = ClaimAllocator(cache, self.claim_cache, binder, settings.claims, event=claim_events(api))
         scheduler = Scheduler(
             cache=cache,
             api=binder,
@@ -158,6 +162,15 @@ class Extender:
             nominations=scheduler.nominations,
             max_evictions_per_minute=settings.max_evictions_per_minute,
         )
+        self.evictor = Evictor(
+            cache,
+            binder,
+            self.preempter,
+            settings.resources,
+            schedulers=frozenset({"default-scheduler", settings.webhook_scheduler}),
+            policy_v1=version is None or version >= (1, 22),
+            event=pod_events(api, component=COMPONENT, normal=frozenset({"Preempted", "Preempting"})),
+        )
         self.primer = Primer(cache, policy=settings.policy, resources=settings.resources, ready=lambda: self.prepared)
         cache.pending_seen = self.primer.offer
         self.metrics = metrics = ExtenderMetrics()
@@ -168,6 +181,7 @@ class Extender:
             allocator=self.allocator,
             steerer=self.steerer,
             preempter=self.preempter,
+            evictor=self.evictor,
         )
         self.tls = ServingTls(settings.server, expiry=metrics.certificate_expiry)
         guard = Guard(
@@ -238,6 +252,12 @@ class Extender:
                 )
 
             app.cleanup_ctx.append(in_background("steerer", steer))
+        evictor = self.evictor
+
+        async def evict() -> None:
+            await evictor.run(leading=lambda: self.leader() is None, ready=lambda: self.prepared)
+
+        app.cleanup_ctx.append(in_background("evictor", evict))
         return app
 
     def ready(self) -> tuple[bool, str]:

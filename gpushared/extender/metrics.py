@@ -54,15 +54,29 @@ class Preemptions(Collector):
 
     OUTCOMES = ("kept", "dropped", "passed", "capped")
 
+    EVICTIONS = ("evicted", "refused", "gone", "failed", "capped")
+
     def __init__(self) -> None:
         self.preempter: Any = None
+        self.evictor: Any = None
 
     def collect(self) -> Iterator[Any]:
+        evictions = self.evictor.counts if self.evictor is not None else {}
+        family = CounterMetricFamily(
+            "gpushared_extender_evictions",
+            "Pods the extender evicted itself for preemptors kube-scheduler never asked the preempt verb for: "
+            "evicted, refused (a PodDisruptionBudget), gone meanwhile, failed, or capped (not tried: the "
+            "preemptor's namespace evicted its most this minute)",
+            labels=("outcome",),
+        )
+        for outcome in self.EVICTIONS:
+            family.add_metric((outcome,), evictions.get(outcome, 0))
+        yield family
         counts = self.preempter.counts if self.preempter is not None else {}
         family = CounterMetricFamily(
             "gpushared_extender_preemption_nodes",
-            "Nodes kube-scheduler proposed for a preemption: kept with victims that free a GPU, dropped "
-            "because none does, passed with kube-scheduler's own victims (a pod without GPU memory), or capped "
+            "Nodes kube-scheduler proposed for a preemption: kept with pods to evict that free a GPU, dropped "
+            "because none does, passed with kube-scheduler's own choice (a pod without GPU memory), or capped "
             "(the preemptor's namespace evicted its most this minute)",
             labels=("outcome",),
         )
@@ -254,6 +268,7 @@ class ExtenderMetrics:
         allocator: Any = None,
         steerer: Any = None,
         preempter: Any = None,
+        evictor: Any = None,
     ) -> None:
         """Read the gauges from the cache (on the event loop, which serves /metrics and owns the cache)."""
         state, reservations = cache.state, cache.reservations
@@ -268,3 +283,4 @@ class ExtenderMetrics:
         self.claims.allocator = allocator
         self.steered.steerer = steerer
         self.preemptions.preempter = preempter
+        self.preemptions.evictor = evictor

@@ -36,6 +36,9 @@ class Offer:
     compute: int
     priority: int
     at: float
+    #: the extender evicted the victims itself (``evictions``): held whether or not kube-scheduler nominated
+    #: the node, unless it nominated another
+    evicted: bool = False
 
 
 class Nominations:
@@ -79,7 +82,9 @@ class Nominations:
             offer = self.offers.get(other, {}).get(node)
             if offer is None or other == uid or now - offer.at >= HOLD_SECONDS:
                 continue
-            if (pod.get("status") or {}).get("nominatedNodeName") == node and offer.priority >= priority:
+            nominated = (pod.get("status") or {}).get("nominatedNodeName")
+            held = nominated == node or (offer.evicted and not nominated)
+            if held and offer.priority >= priority:
                 found.append((other, offer))
         return found
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodes import NodeState
-from gpushared.core.placement.preemption import Occupant, Victims, select_victims
+from gpushared.core.placement.preemption import NodeVictims, Occupant, Victims, select_victims
 from gpushared.core.shared.bodies import PodBody, key_of, priority_of, uid_of
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.extender.cache import ClusterCache
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 #: The most pods evicted a minute for the preemptors of one namespace, by default (``--max-evictions-per-minute``).
 MAX_EVICTIONS_PER_MINUTE = 20
+#: How long a pod kube-scheduler asked the verb for is left to it, and the most such pods remembered.
+ASKED_SECONDS = 60.0
+MAX_ASKED = 10_000
 
 
 class Preempter:
@@ -58,6 +61,9 @@ class Preempter:
         #: per node proposed: kept (victims that free a GPU), dropped (none does), passed (not a GPU pod),
         #: capped (the preemptor's namespace evicted its most this minute)
         self.counts: dict[str, int] = {"kept": 0, "dropped": 0, "passed": 0, "capped": 0}
+        #: pod UID -> when kube-scheduler last asked the verb for it: the extender's own preemption
+        #: (``evictions``) leaves such a pod to kube-scheduler
+        self.asked: dict[str, float] = {}
 
     def preempt(self, args: PreemptionArgs) -> dict[str, tuple[tuple[str, ...], int]]:
         """For each node kube-scheduler proposes, the pods to evict there (by UID) and the PDB violations;
@@ -76,38 +82,56 @@ class Preempter:
             return {node: (uids, args.pdb_violations.get(node, 0)) for node, uids in args.victims.items()}
         self.nominations.prune()
         namespace, now = key_of(pod)[0], self.clock()
-        if self._evicted_this_minute(namespace, now) >= self.max_evictions_per_minute:
+        self.asked[uid_of(pod)] = now
+        if len(self.asked) > MAX_ASKED:
+            self.asked = {u: t for u, t in self.asked.items() if now - t < ASKED_SECONDS}
+        if not self.may_evict(namespace, now):
             self.counts["capped"] += len(args.victims)
             log.info("preempt: namespace %s evicted its most this minute; pod %s waits", namespace, uid_of(pod))
             return {}
         priority, uid = priority_of(pod), uid_of(pod)
         answer: dict[str, tuple[tuple[str, ...], int]] = {}
         for node, theirs in args.victims.items():
-            chosen = self._on_node(node, pod, request, priority, theirs)
+            chosen = self.on_node(node, pod, request, priority, theirs)
             if chosen is None:
                 self.counts["dropped"] += 1
                 continue
             self.counts["kept"] += 1
-            victims, violations, gpus = chosen
-            answer[node] = (victims, violations)
+            victims, gpus = chosen.victims, chosen.victims.gpus
+            answer[node] = (victims.uids, victims.pdb_violations)
             offer = Offer(gpus, request.per_gpu, request.compute_request, priority, now)
             self.nominations.offer(uid, node, offer)
+        log.info(
+            "preempt: pod %s/%s (priority %d), %d node(s) proposed: %s",
+            namespace,
+            key_of(pod)[1],
+            priority,
+            len(args.victims),
+            "; ".join(f"{n}: evict {', '.join(v) or 'nothing'}" for n, (v, _) in answer.items())
+            or "no node frees a GPU",
+        )
         if answer:  # kube-scheduler evicts on one of the nodes: counted as the fewest
-            self.evicted.setdefault(namespace, deque()).append((now, min(len(v) for v, _ in answer.values())))
+            self.count_evictions(namespace, now, min(len(v) for v, _ in answer.values()))
         return answer
 
-    def _evicted_this_minute(self, namespace: str, now: float) -> int:
+    def may_evict(self, namespace: str, now: float) -> bool:
+        """Whether the preemptors of ``namespace`` may have pods evicted now (under the cap for the minute)."""
         for name in list(self.evicted):
             window = self.evicted[name]
             while window and now - window[0][0] >= 60:
                 window.popleft()
             if not window:
                 del self.evicted[name]
-        return sum(count for _, count in self.evicted.get(namespace, ()))
+        return sum(count for _, count in self.evicted.get(namespace, ())) < self.max_evictions_per_minute
 
-    def _on_node(
-        self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str]
-    ) -> tuple[tuple[str, ...], int, tuple[int, ...]] | None:
+    def count_evictions(self, namespace: str, now: float, count: int) -> None:
+        self.evicted.setdefault(namespace, deque()).append((now, count))
+
+    def on_node(
+        self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str] = ()
+    ) -> NodeVictims | None:
+        """The victims that free a GPU for the pod on ``node`` (and, from ``theirs``, kube-scheduler's, the CPU
+        and memory it needs there), or None where no eviction does."""
         usable = self.cache.state.usable(node, gpus=request.gpus)
         if not isinstance(usable, tuple):
             return None
@@ -125,7 +149,10 @@ class Preempter:
             if not extra:
                 return None
             victims.append(extra.pop(0))
-        return tuple(victims), found.pdb_violations, found.gpus
+        priorities = tuple(priority_of(state.pods[u]) for u in victims if u in state.pods)
+        highest = max(priorities, default=None)
+        chosen = Victims(tuple(victims), found.gpus, highest, found.pdb_violations)
+        return NodeVictims(node, chosen, priorities)
 
 
 def _other_resources_fit(state: NodeState, pod: PodBody, victims: list[str]) -> bool:

@@ -87,6 +87,18 @@ class AsyncApi:
             dict[str, Any], await self._call(f"write the status of claim {namespace}/{name}", "PUT", path, body)
         )
 
+    async def evict_pod(self, namespace: str, name: str, *, uid: str, policy_v1: bool = True) -> None:
+        """Evict a pod through the Eviction API: refused (429) while a PodDisruptionBudget that selects it
+        allows no disruption; the UID makes it fail if the pod was deleted and made again meanwhile.
+        ``policy_v1``: the Eviction's version (policy/v1 from Kubernetes 1.22, policy/v1beta1 before)."""
+        eviction = {
+            "apiVersion": "policy/v1" if policy_v1 else "policy/v1beta1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+            "deleteOptions": {"preconditions": {"uid": uid}},
+        }
+        await self._call(f"evict pod {namespace}/{name}", "POST", pod_path(namespace, name) + "/eviction", eviction)
+
     async def json_patch_pod(self, namespace: str, name: str, operations: list[dict[str, Any]]) -> PodBody:
         """Apply a JSON Patch (RFC 6902) to a pod: its ``test`` operations make it all or nothing."""
         return cast(

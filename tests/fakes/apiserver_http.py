@@ -82,7 +82,7 @@ def _route(path: str) -> tuple[Resource, str | None, str | None, str]:
         raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
     name = parts[1] if len(parts) > 1 else None
     subresource = parts[2] if len(parts) > 2 else ""
-    if subresource not in ("", "status", "binding") or len(parts) > 3:
+    if subresource not in ("", "status", "binding", "eviction") or len(parts) > 3:
         raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
     return resource, namespace, name, subresource
 
@@ -221,6 +221,10 @@ def handler_for(server: FakeApiServer) -> type[BaseHTTPRequestHandler]:
                 if not pod_name or namespace is None:
                     raise ApiError(422, "Invalid", "Binding is invalid: metadata.name: Required value")
                 return 201, server.store.bind(namespace, pod_name, binding)
+            if sub == "eviction":
+                if method != "POST" or namespace is None or name is None:
+                    raise ApiError(405, "MethodNotAllowed", f"{method} is not allowed on evictions")
+                return 201, evict(server.store, namespace, name, _json(body))
             if name is None:
                 if method == "GET":
                     return 200, server.store.list_page(resource, namespace if resource.namespaced else None, query)
@@ -316,3 +320,36 @@ def _seconds(text: str | None) -> float | None:
     if match is None:
         return None
     return float(match.group(1)) * {"ms": 0.001, "s": 1.0, "m": 60.0}[match.group(2)]
+
+
+def evict(store: Any, namespace: str, name: str, eviction: dict[str, Any]) -> dict[str, Any]:
+    """The Eviction API as kube-apiserver serves it: refused (429) while a PodDisruptionBudget that selects
+    the pod allows no disruption, else the pod is deleted with the eviction's delete options and each
+    budget that selects it has one disruption fewer."""
+    if eviction.get("kind") != "Eviction" or (eviction.get("metadata") or {}).get("name") != name:
+        raise ApiError(400, "BadRequest", f"name in URL does not match name in Eviction object: {name}")
+    pod = store.read(RESOURCES["pods"], namespace, name)
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    budgets = [
+        pdb
+        for pdb in store.list_page(RESOURCES["poddisruptionbudgets"], namespace, {}).get("items", [])
+        if all(
+            labels.get(k) == v
+            for k, v in (((pdb.get("spec") or {}).get("selector") or {}).get("matchLabels") or {}).items()
+        )
+    ]
+    for pdb in budgets:
+        if int((pdb.get("status") or {}).get("disruptionsAllowed") or 0) <= 0:
+            raise ApiError(429, "TooManyRequests", "Cannot evict pod as it would violate the pod's disruption budget.")
+    for pdb in budgets:
+        pdb["status"]["disruptionsAllowed"] = int(pdb["status"]["disruptionsAllowed"]) - 1
+        store.update(
+            RESOURCES["poddisruptionbudgets"],
+            namespace,
+            pdb["metadata"]["name"],
+            pdb,
+            subresource="status",
+            precondition_rv=None,
+        )
+    store.delete(RESOURCES["pods"], namespace, name, eviction.get("deleteOptions") or {})
+    return {"apiVersion": "v1", "kind": "Status", "status": "Success", "code": 201}

@@ -57,6 +57,7 @@ RESOURCES = {
         Resource("rbac.authorization.k8s.io", "v1", "clusterrolebindings", "ClusterRoleBinding", namespaced=False),
         Resource("rbac.authorization.k8s.io", "v1", "roles", "Role", namespaced=True),
         Resource("rbac.authorization.k8s.io", "v1", "rolebindings", "RoleBinding", namespaced=True),
+        Resource("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget", namespaced=True, has_status=True),
     )
 }
 

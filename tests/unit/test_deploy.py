@@ -48,7 +48,7 @@ def test_scheduler_configs_wire_every_verb(name: str, api_version: str) -> None:
     assert extender["nodeCacheCapable"] is True
     assert extender["httpTimeout"]
     assert {r["name"]: r["ignoredByScheduler"] for r in extender["managedResources"]} == {
-        "aliyun.com/gpu-mem": False,
+        "aliyun.com/gpu-mem": True,
         "aliyun.com/gpu-count": False,
     }
     # Every pod, so that those without GPU are scored too; never needed for a pod to schedule.
@@ -68,9 +68,9 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
     rules = kinds["ClusterRole"]["rules"]
     granted = {(res, verb) for rule in rules for res in rule["resources"] for verb in rule["verbs"]}
-    # Exactly what the extender calls: the cache's lists and watches, a pod read back, its Binding. The
-    # GPU choice reaches the pod on its Binding (no patch), and refusals reach the pod through
-    # kube-scheduler's own events.
+    # Exactly what the extender calls: the cache's lists and watches, a pod read back, its Binding, and
+    # preemption's evictions and Events. The GPU choice reaches the pod on its Binding (no patch), and
+    # refusals reach the pod through kube-scheduler's own events.
     assert granted == {
         ("nodes", "get"),
         ("nodes", "list"),
@@ -80,6 +80,8 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
         ("pods", "watch"),
         ("pods/binding", "create"),
         ("bindings", "create"),
+        ("pods/eviction", "create"),
+        ("events", "create"),
     }
 
 

@@ -55,7 +55,7 @@ import math
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Final, NamedTuple
 
 from gpushared.core.shared.ledger import Holding, Ledger
 from gpushared.core.shared.requests import PodRequest
@@ -135,6 +135,32 @@ def pdb_violations(
 
 #: (highest priority, PDB violations, victims, sum of priorities, -link score, GPUs, uids): lower is better
 _Key = tuple[int, int, int, int, int, tuple[int, ...], tuple[str, ...]]
+
+
+class NodeVictims(NamedTuple):
+    """One node where the preemptor fits once its victims go, with the victims' priorities."""
+
+    node: str
+    victims: Victims
+    priorities: tuple[int, ...]
+
+
+def pick_node(options: Iterable[NodeVictims]) -> NodeVictims | None:
+    """The node to preempt on, as kube-scheduler picks one among its candidates (``pickOneNodeForPreemption``):
+    the fewest PodDisruptionBudget violations, then the lowest highest victim priority, then the lowest sum of
+    victim priorities, then the fewest victims, then the node's name."""
+
+    def key(option: NodeVictims) -> tuple[int, float, int, int, str]:
+        highest = option.victims.highest_priority
+        return (
+            option.victims.pdb_violations,
+            -math.inf if highest is None else highest,
+            sum(option.priorities),
+            len(option.victims.uids),
+            option.node,
+        )
+
+    return min(options, key=key, default=None)
 
 
 class _Search:

@@ -29,7 +29,7 @@ import logging
 import random
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +45,7 @@ from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.claims.fence import FENCED, ClaimFence
 from gpushared.extender.claims.placing import ClaimPlacer
 from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
+from gpushared.extender.events import Event, no_event, pod_events
 from gpushared.extender.gatedwork import GatedPodWorker
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
@@ -105,26 +106,9 @@ class Allocate:
     asks: tuple[ClaimAsk, ...]
 
 
-Event = Callable[[PodBody, str, str], Awaitable[None]]
-
-
-async def _no_event(pod: PodBody, reason: str, message: str) -> None:
-    return None
-
-
-def pod_events(api: Api) -> Event:
-    """Events on pods, written on a worker thread (the synchronous client); one that fails is logged."""
-
-    async def event(pod: PodBody, reason: str, message: str) -> None:
-        warning = reason != "WaitingForClaimAllocator"
-        try:
-            await asyncio.to_thread(
-                api.pod_event, pod, reason=reason, message=message, warning=warning, component=COMPONENT
-            )
-        except KubeError as exc:
-            log.info("event %s on pod %s/%s not written: %s", reason, *key_of(pod), exc)
-
-    return event
+def claim_events(api: Api) -> Event:
+    """The allocator's Events on pods: waiting is Normal, every other a Warning."""
+    return pod_events(api, component=COMPONENT, normal=frozenset({"WaitingForClaimAllocator"}))
 
 
 class ClaimAllocator(GatedPodWorker):
@@ -136,7 +120,7 @@ class ClaimAllocator(GatedPodWorker):
         settings: AllocatorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
-        event: Event = _no_event,
+        event: Event = no_event,
         rng: random.Random | None = None,
     ) -> None:
         super().__init__(clock)

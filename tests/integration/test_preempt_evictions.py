@@ -1,0 +1,82 @@
+"""Preemption the extender does itself, where kube-scheduler never calls its preempt verb (1.20.0-1.20.8,
+1.21.0-1.21.2): the victims that free a GPU evicted through the Eviction API, PodDisruptionBudgets honoured,
+the freed GPU held for the preemptor, each victim told why."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.extender_harness import Extender
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.store import RESOURCES
+from tests.harness import wait_until
+from tests.integration.test_preempt_verb import HIGH, LOW, api, nine_low_pods, preempt, used, waiting
+
+__all__ = ["api"]
+
+
+def terminating(api: FakeApiServer) -> list[str]:
+    return sorted(
+        p["metadata"]["name"] for p in api.objects("pods") if p["metadata"].get("deletionTimestamp") is not None
+    )
+
+
+def events(api: FakeApiServer, reason: str) -> list[dict[str, Any]]:
+    return [e for e in api.objects("events") if e.get("reason") == reason]
+
+
+def test_a_pod_that_fits_nowhere_gets_the_pods_on_one_gpu_evicted(api: FakeApiServer, extender: Extender) -> None:
+    low = nine_low_pods(api, extender)
+    high = api.create(waiting("high", 10, priority=HIGH))
+    wait_until(lambda: terminating(api), timeout=20, message="a victim evicted")
+    (victim,) = terminating(api)
+    assert victim in ("low-0", "low-1")  # the two 6 GiB pods on the 16 GiB GPU 0
+    wait_until(lambda: events(api, "Preempted"), message="the victim told")
+    assert [e["involvedObject"]["name"] for e in events(api, "Preempted")] == [victim]
+    assert "for pod default/high" in events(api, "Preempted")[0]["message"]
+    # its kubelet stops it; then the freed GPU is the preemptor's alone
+    api.store.delete(RESOURCES["pods"], "default", victim, {"gracePeriodSeconds": 0})
+    wait_until(lambda: used(extender) == 48, message="the victim gone")
+    late = api.create(waiting("late", 8, priority=LOW))
+    assert extender.filter(late, "g4")[1]["NodeNames"] == []
+    assert extender.filter(high, "g4")[1]["NodeNames"] == ["g4"]
+    assert extender.bind(high, "g4")[1]["Error"] == ""
+    assert api.get("pods", "high", "default")["metadata"]["annotations"]["ALIYUN_COM_GPU_MEM_IDX"] == "0"  # type: ignore[index]
+    assert len(low) - len(terminating(api)) == 9  # no other pod went
+    text = extender.get("/metrics")[1].decode()
+    assert 'gpushared_extender_evictions_total{outcome="evicted"} 1.0' in text
+
+
+def test_a_disruption_budget_that_allows_none_stops_the_eviction(api: FakeApiServer, extender: Extender) -> None:
+    low = nine_low_pods(api, extender)
+    for name in ("low-0", "low-1"):
+        body = api.get("pods", name, "default")
+        assert body is not None
+        body["metadata"].setdefault("labels", {})["app"] = "notebook"
+        api.store.update(RESOURCES["pods"], "default", name, body, subresource="", precondition_rv=None)
+    api.create(
+        {
+            "apiVersion": "policy/v1",
+            "kind": "PodDisruptionBudget",
+            "metadata": {"name": "notebooks", "namespace": "default"},
+            "spec": {"selector": {"matchLabels": {"app": "notebook"}}},
+            "status": {"disruptionsAllowed": 0},
+        }
+    )
+    api.create(waiting("high", 10, priority=HIGH))
+
+    def refused() -> bool:
+        return 'gpushared_extender_evictions_total{outcome="refused"} 1.0' in extender.get("/metrics")[1].decode()
+
+    wait_until(refused, timeout=20, message="the eviction refused")
+    assert terminating(api) == [] and len(low) == 9
+
+
+def test_a_pod_kube_scheduler_preempts_for_is_left_to_it(api: FakeApiServer, extender: Extender) -> None:
+    """Where kube-scheduler calls the verb, the extender evicts nothing itself: kube-scheduler does, once."""
+    low = nine_low_pods(api, extender)
+    high = api.create(waiting("high", 10, priority=HIGH))
+    assert preempt(extender, high, {"g4": [low["low-4"]["metadata"]["uid"]]})["NodeNameToMetaVictims"]
+    time.sleep(8)  # past the grace the extender gives kube-scheduler's own preemption
+    assert terminating(api) == []
