@@ -97,7 +97,7 @@ class Evictor(GatedPodWorker):
             request = self._preempting(pod, now)
             if request is None:
                 continue
-            chosen = self._choose(pod, request)
+            chosen = self._choose(pod, request, budget)
             uid = uid_of(pod)
             if chosen is None:
                 self.tried[uid] = now
@@ -144,9 +144,10 @@ class Evictor(GatedPodWorker):
             return None
         return request
 
-    def _choose(self, pod: PodBody, request: PodRequest) -> NodeVictims | None:
+    def _choose(self, pod: PodBody, request: PodRequest, budget: float) -> NodeVictims | None:
         """The node to preempt on and its victims: at most MAX_NODES_TRIED nodes the pod may use, from where
-        the last search stopped, each with the verb's victims there."""
+        the last search stopped, each with the verb's victims there; past the step's ``budget``, the best of
+        the nodes tried so far (kube-scheduler too chooses among a sample of the nodes)."""
         priority, names = priority_of(pod), list(self.cache.state.nodes)
         if not names:
             return None
@@ -154,7 +155,7 @@ class Evictor(GatedPodWorker):
         start = self._cursor % len(names)
         tried = 0
         for name in names[start:] + names[:start]:
-            if tried >= MAX_NODES_TRIED:
+            if tried >= MAX_NODES_TRIED or (tried and time.perf_counter() > budget):
                 break
             state = self.cache.state.nodes[name]
             if state.ledger is None or (state.facts is not None and not admits(state.facts, pod)):

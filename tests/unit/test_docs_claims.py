@@ -17,7 +17,7 @@ from gpushared.core.placement import mixbook, policies, reservations
 from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon import candidates, endpoints, service
 from gpushared.daemon.config import OPTIONS
-from gpushared.extender import app, inbox, priming, state, tasks
+from gpushared.extender import app, inbox, nominations, preempting, priming, state, tasks
 from gpushared.kube import informer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -49,6 +49,10 @@ CLAIMS = [
     ("dra.md", f"cdiRoot: {next(o.default() for o in OPTIONS if o.field == 'cdi_root')}          # where"),
     ("dra.md", f"`{dra.CDI_KIND}=<claim UID>-<request>`"),
     ("dra.md", f"apiVersion: {dra.CONFIG_API_VERSION}\n  kind: {dra.CONFIG_KIND}"),
+    # preemption
+    ("design.md", f"at most `HOLD_SECONDS` ({nominations.HOLD_SECONDS:g} s)"),
+    ("design.md", f"`--max-evictions-per-minute` pods ({preempting.MAX_EVICTIONS_PER_MINUTE})"),
+    ("install.md", f"`--max-evictions-per-minute` ({preempting.MAX_EVICTIONS_PER_MINUTE})"),
     # the extender's loop and its watchdog
     ("design.md", f"for {seconds(tasks.LOOP_ALIVE_SECONDS)} (`LOOP_ALIVE_SECONDS`)"),
     ("design.md", f"for {seconds(app.WEDGED_SECONDS)} (`WEDGED_SECONDS`)"),
