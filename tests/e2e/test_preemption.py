@@ -22,16 +22,19 @@ from tests.e2e.test_cluster import assert_no_gpu_over_capacity, gpu_of
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
-LOW, HIGH = "gpushared-e2e-low", "gpushared-e2e-high"
+LOW, HIGH, POLITE = "gpushared-e2e-low", "gpushared-e2e-high", "gpushared-e2e-high-never-preempting"
 
 
 @pytest.fixture
 def priority_classes(kube: Kube) -> Iterator[None]:
     scheduling = client.SchedulingV1Api(kube.core.api_client)
-    for name, value in ((LOW, 0), (HIGH, 100_000)):
-        scheduling.create_priority_class({"metadata": {"name": name}, "value": value})
+    for name, value, policy in ((LOW, 0, None), (HIGH, 100_000, None), (POLITE, 100_000, "Never")):
+        body: dict[str, Any] = {"metadata": {"name": name}, "value": value}
+        if policy is not None:
+            body["preemptionPolicy"] = policy  # a pod takes it from its class, never in its own spec
+        scheduling.create_priority_class(body)
     yield
-    for name in (LOW, HIGH):
+    for name in (LOW, HIGH, POLITE):
         scheduling.delete_priority_class(name)
 
 
@@ -68,9 +71,7 @@ def test_a_pod_that_may_not_preempt_evicts_nothing(kube: Kube, namespace: str) -
     for name in lows:
         kube.create(namespace, with_priority(gpu_pod(name, 6), LOW))
     kube.wait_running(namespace, *lows, timeout=180)
-    polite = with_priority(gpu_pod("polite", 10), HIGH)
-    polite["spec"]["preemptionPolicy"] = "Never"
-    kube.create(namespace, polite)
+    kube.create(namespace, with_priority(gpu_pod("polite", 10), POLITE))
     kube.wait_event(namespace, "polite", lambda reason, _: reason == "FailedScheduling")
     time.sleep(10)
     assert kube.pod(namespace, "polite")["status"]["phase"] == "Pending"

@@ -80,3 +80,12 @@ def test_a_pod_kube_scheduler_preempts_for_is_left_to_it(api: FakeApiServer, ext
     assert preempt(extender, high, {"g4": [low["low-4"]["metadata"]["uid"]]})["NodeNameToMetaVictims"]
     time.sleep(8)  # past the grace the extender gives kube-scheduler's own preemption
     assert terminating(api) == []
+
+
+def test_a_pod_whose_class_never_preempts_evicts_nothing(api: FakeApiServer, extender: Extender) -> None:
+    nine_low_pods(api, extender)
+    body = waiting("polite", 10, priority=HIGH)
+    body["spec"]["preemptionPolicy"] = "Never"  # as the API server copies it from the pod's PriorityClass
+    api.create(body)
+    time.sleep(8)  # past the grace the extender gives kube-scheduler's own preemption
+    assert terminating(api) == []

@@ -275,6 +275,8 @@ def slim_pod(pod: PodBody) -> PodBody:
         slim_spec["schedulerName"] = sys.intern(str(spec["schedulerName"]))
     if isinstance(spec.get("priority"), int) and spec["priority"]:  # who may be evicted for whom
         slim_spec["priority"] = spec["priority"]
+    if spec.get("preemptionPolicy") == "Never":  # a pod that waits rather than have others evicted
+        slim_spec["preemptionPolicy"] = "Never"
     for part in ("initContainers", "containers"):
         if spec.get(part):
             slim_spec[part] = _shared_containers([_slim_container(c) for c in spec[part]])
@@ -306,6 +308,7 @@ def slim_pod(pod: PodBody) -> PodBody:
         tuple(sorted(overhead.items())) if overhead else None,
         slim_spec.get("schedulerName"),
         slim_spec.get("priority"),
+        slim_spec.get("preemptionPolicy"),
     )
     if selector or required or claims or gates:  # pods that choose nodes or use claims keep a spec of their own
         slim: dict[str, Any] = {"metadata": slim_meta, "spec": slim_spec}
