@@ -138,7 +138,7 @@ class Routes:
         args = wire.parse_preemption(raw, max_nodes=self.max_nodes)
         if self.preempter is None:
             return json_answer(wire.preemption_result({}))
-        return json_answer(wire.preemption_result(self.preempter.preempt(args)))
+        return json_answer(wire.preemption_result(await self.preempter.preempt(args)))
 
     async def mutate(self, raw: bytes) -> Answer:
         """The mutating admission webhook: the API server calls it for every pod created in the namespaces
