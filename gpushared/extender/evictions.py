@@ -24,7 +24,6 @@ asks the verb for it.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -57,6 +56,8 @@ STEP_SECONDS = 0.05
 
 
 class Evictor(GatedPodWorker):
+    tick_seconds = TICK_SECONDS
+
     def __init__(
         self,
         cache: ClusterCache,
@@ -79,12 +80,6 @@ class Evictor(GatedPodWorker):
         #: evicted, refused (a PodDisruptionBudget), gone (deleted meanwhile), failed, capped
         self.counts: dict[str, int] = {"evicted": 0, "refused": 0, "gone": 0, "failed": 0, "capped": 0}
         self._cursor = 0
-
-    async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
-        while True:
-            if leading() and ready():
-                self.step()
-            await asyncio.sleep(TICK_SECONDS)
 
     def step(self) -> int:
         """Preempt for the pods that wait for it; how many got victims evicted."""

@@ -22,6 +22,19 @@ MAX_LATENCIES = 10_000
 
 
 class GatedPodWorker:
+    #: how often :meth:`run` steps, while this replica leads and its cache is ready
+    tick_seconds = 0.1
+
+    def step(self) -> int:
+        """Decide for the pods waiting and start what must be written; how many pods it started for."""
+        raise NotImplementedError
+
+    async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
+        while True:
+            if leading() and ready():
+                self.step()
+            await asyncio.sleep(self.tick_seconds)
+
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         #: pods being written (their claims, their gate, their patch): not decided again meanwhile

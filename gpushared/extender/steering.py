@@ -16,7 +16,6 @@ takes the Lease. No lock is held, and no call is made while deciding.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import random
 import time
@@ -47,6 +46,8 @@ LedgerOf = Callable[[str], Ledger | None]
 
 
 class Steerer(GatedPodWorker):
+    tick_seconds = TICK_SECONDS
+
     def __init__(
         self,
         cache: ClusterCache,
@@ -62,12 +63,6 @@ class Steerer(GatedPodWorker):
         self.rng = rng or random.Random()
         #: steered (a preference added), unsteered (every node the same to the extender: the gate only went)
         self.counts: Counter[str] = Counter()
-
-    async def run(self, *, leading: Callable[[], bool], ready: Callable[[], bool]) -> None:
-        while True:
-            if leading() and ready():
-                self.step()
-            await asyncio.sleep(TICK_SECONDS)
 
     def step(self) -> int:
         """Start steering the gated pods not in flight, at most MAX_IN_FLIGHT at once; how many started."""
