@@ -79,16 +79,23 @@ class Evictor(GatedPodWorker):
         self.tried: dict[str, float] = {}
         #: evicted, refused (a PodDisruptionBudget), gone (deleted meanwhile), failed, capped
         self.counts: dict[str, int] = {"evicted": 0, "refused": 0, "gone": 0, "failed": 0, "capped": 0}
+        #: where in the nodes the next search starts, and in the pending pods the next step
         self._cursor = 0
+        self._pod_cursor = 0
 
     def step(self) -> int:
         """Preempt for the pods that wait for it; how many got victims evicted."""
         self.cache.owner.check("the evictor's step")
         self.cache.inbox.drain()
+        self.preempter.nominations.prune()
         now, budget, started = self.clock(), time.perf_counter() + STEP_SECONDS, 0
-        for key, pod in list(self.cache.pending.items()):
+        pending = list(self.cache.pending.items())
+        start = self._pod_cursor % len(pending) if pending else 0
+        looked = 0
+        for key, pod in pending[start:] + pending[:start]:  # from where the last step stopped: none starves
             if time.perf_counter() > budget:
                 break
+            looked += 1
             request = self._preempting(pod, now)
             if request is None:
                 continue
@@ -108,6 +115,7 @@ class Evictor(GatedPodWorker):
             self.inflight.add(key)
             self.spawn(self._evict(key, pod, chosen))
             started += 1
+        self._pod_cursor = start + looked
         waiting = self.cache.pending
         self.forget_gone(waiting.values(), [self.first_seen, self.tried], most=3 * len(waiting) + 100)
         return started
