@@ -8,13 +8,14 @@ in each mode of ``gpushared.replay.priority``: ``off`` (a pod that fits nowhere 
 victim scheduled once more right after its preemptor). Writes ``preemption-<name>.json`` under ``--out``:
 
 ``{"runs": [...], "traces": {trace: {policy: {mode: {...}}}}}``, each mode's figures at every 10 % of arrived
-workload from 50 to 130, means over the seeds: ``high``, ``middle``, ``low`` (GPU demand of that class placed and
-still held, % of the class's GPU demand arrived), ``total`` (allocation, % of the cluster's GPU memory),
-``evictedPods`` and ``evictedGpuMilli`` (so far), and, beside ``off``, the change against it (``vsOff``:
-``high`` and ``total`` in points, ``totalDropped``: whether total allocation fell at some point), and every
-seed's numbers.
+workload from 50 to 130, means over the seeds: ``high``, ``middle``, ``low`` (GPU demand of that class placed
+and still held, % of the class's GPU demand arrived; 100 while none arrived), ``total`` (allocation, % of the
+cluster's GPU memory), ``evictedPods`` and ``evictedGpuMilli`` (so far), and, beside ``off``, the change against
+it (``vsOff``: ``high`` and ``total`` in points, ``totalDropped``: whether total allocation fell at some point),
+and every seed's numbers. A pod list without a ``qos`` column (multigpu20, multigpu30) is refused.
 
-    .venv/bin/python scripts/bench_preemption.py --traces default gpushare40 multigpu30 gpuspec20 --seeds 42 43 44
+    .venv/bin/python scripts/bench_preemption.py --traces default --name default
+    .venv/bin/python scripts/bench_preemption.py --traces gpushare40 gpuspec20 --modes off evict --name variants
 """
 
 from __future__ import annotations
@@ -167,6 +168,11 @@ def main() -> None:
         return
     if not (args.data / NODE_LIST).exists():
         parser.error(f"no {NODE_LIST} in {args.data} (set --data or GPUSHARED_TRACE_DIR)")
+    for trace in args.traces:
+        try:
+            read_priorities(args.data / POD_LIST.format(trace))
+        except ValueError as error:  # the multigpu lists: no qos, so no priorities to preempt by
+            parser.error(str(error))
     jobs = [
         (str(args.data), t, p, s, m, args.limit)
         for t in args.traces

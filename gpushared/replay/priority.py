@@ -62,9 +62,13 @@ MIN_CANDIDATES_ABSOLUTE: Final = 100
 
 
 def read_priorities(path: Path) -> dict[str, int]:
-    """Each task's priority by name, from a pod list's ``qos`` column (``TracePod`` does not carry it)."""
+    """Each task's priority by name, from a pod list's ``qos`` column (``TracePod`` does not carry it). A list
+    without the column (the trace's multigpu ones) is refused: every task would be low, and nothing preempt."""
     with path.open(newline="") as stream:
-        return {row["name"]: PRIORITY_OF_QOS.get(row.get("qos") or "", LOW) for row in csv.DictReader(stream)}
+        reader = csv.DictReader(stream)
+        if "qos" not in (reader.fieldnames or ()):
+            raise ValueError(f"{path.name} has no qos column: its tasks have no priority")
+        return {row["name"]: PRIORITY_OF_QOS.get(row["qos"], LOW) for row in reader}
 
 
 def candidates_wanted(nodes: int) -> int:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from gpushared.core.placement.policies import BINPACK, FGD
 from gpushared.replay.priority import HIGH, LOW, MIDDLE, PriorityCluster, priority_replay, read_priorities
 from gpushared.replay.run import replay
@@ -141,6 +143,9 @@ def test_the_script_runs_on_a_small_slice(tmp_path: Path) -> None:
     for trace in ("default", "multigpu20"):  # the default trace's expected mix is made from multigpu20
         (tmp_path / f"openb_pod_list_{trace}.csv").write_text(head + rows)
     assert read_priorities(tmp_path / "openb_pod_list_default.csv")["p0"] == HIGH
+    (tmp_path / "no-qos.csv").write_text("name,cpu_milli,memory_mib,num_gpu,gpu_milli\np0,1000,1024,1,500\n")
+    with pytest.raises(ValueError, match="no qos column"):
+        read_priorities(tmp_path / "no-qos.csv")
     command = [sys.executable, str(REPO / "scripts" / "bench_preemption.py"), "--data", str(tmp_path)]
     command += ["--policies", "fgd", "--seeds", "42", "--jobs", "1", "--out", str(tmp_path), "--limit", "10"]
     subprocess.run(command, check=True, capture_output=True, timeout=60)
