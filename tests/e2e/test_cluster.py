@@ -112,6 +112,7 @@ def test_seed_sample_is_scheduled_by_the_extender_and_allocated_by_the_kubelet(
     assert f"ALIYUN_COM_GPU_MEM_DEV={GPU_SIZES_MIB[index] // 1024}" in logs
 
 
+@pytest.mark.usefixtures("binpack_extender")
 def test_equal_pods_created_at_once_each_get_the_gpu_in_their_annotation(kube: Kube, namespace: str) -> None:
     names = [f"same-{i}" for i in range(6)]
     threads = [threading.Thread(target=kube.create, args=(namespace, gpu_pod(n, 4))) for n in names]
@@ -134,6 +135,7 @@ def test_equal_pods_created_at_once_each_get_the_gpu_in_their_annotation(kube: K
     assert gpus == {0, 1, 3}
 
 
+@pytest.mark.usefixtures("binpack_extender")
 def test_multi_container_pod_shares_one_gpu_with_per_container_amounts(kube: Kube, namespace: str) -> None:
     kube.create(namespace, gpu_pod("pair", 3, 5, 0))
     [pod] = kube.wait_running(namespace, "pair")
@@ -155,6 +157,7 @@ def test_a_pod_larger_than_any_gpu_stays_pending_with_the_extenders_reason(kube:
     assert not kube.pod(namespace, "too-big")["spec"].get("nodeName")
 
 
+@pytest.mark.usefixtures("binpack_extender")
 def test_a_container_on_several_gpus_sees_each_of_them(kube: Kube, namespace: str) -> None:
     """gpu-count: kube-scheduler counts the gpu-count the daemon advertises, the extender picks the GPUs, the
     kubelet hands the container devices of each, and the container sees every UUID."""
@@ -307,7 +310,7 @@ def mib_node(kube: Kube, cluster: LocalCluster) -> object:
     wait_for(lambda: kube.allocatable() == sum(GPU_SIZES_MIB) // 1024, timeout=60, what="the GiB inventory")
 
 
-@pytest.mark.usefixtures("mib_node")
+@pytest.mark.usefixtures("mib_node", "binpack_extender")
 def test_best_fit_picks_the_gpu_whose_free_memory_matches(kube: Kube, namespace: str) -> None:
     kube.create(namespace, gpu_pod("fit", 8138))
     [pod] = kube.wait_running(namespace, "fit")
