@@ -3,9 +3,10 @@
 kube-scheduler 1.20.0-1.20.8 and 1.21.0-1.21.2 do not call an extender's ``preemptVerb`` at all (their
 framework is built without the extenders; kubernetes#103019 fixed it). There, a GPU pod that fits nowhere
 would wait for ever, or, where kube-scheduler counts ``aliyun.com/gpu-mem`` per node itself, get pods evicted
-that free no GPU. The shipped scheduler configurations leave GPU memory to the extender
-(``ignoredByScheduler: true``), so kube-scheduler's own preemption never evicts for it; and the leader does
-what the verb would have had kube-scheduler do:
+that free no GPU: the configuration for them leaves GPU memory to the extender (``ignoredByScheduler: true``).
+And on any version, a pod that fits the node's count of GPU memory but no GPU has no victims in
+kube-scheduler's dry run, which then asks no one. For those the leader does what the verb would have had
+kube-scheduler do:
 
 1. a pending GPU pod of a scheduler that calls this extender, that may preempt (``preemptionPolicy`` is not
    ``Never``), that no node fits (the filter's answer from the cache), and that kube-scheduler has not
