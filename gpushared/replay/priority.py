@@ -42,7 +42,7 @@ from typing import Final
 
 from gpushared.core.placement.mixbook import UNSEEN_WEIGHT, ExpectedMix, kind_of
 from gpushared.core.placement.policies import Policy, policy_named
-from gpushared.core.placement.preemption import Occupant, select_victims
+from gpushared.core.placement.preemption import NodeVictims, Occupant, Victims, pick_node, select_victims
 from gpushared.core.shared.requests import PodRequest
 from gpushared.replay.cluster import SimCluster, SimNode
 from gpushared.replay.run import RATIO, tuned
@@ -88,21 +88,6 @@ class Placed:
 
 
 @dataclass
-class EvictionOption:
-    """A node where evicting ``victims`` lets the preemptor in, and kube-scheduler's rank of it."""
-
-    index: int
-    victims: list[str]
-    gpus: tuple[int, ...]
-    priorities: list[int]
-
-    def rank(self) -> tuple[int, int, int, int, int]:
-        """pickOneNodeForPreemption's order, lower first: highest victim priority, PDB violations, sum of
-        victim priorities, victims, node order."""
-        return (max(self.priorities), 0, sum(self.priorities), len(self.victims), self.index)
-
-
-@dataclass
 class Tally:
     """What preemption did: GPU demand placed now by priority, and what was evicted and retried."""
 
@@ -142,6 +127,7 @@ class PriorityCluster(SimCluster):
         self._cpu_only = 0
         self._binding = LOW
         self.wanted = candidates_wanted(len(self.nodes))
+        self._index_of = {node.trace.name: index for index, node in enumerate(self.nodes)}
 
     def place(self, pod: TracePod) -> bool:
         priority = self.priority_of(pod)
@@ -184,7 +170,7 @@ class PriorityCluster(SimCluster):
         """kube-scheduler's PostFilter: victims on the candidate nodes, the best node, evictions, the bind."""
         request = self._request(pod)
         start = self.rng.randrange(len(self.nodes))
-        found: list[EvictionOption] = []
+        found: list[NodeVictims] = []
         for step in range(len(self.nodes)):
             index = (start + step) % len(self.nodes)
             if self._may_host(index, pod, priority, request):
@@ -195,12 +181,14 @@ class PriorityCluster(SimCluster):
                         break
         if not found:
             return False
-        best = min(found, key=EvictionOption.rank)
-        node = self.nodes[best.index]
-        evicted = [self._evict(best.index, uid) for uid in best.victims]
+        best = pick_node(found)  # node names order as the nodes do: the first node breaks the last tie
+        assert best is not None
+        index = self._index_of[best.node]
+        node = self.nodes[index]
+        evicted = [self._evict(index, uid) for uid in best.victims.uids]
         key, indices = self._price(node, request, pod)
         self._binding = priority
-        self._bind(node, pod, request, best.gpus if key is None else indices)
+        self._bind(node, pod, request, best.victims.gpus if key is None else indices)
         self.tally.preemptions += 1
         if self.requeue:
             for placed in evicted:
@@ -226,7 +214,7 @@ class PriorityCluster(SimCluster):
         roomy = sum(1 for gpu in ledger.inventory.gpus if ledger.free(gpu) + freed[3 + gpu.index] >= request.per_gpu)
         return roomy >= request.gpus
 
-    def _victims_on(self, index: int, pod: TracePod, priority: int, request: PodRequest) -> EvictionOption | None:
+    def _victims_on(self, index: int, pod: TracePod, priority: int, request: PodRequest) -> NodeVictims | None:
         """The extender's victims on the node (``select_victims``), and kube-scheduler's for CPU and memory."""
         node, pods = self.nodes[index], self.on_node[index]
         occupants = {p.uid: Occupant(priority=p.priority) for p in pods.values() if p.uid is not None}
@@ -245,7 +233,8 @@ class PriorityCluster(SimCluster):
             victims.append(extra.pop(0))
         if not victims:
             return None  # it fits with nothing evicted: the policy refused the node, no eviction changes that
-        return EvictionOption(index, victims, chosen.gpus, [pods[u].priority for u in victims])
+        priorities = tuple(pods[u].priority for u in victims)
+        return NodeVictims(node.trace.name, Victims(tuple(victims), chosen.gpus, max(priorities), 0), priorities)
 
     @staticmethod
     def _admits_without(node: SimNode, pod: TracePod, gone: Sequence[Placed]) -> bool:
