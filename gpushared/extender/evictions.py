@@ -10,7 +10,7 @@ kube-scheduler do:
 
 1. a pending GPU pod of a scheduler that calls this extender, that may preempt (``preemptionPolicy`` is not
    ``Never``), that no node fits (the filter's answer from the cache), and that kube-scheduler has not
-   asked the verb about (``Preempter.asked``) for ``GRACE_SECONDS`` since this leader first saw it so;
+   asked the verb about (``Preempter.asked``), pending ``GRACE_SECONDS`` since this leader first saw it;
 2. the node is chosen as kube-scheduler chooses among candidates (``core.placement.preemption.pick_node``)
    among the nodes its selection allows, each with the victims the verb would answer there
    (``Preempter.on_node``); at most ``MAX_NODES_TRIED`` nodes, from where the last search stopped;
@@ -102,7 +102,7 @@ class Evictor(GatedPodWorker):
                 continue
             chosen = self._choose(pod, request, budget)
             uid = uid_of(pod)
-            if chosen is None:
+            if chosen is None or not chosen.victims.uids:  # no node frees a GPU, or its room is on its way
                 self.tried[uid] = now
                 continue
             namespace = key[0]
@@ -137,15 +137,11 @@ class Evictor(GatedPodWorker):
             request = pod_request(pod, resources=self.resources)
         except ContractError:
             return None
-        if request.total <= 0:
-            return None
-        names = list(self.cache.state.nodes)
-        passed, _ = self.cache.index.filter(names, request)
+        if request.total <= 0 or now - self.first_seen.setdefault(uid, now) < GRACE_SECONDS:
+            return None  # a pod kube-scheduler places within the grace costs no search here
+        passed, _ = self.cache.index.filter(list(self.cache.state.nodes), request)
         if any(self.preempter.nominations.fits(name, pod, request) for name in passed):
-            self.first_seen.pop(uid, None)  # it fits somewhere: kube-scheduler places it
-            return None
-        if now - self.first_seen.setdefault(uid, now) < GRACE_SECONDS:
-            return None
+            return None  # it fits somewhere: kube-scheduler places it
         return request
 
     def _choose(self, pod: PodBody, request: PodRequest, budget: float) -> NodeVictims | None:
@@ -166,7 +162,9 @@ class Evictor(GatedPodWorker):
                 continue
             tried += 1
             found = self.preempter.on_node(name, pod, request, priority)
-            if found is not None and found.victims.uids:
+            if found is not None and not found.victims.uids:
+                return found  # pods terminating there free the room: evict no one more
+            if found is not None:
                 options.append(found)
         self._cursor = start + tried
         return pick_node(options)
@@ -191,9 +189,12 @@ class Evictor(GatedPodWorker):
                     if exc.status in (404, 409):
                         self.counts["gone"] += 1
                         continue
-                    self.counts["refused" if exc.status == 429 else "failed"] += 1
                     log.warning("pod %s/%s not evicted for %s/%s: %s", namespace, name, *key, exc)
-                    self.preempter.nominations.offers.pop(uid, None)
+                    if exc.status == 429:  # refused: nothing went, the room is not coming
+                        self.counts["refused"] += 1
+                        self.preempter.nominations.offers.pop(uid, None)
+                    else:  # it may have landed: the hold stays until the pod binds or it expires
+                        self.counts["failed"] += 1
                     return
                 self.counts["evicted"] += 1
                 log.info("pod %s/%s on node %s %s", namespace, name, node, why)

@@ -25,7 +25,7 @@ from gpushared.contract import ContractError, ResourceNames
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodes import NodeState
 from gpushared.core.placement.preemption import NodeVictims, Occupant, Victims, select_victims
-from gpushared.core.shared.bodies import PodBody, key_of, priority_of, uid_of
+from gpushared.core.shared.bodies import PodBody, key_of, meta_of, priority_of, uid_of
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.http.wire import PreemptionArgs
@@ -144,7 +144,10 @@ class Preempter:
         self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str] = ()
     ) -> NodeVictims | None:
         """The victims that free a GPU for the pod on ``node`` (and, from ``theirs``, kube-scheduler's, the CPU
-        and memory it needs there), or None where no eviction does."""
+        and memory it needs there), or None where no eviction does. Where pods of lower priority already
+        terminating there free enough (a preemption whose evictions landed, this process's or a previous
+        leader's), none: the room is on its way, and evicting others would free it no sooner (kube-scheduler
+        too preempts no more while its nominated node has such pods)."""
         usable = self.cache.state.usable(node, gpus=request.gpus)
         if not isinstance(usable, tuple):
             return None
@@ -152,6 +155,14 @@ class Preempter:
         occupants = {
             h.uid: Occupant(priority=h.priority) for h in ledger.holdings() if not h.kept and h.uid in state.pods
         }
+        going = {
+            uid: occupant for uid, occupant in occupants.items() if meta_of(state.pods[uid]).get("deletionTimestamp")
+        }
+        if going:
+            coming = select_victims(ledger, request, priority=priority, occupants=going)
+            if coming is not None and _other_resources_fit(state, pod, list(coming.uids)):
+                return NodeVictims(node, Victims((), coming.gpus, None, 0), ())
+            occupants = {uid: occupant for uid, occupant in occupants.items() if uid not in going}
         found: Victims | None = select_victims(ledger, request, priority=priority, occupants=occupants)
         if found is None:
             return None

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 from tests.extender_harness import Extender
-from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.store import RESOURCES
 from tests.harness import wait_until
 from tests.integration.test_preempt_verb import HIGH, LOW, api, nine_low_pods, preempt, used, waiting
@@ -89,3 +89,31 @@ def test_a_pod_whose_class_never_preempts_evicts_nothing(api: FakeApiServer, ext
     api.create(body)
     time.sleep(8)  # past the grace the extender gives kube-scheduler's own preemption
     assert terminating(api) == []
+
+
+def test_an_eviction_that_lands_though_its_answer_is_lost_is_not_repeated(
+    api: FakeApiServer, extender: Extender
+) -> None:
+    """The eviction lands but the connection is cut before its answer: the hold stays, and no second pod is
+    evicted for the preemptor while the first terminates (past the 10 s a refused attempt waits)."""
+    nine_low_pods(api, extender)
+    api.inject(Fault(method="POST", path=r"/eviction$", cut=True, applied=True))
+    api.create(waiting("high", 10, priority=HIGH))
+    wait_until(lambda: terminating(api), timeout=20, message="the eviction landed")
+    time.sleep(15)
+    assert len(terminating(api)) == 1
+    text = extender.get("/metrics")[1].decode()  # tried once: failed as the client saw it, never again
+    assert 'gpushared_extender_evictions_total{outcome="failed"} 1.0' in text
+    assert 'gpushared_extender_evictions_total{outcome="evicted"} 0.0' in text
+
+
+def test_pods_already_terminating_that_free_the_room_are_waited_for(api: FakeApiServer, extender: Extender) -> None:
+    """A previous leader's eviction (a pod on GPU 0 terminating) frees the room: neither path evicts more."""
+    low = nine_low_pods(api, extender)
+    api.store.delete(RESOURCES["pods"], "default", "low-0", {"gracePeriodSeconds": 30})  # terminating, for 30 s
+    high = api.create(waiting("high", 10, priority=HIGH))
+    answer = preempt(extender, high, {"g4": [low["low-4"]["metadata"]["uid"]]})
+    assert answer == {"NodeNameToMetaVictims": {"g4": {"Pods": [], "NumPDBViolations": 0}}}
+    api.create(waiting("other", 10, priority=HIGH))  # never asked about: the extender's own path
+    time.sleep(8)  # past the grace the extender gives kube-scheduler's own preemption
+    assert terminating(api) == ["low-0"]
