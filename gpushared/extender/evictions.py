@@ -111,7 +111,9 @@ class Evictor(GatedPodWorker):
                 self.tried[uid] = now
                 continue
             self.preempter.count_evictions(namespace, now, len(chosen.victims.uids))
-            offer = Offer(chosen.victims.gpus, request.per_gpu, request.compute_request, priority_of(pod), now, True)
+            offer = Offer(
+                chosen.victims.gpus, request.per_gpu, request.compute_request, priority_of(pod), now, evicted=True
+            )
             self.preempter.nominations.offer(uid, chosen.node, offer)
             self.inflight.add(key)
             self.spawn(self._evict(key, pod, chosen))

@@ -12,13 +12,13 @@ until kube-scheduler preempts again.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gpushared.core.placement.nodes import NodeState
 from gpushared.core.shared.bodies import PodBody, priority_of, uid_of
 from gpushared.core.shared.ledger import GpuVerdict, Holding, Ledger
 from gpushared.core.shared.requests import PodRequest
-from gpushared.core.shared.verdicts import fitting
+from gpushared.core.shared.verdicts import fitting, judge
 
 #: The longest the GPUs freed for a preemptor are held for it: its victims' grace periods (30 s by default)
 #: and its next scheduling attempt fit in well within it; past it, the room is anyone's.
@@ -94,18 +94,10 @@ class Nominations:
         return offer if offer is not None and self.clock() - offer.at < HOLD_SECONDS else None
 
     def verdicts(self, node: str, pod: PodBody, verdicts: list[GpuVerdict], request: PodRequest) -> list[GpuVerdict]:
-        """``verdicts`` with the room held for other preemptors taken off each GPU's free memory, and for a
-        preemptor its own offered GPUs alone where they all still fit: what bind chooses from."""
-        held: dict[int, int] = {}
-        for _, offer in self.held(node, for_pod=pod):
-            for gpu in offer.gpus:
-                held[gpu] = held.get(gpu, 0) + offer.per_gpu
-        judged = [
-            replace(v, free=v.free - held[v.gpu.index], reason=v.reason or _held_reason(v, held, request))
-            if v.gpu.index in held
-            else v
-            for v in verdicts
-        ]
+        """``verdicts`` judged again with the room held for other preemptors counted, and for a preemptor its own
+        offered GPUs alone where they all still fit: what bind chooses from."""
+        held = self._with_holds(node, pod)
+        judged = verdicts if held is None else judge(held, request)
         own = self.own(node, pod)
         if own is not None:
             mine = [v for v in judged if v.gpu.index in own.gpus and v.fits]
@@ -114,28 +106,27 @@ class Nominations:
         return judged
 
     def fits(self, node: str, pod: PodBody, request: PodRequest) -> bool:
-        """Whether the pod still fits ``node`` with the room held for other preemptors counted (memory and
-        compute, as the filter judges them)."""
+        """Whether the pod still fits ``node`` with the room held for other preemptors counted."""
+        held = self._with_holds(node, pod)
+        return held is None or len(fitting(held, request)) >= request.gpus
+
+    def _with_holds(self, node: str, pod: PodBody) -> Ledger | None:
+        """The node's ledger with the room held there for other preemptors ``pod`` must leave alone counted as
+        ``kept`` holdings (memory and compute, never pods), judged as the filter judges; None where nothing is
+        held there (or the node has no ledger: the filter said why already)."""
         holds = self.held(node, for_pod=pod)
         state = self.nodes.get(node)
         if not holds or state is None or state.ledger is None:
-            return True  # nothing held there, or the filter said why already
+            return None
         kept = [
             Holding(
                 uid=f"held-for/{uid}",
                 namespace="",
                 name="",
-                gpus=dict.fromkeys(o.gpus, o.per_gpu),
-                compute=o.compute,
+                gpus=dict.fromkeys(offer.gpus, offer.per_gpu),
+                compute=offer.compute,
                 kept=True,
             )
-            for uid, o in holds
+            for uid, offer in holds
         ]
-        ledger = Ledger.build(state.ledger.inventory, [*state.ledger.holdings(), *kept])
-        return len(fitting(ledger, request)) >= request.gpus
-
-
-def _held_reason(verdict: GpuVerdict, held: Mapping[int, int], request: PodRequest) -> str | None:
-    if verdict.free - held[verdict.gpu.index] >= request.per_gpu:
-        return None
-    return f"GPU {verdict.gpu.index}: {held[verdict.gpu.index]} units held for a preempting pod"
+        return Ledger.build(state.ledger.inventory, [*state.ledger.holdings(), *kept])
