@@ -11,7 +11,7 @@ from tests.extender_harness import Extender
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.store import RESOURCES
 from tests.harness import wait_until
-from tests.integration.test_preempt_verb import HIGH, LOW, api, nine_low_pods, preempt, used, waiting
+from tests.integration.test_preempt_verb import HIGH, LOW, api, nine_low_pods, placed, preempt, used, waiting
 
 __all__ = ["api"]
 
@@ -111,6 +111,8 @@ def test_pods_already_terminating_that_free_the_room_are_waited_for(api: FakeApi
     """A previous leader's eviction (a pod on GPU 0 terminating) frees the room: neither path evicts more."""
     low = nine_low_pods(api, extender)
     api.store.delete(RESOURCES["pods"], "default", "low-0", {"gracePeriodSeconds": 30})  # terminating, for 30 s
+    api.create(placed("marker", 2, 3))  # watched after the deletion's mark: once counted, the mark is seen too
+    wait_until(lambda: used(extender) == 56, message="the marker, and so the mark, watched")
     high = api.create(waiting("high", 10, priority=HIGH))
     answer = preempt(extender, high, {"g4": [low["low-4"]["metadata"]["uid"]]})
     assert answer == {"NodeNameToMetaVictims": {"g4": {"Pods": [], "NumPDBViolations": 0}}}
