@@ -24,6 +24,10 @@ DEVICE_CLASS: Final = "gpu-mem.gpushared.io"
 #: The group the kubelet and the scheduler read it from; v1 is GA since Kubernetes 1.34.
 API_GROUP: Final = "resource.k8s.io"
 API_VERSION: Final = "v1"
+#: The finalizer kube-scheduler puts on every claim it allocates (``resourceapi.Finalizer``): once the last pod
+#: a claim is reserved for is gone, kube-controller-manager clears the allocation of a claim that has it, and
+#: of no other. The claim allocator puts it on too, or a standalone claim would hold its GPUs for ever.
+ALLOCATED_FINALIZER: Final = "resource.kubernetes.io/delete-protection"
 
 # Device attributes (``device.attributes["gpu.gpushared.io"].<name>`` in CEL).
 ATTRIBUTE_UUID: Final = "uuid"

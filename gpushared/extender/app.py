@@ -31,6 +31,7 @@ from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, claim_events
 from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.events import pod_events
+from gpushared.extender.evictioncap import MAX_EVICTIONS_PER_MINUTE
 from gpushared.extender.evictions import Evictor
 from gpushared.extender.http.config import ServerConfig
 from gpushared.extender.http.guard import Guard
@@ -38,7 +39,7 @@ from gpushared.extender.http.server import application, serve
 from gpushared.extender.http.tls import ServingTls
 from gpushared.extender.metrics import ExtenderMetrics
 from gpushared.extender.mixing import MixTaker
-from gpushared.extender.preempting import MAX_EVICTIONS_PER_MINUTE, Preempter
+from gpushared.extender.preempting import Preempter
 from gpushared.extender.priming import Primer
 from gpushared.extender.routes import Routes
 from gpushared.extender.scheduler import Scheduler

@@ -106,11 +106,11 @@ class Evictor(GatedPodWorker):
                 self.tried[uid] = now
                 continue
             namespace = key[0]
-            if not self.preempter.may_evict(namespace, now):
+            if not self.preempter.cap.may_evict(namespace, now):
                 self.counts["capped"] += 1
                 self.tried[uid] = now
                 continue
-            self.preempter.count_evictions(namespace, now, len(chosen.victims.uids))
+            self.preempter.cap.count(namespace, now, len(chosen.victims.uids))
             offer = Offer(
                 chosen.victims.gpus, request.per_gpu, request.compute_request, priority_of(pod), now, evicted=True
             )

@@ -18,7 +18,6 @@ import asyncio
 import itertools
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 
 from gpushared.contract import ContractError, ResourceNames
@@ -28,13 +27,12 @@ from gpushared.core.placement.preemption import NodeVictims, Occupant, Victims, 
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, priority_of, uid_of
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.extender.cache import ClusterCache
+from gpushared.extender.evictioncap import MAX_EVICTIONS_PER_MINUTE, EvictionCap
 from gpushared.extender.http.wire import PreemptionArgs
 from gpushared.extender.nominations import Nominations, Offer
 
 log = logging.getLogger(__name__)
 
-#: The most pods evicted a minute for the preemptors of one namespace, by default (``--max-evictions-per-minute``).
-MAX_EVICTIONS_PER_MINUTE = 20
 #: The most nodes of one preempt call looked at, and how long the verb decides before the loop serves others.
 MAX_NODES_ANSWERED = 100
 TURN_SECONDS = 0.02
@@ -61,9 +59,8 @@ class Preempter:
     ) -> None:
         self.cache, self.resources, self.clock = cache, resources, clock
         self.nominations = nominations
-        self.max_evictions_per_minute = max_evictions_per_minute
-        #: per namespace of preemptors, (when, how many evicted) in the last minute
-        self.evicted: dict[str, deque[tuple[float, int]]] = {}
+        #: the evictions of every path, per namespace of preemptors (``evictioncap``)
+        self.cap = EvictionCap(max_evictions_per_minute)
         #: per node proposed: kept (victims that free a GPU), dropped (none does), passed (not a GPU pod),
         #: capped (the preemptor's namespace evicted its most this minute)
         self.counts: dict[str, int] = {"kept": 0, "dropped": 0, "passed": 0, "capped": 0}
@@ -94,7 +91,7 @@ class Preempter:
         self.asked[uid_of(pod)] = now
         if len(self.asked) > MAX_ASKED:
             self.asked = {u: t for u, t in self.asked.items() if now - t < ASKED_SECONDS}
-        if not self.may_evict(namespace, now):
+        if not self.cap.may_evict(namespace, now):
             self.counts["capped"] += len(args.victims)
             log.info("preempt: namespace %s evicted its most this minute; pod %s waits", namespace, uid_of(pod))
             return {}
@@ -124,21 +121,8 @@ class Preempter:
             or "no node frees a GPU",
         )
         if answer:  # kube-scheduler evicts on one of the nodes: counted as the fewest
-            self.count_evictions(namespace, now, min(len(v) for v, _ in answer.values()))
+            self.cap.count(namespace, now, min(len(v) for v, _ in answer.values()))
         return answer
-
-    def may_evict(self, namespace: str, now: float) -> bool:
-        """Whether the preemptors of ``namespace`` may have pods evicted now (under the cap for the minute)."""
-        for name in list(self.evicted):
-            window = self.evicted[name]
-            while window and now - window[0][0] >= 60:
-                window.popleft()
-            if not window:
-                del self.evicted[name]
-        return sum(count for _, count in self.evicted.get(namespace, ())) < self.max_evictions_per_minute
-
-    def count_evictions(self, namespace: str, now: float, count: int) -> None:
-        self.evicted.setdefault(namespace, deque()).append((now, count))
 
     def on_node(
         self, node: str, pod: PodBody, request: PodRequest, priority: int, theirs: Iterable[str] = ()

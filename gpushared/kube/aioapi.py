@@ -87,6 +87,13 @@ class AsyncApi:
             dict[str, Any], await self._call(f"write the status of claim {namespace}/{name}", "PUT", path, body)
         )
 
+    async def put_claim(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Write a ResourceClaim (its metadata: the finalizer), guarded by ``metadata.resourceVersion`` (409)."""
+        meta = body.get("metadata") or {}
+        namespace, name = str(meta.get("namespace", "")), str(meta.get("name", ""))
+        path = f"/apis/resource.k8s.io/v1/namespaces/{quoted(namespace)}/resourceclaims/{quoted(name)}"
+        return cast(dict[str, Any], await self._call(f"write claim {namespace}/{name}", "PUT", path, body))
+
     async def evict_pod(self, namespace: str, name: str, *, uid: str, policy_v1: bool = True) -> None:
         """Evict a pod through the Eviction API: refused (429) while a PodDisruptionBudget that selects it
         allows no disruption; the UID makes it fail if the pod was deleted and made again meanwhile.

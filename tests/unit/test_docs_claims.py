@@ -17,7 +17,7 @@ from gpushared.core.placement import mixbook, policies, reservations
 from gpushared.core.shared.verdicts import MAX_MPS_CLIENTS
 from gpushared.daemon import candidates, endpoints, service
 from gpushared.daemon.config import OPTIONS
-from gpushared.extender import app, inbox, nominations, preempting, priming, state, tasks
+from gpushared.extender import app, evictioncap, inbox, nominations, priming, state, tasks
 from gpushared.kube import informer
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -51,8 +51,8 @@ CLAIMS = [
     ("dra.md", f"apiVersion: {dra.CONFIG_API_VERSION}\n  kind: {dra.CONFIG_KIND}"),
     # preemption
     ("design.md", f"at most `HOLD_SECONDS` ({nominations.HOLD_SECONDS:g} s)"),
-    ("design.md", f"`--max-evictions-per-minute` pods ({preempting.MAX_EVICTIONS_PER_MINUTE})"),
-    ("install.md", f"`--max-evictions-per-minute` ({preempting.MAX_EVICTIONS_PER_MINUTE})"),
+    ("design.md", f"`--max-evictions-per-minute` pods ({evictioncap.MAX_EVICTIONS_PER_MINUTE})"),
+    ("install.md", f"`--max-evictions-per-minute` ({evictioncap.MAX_EVICTIONS_PER_MINUTE})"),
     # the extender's loop and its watchdog
     ("design.md", f"for {seconds(tasks.LOOP_ALIVE_SECONDS)} (`LOOP_ALIVE_SECONDS`)"),
     ("design.md", f"for {seconds(app.WEDGED_SECONDS)} (`WEDGED_SECONDS`)"),
@@ -132,7 +132,7 @@ def test_every_module_the_docs_name_exists() -> None:
 
 def test_one_default_for_the_eviction_cap() -> None:
     """The CLI's default is the preempter's and the settings' default."""
-    from gpushared.extender.preempting import MAX_EVICTIONS_PER_MINUTE
+    from gpushared.extender.evictioncap import MAX_EVICTIONS_PER_MINUTE
 
     assert cli_default("max_evictions_per_minute") == MAX_EVICTIONS_PER_MINUTE
     assert app.ExtenderSettings.__dataclass_fields__["max_evictions_per_minute"].default == MAX_EVICTIONS_PER_MINUTE

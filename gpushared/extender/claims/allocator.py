@@ -44,8 +44,10 @@ from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.claims.fence import FENCED, ClaimFence
 from gpushared.extender.claims.placing import ClaimPlacer
+from gpushared.extender.claims.preempting import ClaimPreempter, Preemption
 from gpushared.extender.claims.writes import ClaimWrites, Gate, refused_permission
 from gpushared.extender.events import Event, no_event, pod_events
+from gpushared.extender.evictioncap import EvictionCap
 from gpushared.extender.gatedwork import GatedPodWorker
 from gpushared.kube.aioapi import AsyncApi
 from gpushared.kube.api import Api
@@ -70,9 +72,6 @@ QUIET_SECONDS = 2.0
 #: pod's gate: kube-scheduler's claim watch shows them about as soon, and one told of the pod first allocates
 #: the claims itself, is refused, and tries the pod again seconds later. Past it the gate goes anyway.
 SHOWN_WITHIN_SECONDS = 1.0
-#: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
-#: long enough for the watch to show a pod that reserved it.
-RELEASE_GRACE_SECONDS = 5.0
 
 
 @dataclass(frozen=True)
@@ -106,9 +105,26 @@ class Allocate:
     asks: tuple[ClaimAsk, ...]
 
 
+@dataclass(frozen=True)
+class Preempt:
+    """Pods of lower priority evicted for the pod (or already terminating), the room held for it meanwhile."""
+
+    preemption: Preemption
+
+    @property
+    def reason(self) -> str:
+        found, node = self.preemption.victims, self.preemption.node
+        gpus = ",".join(map(str, found.gpus))
+        if not found.pods:
+            return f"pods terminating on node {node} free GPU {gpus} for it: held for it until then"
+        return f"{len(found.pods)} pod(s) of lower priority evicted on node {node} to free GPU {gpus}: held for it"
+
+
 def claim_events(api: Api) -> Event:
     """The allocator's Events on pods: waiting is Normal, every other a Warning."""
-    return pod_events(api, component=COMPONENT, normal=frozenset({"WaitingForClaimAllocator"}))
+    return pod_events(
+        api, component=COMPONENT, normal=frozenset({"WaitingForClaimAllocator", "Preempted", "Preempting"})
+    )
 
 
 class ClaimAllocator(GatedPodWorker):
@@ -122,20 +138,25 @@ class ClaimAllocator(GatedPodWorker):
         clock: Callable[[], float] = time.monotonic,
         event: Event = no_event,
         rng: random.Random | None = None,
+        cap: EvictionCap | None = None,
     ) -> None:
+        """``cap``: the evictions for preemptors per namespace, shared with the extender's other paths (None:
+        the allocator's own, at the default)."""
         super().__init__(clock)
         self.cache, self.claim_cache, self.api, self.settings = cache, claim_cache, api, settings
         self.event = event
         self.rng = rng or random.Random()
         #: pod UID -> why it waits, as last told (a reason changes: told again)
         self.told: dict[str, str] = {}
-        #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
-        self.written_for: dict[str, tuple[Key, str, float, ClaimAsk]] = {}
         #: what happened, for the metrics: allocated, handover, timeout, conflict, released, not_gated,
         #: not_ours, refused (``metrics.ClaimAllocations.OUTCOMES``)
         self.counts: Counter[str] = Counter()
         self.writes = ClaimWrites(cache, claim_cache, api, driver=settings.driver, class_config=settings.class_config)
         self.placer = ClaimPlacer(cache, claim_cache, settings.policy, model_label=settings.model_label, rng=self.rng)
+        #: evicts lower-priority pods for gated pods that fit nowhere, and holds the room they free
+        self.preempter = ClaimPreempter(
+            cache, claim_cache, self.placer, api, cap=cap or EvictionCap(), clock=clock, event=event, spawn=self.spawn
+        )
         #: when the allocator last wrote an allocation (the quiet period before a hand-over)
         self.last_write = float("-inf")
         #: where in the gated pods the next step starts deciding, and how many the last step left undecided
@@ -202,24 +223,7 @@ class ClaimAllocator(GatedPodWorker):
                 break  # the rest at the next step: the loop serves the webhook and /healthz between them
             decided += 1
             self.first_seen.setdefault(uid_of(pod), now)
-            decision = self.decide(pod, now)
-            if refused and not (isinstance(decision, Ungate) and decision.outcome == "not_ours"):
-                self._tell(pod, self.writes.refusals.reason(), event=REFUSED_EVENT)
-                continue
-            if isinstance(decision, Wait) and decision.reason == FENCED:
-                self.counts["fenced"] += 1
-            elif isinstance(decision, Ungate) and decision.outcome in HANDED_OVER and not self._quiet(now):
-                decision = Wait("handed over to kube-scheduler once the allocator's last writes are seen")
-            if isinstance(decision, Wait):
-                self._tell(pod, decision.reason)
-                continue
-            self.inflight.add(key)
-            started += 1
-            if isinstance(decision, Allocate):
-                self._assume(decision)
-                self.spawn(self._allocate(pod, decision))
-            else:
-                self.spawn(self._ungate(pod, decision))
+            started += self._act(key, pod, self.decide(pod, now), now, refused=refused)
         self._cursor = start + decided
         self.undecided = len(gated) - decided
         self._last_decided = decided
@@ -228,11 +232,38 @@ class ClaimAllocator(GatedPodWorker):
         self._forget_gone()
         return started
 
+    def _act(
+        self, key: Key, pod: PodBody, decision: Wait | Ungate | Allocate | Preempt, now: float, *, refused: bool
+    ) -> int:
+        """Start what the pod's decision calls for: 1 where a write started, else 0."""
+        if refused and not (isinstance(decision, Ungate) and decision.outcome == "not_ours"):
+            self._tell(pod, self.writes.refusals.reason(), event=REFUSED_EVENT)
+            return 0
+        if isinstance(decision, Wait) and decision.reason == FENCED:
+            self.counts["fenced"] += 1
+        elif isinstance(decision, Ungate) and decision.outcome in HANDED_OVER and not self._quiet(now):
+            decision = Wait("handed over to kube-scheduler once the allocator's last writes are seen")
+        if isinstance(decision, Wait | Preempt):
+            self._tell(pod, decision.reason)
+            if isinstance(decision, Preempt) and decision.preemption.victims.pods:
+                self.inflight.add(key)
+                self.spawn(self._preempt(pod, decision.preemption))
+            return 0
+        self.inflight.add(key)
+        if isinstance(decision, Allocate):
+            self._assume(decision)
+            self.spawn(self._allocate(pod, decision))
+        else:
+            self.spawn(self._ungate(pod, decision))
+        return 1
+
     def _forget_gone(self) -> None:
         """Keep what is kept per pod bounded by the pods waiting: drop what is kept for pods gone."""
-        per_pod = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told)
+        per_pod = (self.first_seen, self.fence.handed_at, self.fence.held_since, self.told, self.preempter.tried)
         waiting = self.cache.claiming
-        self.forget_gone(waiting.values(), per_pod, most=4 * len(waiting) + 100)
+        self.forget_gone(waiting.values(), per_pod, most=5 * len(waiting) + 100)
+        if self.preempter.holds:  # a preemptor gone frees its room at once (holds are few)
+            self.preempter.forget_gone({uid_of(pod) for pod in waiting.values()})
 
     def _quiet(self, now: float) -> bool:
         """No allocation of the allocator in flight, and none written in the last QUIET_SECONDS."""
@@ -241,7 +272,7 @@ class ClaimAllocator(GatedPodWorker):
 
     # --- deciding (no I/O) ---------------------------------------------------------------------------------
 
-    def decide(self, pod: PodBody, now: float) -> Wait | Ungate | Allocate:
+    def decide(self, pod: PodBody, now: float) -> Wait | Ungate | Allocate | Preempt:
         namespace = key_of(pod)[0]
         read = read_pod(pod, self.claim_cache.claims.get(namespace, {}), device_class=self.settings.device_class)
         if not read.ours:
@@ -252,17 +283,27 @@ class ClaimAllocator(GatedPodWorker):
             return Ungate("its claims of gpushared's GPUs are allocated", "allocated")
         if read.waiting is not None:
             return self._timed_out(pod, now, read.waiting)
-        fenced = self.fence.holds(uid_of(pod), now)
-        choice = self.placer.choose(pod, read.asks, read.node, fenced=fenced)
+        uid = uid_of(pod)
+        fenced = self.fence.holds(uid, now)
+        preempting = self.preempter.held_for(pod)  # the room freed for preemptors it may not take
+        choice = self.placer.choose(pod, read.asks, read.node, fenced=fenced, held=preempting)
         # room only in what kube-scheduler's pods could take: the pod waits
         held = fenced and isinstance(choice, NoRoom)
-        held = held and not isinstance(self.placer.choose(pod, read.asks, read.node), NoRoom)
-        self.fence.held_back(uid_of(pod), now, held=held)
+        held = held and not isinstance(self.placer.choose(pod, read.asks, read.node, held=preempting), NoRoom)
+        self.fence.held_back(uid, now, held=held)
         if held:
             return Wait(FENCED)
-        if isinstance(choice, NoRoom):
-            return self._timed_out(pod, now, choice.reason)
-        return Allocate(choice, read.asks)
+        if not isinstance(choice, NoRoom):
+            return Allocate(choice, read.asks)
+        hold = self.preempter.hold_of(uid)
+        if hold is not None:
+            return Wait(f"{choice.reason}; the room freed for it on node {hold.node} is held for it")
+        if self.preempter.may_preempt(pod, now, self.first_seen.get(uid, now)):
+            planned = self.preempter.plan(pod, read.asks, read.node, now)
+            if isinstance(planned, Preemption):
+                return Preempt(planned)
+            return self._timed_out(pod, now, f"{choice.reason}; {planned}")
+        return self._timed_out(pod, now, choice.reason)
 
     def _timed_out(self, pod: PodBody, now: float, reason: str) -> Wait | Ungate:
         after = self.settings.handover_after
@@ -289,7 +330,7 @@ class ClaimAllocator(GatedPodWorker):
                     self._forget(decision.asks[number:])
                     return
                 try:
-                    written = await self.api.put_claim_status(body)
+                    written = await self.writes.allocate(body)
                 except KubeError as exc:
                     self._forget(decision.asks[number:])
                     if refused_permission(exc):
@@ -305,7 +346,7 @@ class ClaimAllocator(GatedPodWorker):
                 self.writes.refusals.accepted()
                 self.claim_cache.written(written)
                 self.last_write = self.clock()
-                self.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
+                self.writes.written_for[ask.uid] = (key, uid_of(pod), self.last_write, ask)
                 versions[ask.uid] = version_of(written)
             await self.claim_cache.until_shown(versions, within=SHOWN_WITHIN_SECONDS)
             await self._ungate(pod, Ungate(f"allocated on node {decision.choice.node}", "allocated"), inflight=False)
@@ -330,6 +371,7 @@ class ClaimAllocator(GatedPodWorker):
                 return  # gone (its claims are released), removed already, refused, or tried again at the next step
             self.counts[decision.outcome] += 1
             self.fence.passed_by_us(uid_of(pod))
+            self.preempter.done(uid_of(pod))
             if decision.outcome == "allocated":
                 self.waited(uid_of(pod))
             self.told.pop(uid_of(pod), None)
@@ -344,21 +386,14 @@ class ClaimAllocator(GatedPodWorker):
                 self.inflight.discard(key)
 
     def _release_left_over(self, now: float) -> None:
-        """Release claims written for a pod that is gone, if no pod reserved them (``written_for``)."""
-        for claim_uid, (pod_key, pod_uid, when, ask) in list(self.written_for.items()):
-            if now - when < RELEASE_GRACE_SECONDS:
-                continue
-            pending = self.cache.pending.get(pod_key)
-            if pending is not None and uid_of(pending) == pod_uid:
-                continue  # still waiting: kube-scheduler reserves it when it binds
-            del self.written_for[claim_uid]
-            claim = self.claim_cache.claim(ask.namespace, ask.name)
-            status = (claim or {}).get("status") or {}
-            if claim is None or uid_of(claim) != claim_uid or not status.get("allocation") or status.get("reservedFor"):
-                continue
-            if self.cache.state.node_of.get(pod_uid) is not None:
-                continue  # bound meanwhile: the kubelet reserves it
+        for claim in self.writes.left_over(now):
             self.spawn(self._release(claim))
+
+    async def _preempt(self, pod: PodBody, preemption: Preemption) -> None:
+        try:
+            await self.preempter.evict(pod, preemption)
+        finally:
+            self.inflight.discard(key_of(pod))
 
     async def _release(self, claim: ObjectBody) -> None:
         if await self.writes.release(claim):

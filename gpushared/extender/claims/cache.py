@@ -249,6 +249,11 @@ class ClaimCache:
     def claim(self, namespace: str, name: str) -> ObjectBody | None:
         return self.claims.get(namespace, {}).get(name)
 
+    def allocated_on(self, node: str) -> list[ObjectBody]:
+        """The claims the watch shows allocated on ``node`` (the allocator's writes it does not show yet are not
+        claims of any pod yet)."""
+        return [self.claims[ns][name] for ns, name in self._on_node.get(node, ()) if name in self.claims.get(ns, {})]
+
     def ledger(self, node: str, inventory: GpuInventory, *, assumed: bool = True) -> Ledger:
         """The node's GPUs with the claims allocated there and (``assumed``) those written and not shown by the
         watch yet, kept until one changes. Without them: the node as kube-scheduler may still see it."""
@@ -257,7 +262,7 @@ class ClaimCache:
         known = self._ledgers.get(slot)
         if known is not None and known[1] == changes and (known[0] is inventory or known[0] == inventory):
             return known[2]
-        claims = [self.claims[ns][name] for ns, name in self._on_node.get(node, ()) if name in self.claims.get(ns, {})]
+        claims = self.allocated_on(node)
         holdings, problems = claim_holdings(claims, node=node, inventory=inventory, driver=self.driver)
         for problem in problems:
             if problem not in self.problems:

@@ -105,8 +105,9 @@ class ClaimPlacer:
         self._world: list[Any] = []
         self._alive: list[Any] = []
         self.generation = 0
-        #: (what a placement reads of a pod, fenced) -> why pods of that kind found no room this generation
-        self._no_room: dict[tuple[PodAsk, bool], NoRoom] = {}
+        #: (what a placement reads of a pod, fenced, the room held for others) -> why pods of that kind found no
+        #: room this generation
+        self._no_room: dict[tuple[PodAsk, bool, Any], NoRoom] = {}
         #: pricings of a pod (its kind's placement on every candidate), for the tests' count of the work
         self.pricings = 0
         #: a pod's node selection (``selection_of``) -> the part of its spec ``nodefit.admits`` reads
@@ -149,23 +150,31 @@ class ClaimPlacer:
         return PodAsk(shape, cpu_of(pod), memory_request(pod), gpu_models(pod, self.model_label), fixed, selection)
 
     def choose(
-        self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, *, fenced: bool = False
+        self,
+        pod: PodBody,
+        asks: Sequence[ClaimAsk],
+        fixed: str | None,
+        *,
+        fenced: bool = False,
+        held: KeptRoom = NO_ROOM_KEPT,
     ) -> ClaimChoice | NoRoom:
         """The best node for the pod's claims (``fixed``: the one an allocated claim of the pod is on); with the
-        room kept for kube-scheduler (``look``) counted where ``fenced``. A kind of pod that found no room
-        since the last change ``look`` saw is told so again without being priced."""
+        room kept for kube-scheduler (``look``) counted where ``fenced``, and the room ``held`` for
+        preemptors the pod must leave alone (``claims.preempting``). A kind of pod that found no room since
+        the last change ``look`` saw is told so again without being priced."""
         ask = self.ask_of(pod, asks, fixed)
-        known = self._no_room.get((ask, fenced))
+        seen = (ask, fenced, _key_of(held))
+        known = self._no_room.get(seen)
         if known is not None:
             return known
-        choice = self._choose(ask, asks, fenced=fenced)
+        choice = self._choose(ask, asks, kept=_sum_of(self.kept if fenced else NO_ROOM_KEPT, held))
         if isinstance(choice, NoRoom) and self.generation:
-            self._no_room[(ask, fenced)] = choice
+            self._no_room[seen] = choice
         return choice
 
-    def _choose(self, ask: PodAsk, asks: Sequence[ClaimAsk], *, fenced: bool) -> ClaimChoice | NoRoom:
+    def _choose(self, ask: PodAsk, asks: Sequence[ClaimAsk], *, kept: KeptRoom) -> ClaimChoice | NoRoom:
         self.pricings += 1
-        candidates = self.candidates(ask, kept=self.kept if fenced else NO_ROOM_KEPT)
+        candidates = self.candidates(ask, kept=kept)
         kind = (ask.shape, ask.cpu if self.policy.reads_cpu else 0, ask.models is not None)
         mix = self.cache.state.mix_generation if self.policy.reads_mix or self.policy.reads_pressure else 0
         return choose(
@@ -280,3 +289,23 @@ class ClaimPlacer:
         domains = nvlink_domains(inventory)
         self._static[name] = (inventory, devices, given, domains)
         return given, domains
+
+
+def _key_of(room: KeptRoom) -> tuple[tuple[str, int, Room], ...]:
+    """Room kept, as a key: equal rooms, equal keys."""
+    return tuple(sorted((node, index, kept) for node, on_node in room.items() for index, kept in on_node.items()))
+
+
+def _sum_of(one: KeptRoom, other: KeptRoom) -> KeptRoom:
+    """Two rooms kept, added GPU by GPU."""
+    if not other:
+        return one
+    if not one:
+        return other
+    summed = {node: dict(on_node) for node, on_node in one.items()}
+    for node, on_node in other.items():
+        mine = summed.setdefault(node, {})
+        for index, room in on_node.items():
+            known = mine.get(index, Room(0, 0))
+            mine[index] = Room(known.units + room.units, known.compute + room.compute)
+    return summed

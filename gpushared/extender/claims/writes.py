@@ -18,11 +18,12 @@ import re
 import uuid
 from typing import Any
 
+from gpushared.contract import dra
 from gpushared.core.dra.allocation import GivenDevice, allocation_body
 from gpushared.core.placement.claims.asks import ClaimAsk
 from gpushared.core.placement.claims.choice import ClaimChoice
 from gpushared.core.placement.claims.gate import CLAIM_GATE
-from gpushared.core.shared.bodies import ObjectBody, PodBody, key_of, meta_of, uid_of
+from gpushared.core.shared.bodies import Key, ObjectBody, PodBody, key_of, meta_of, uid_of
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.claims.cache import ClaimCache
 from gpushared.extender.gatedwork import Patched, patch_pod
@@ -33,9 +34,13 @@ log = logging.getLogger(__name__)
 
 #: How long after the API server refused the allocator a permission it writes nothing, before trying once more.
 REFUSED_RETRY_SECONDS = 30.0
+#: How long a claim this allocator wrote for a pod that was then deleted stays allocated before it is released:
+#: long enough for the watch to show a pod that reserved it.
+RELEASE_GRACE_SECONDS = 5.0
 #: What the allocator needs, said with each refusal: the RBAC that ships with it grants all of it.
 NEEDED = (
-    "the claim allocator's ServiceAccount needs update on resourceclaims/status and, from Kubernetes 1.36, on "
+    "the claim allocator's ServiceAccount needs update on resourceclaims and resourceclaims/status and, from "
+    "Kubernetes 1.36, on "
     "resourceclaims/binding (KEP-4817), and patch on pods (deploy/dra/claim-allocator.yaml, the chart's "
     "dra.claimAllocator)"
 )
@@ -123,6 +128,26 @@ class ClaimWrites:
         self.refused: KubeError | None = None
         #: the last permission the API server refused (the allocator's, read by its metric and readiness)
         self.refusals = Refusals()
+        #: claim UID -> (the pod it was written for, when): released if that pod goes before reserving it
+        self.written_for: dict[str, tuple[Key, str, float, ClaimAsk]] = {}
+
+    def left_over(self, now: float) -> list[ObjectBody]:
+        """The claims written for a pod that is gone, that no pod reserved (``written_for``): to release."""
+        found = []
+        for claim_uid, (pod_key, pod_uid, when, ask) in list(self.written_for.items()):
+            if now - when < RELEASE_GRACE_SECONDS:
+                continue
+            pending = self.cache.pending.get(pod_key)
+            if pending is not None and uid_of(pending) == pod_uid:
+                continue  # still waiting: kube-scheduler reserves it when it binds
+            del self.written_for[claim_uid]
+            claim = self.claim_cache.claim(ask.namespace, ask.name)
+            status = (claim or {}).get("status") or {}
+            if claim is None or uid_of(claim) != claim_uid or not status.get("allocation") or status.get("reservedFor"):
+                continue
+            if self.cache.state.node_of.get(pod_uid) is None:  # bound meanwhile: the kubelet reserves it
+                found.append(claim)
+        return found
 
     def allocated_body(self, ask: ClaimAsk, number: int, choice: ClaimChoice) -> ObjectBody | None:
         """The claim with the allocation of its devices, as read (its resourceVersion guards the write)."""
@@ -149,6 +174,20 @@ class ClaimWrites:
         )
         meta = {**(claim.get("metadata") or {}), "resourceVersion": ask.resource_version}
         return {**claim, "metadata": meta, "status": {**(claim.get("status") or {}), "allocation": allocation}}
+
+    async def allocate(self, body: ObjectBody) -> ObjectBody:
+        """Write the claim's allocation (``allocated_body``), as kube-scheduler writes one: the finalizer
+        ``dra.ALLOCATED_FINALIZER`` first, in a write of the claim itself where it lacks it (so that
+        kube-controller-manager deallocates the claim once no pod uses it), then the status. Each write is
+        guarded by the resourceVersion the one before left; the claim as stored after the last is returned."""
+        meta = body.get("metadata") or {}
+        finalizers = list(meta.get("finalizers") or [])
+        if dra.ALLOCATED_FINALIZER not in finalizers:
+            protected = await self.api.put_claim(
+                {**body, "metadata": {**meta, "finalizers": [*finalizers, dra.ALLOCATED_FINALIZER]}}
+            )
+            body = {**body, "metadata": protected.get("metadata") or {}}
+        return await self.api.put_claim_status(body)
 
     async def remove_gate(self, pod: PodBody) -> Gate:
         """Remove the allocator's gate from the pod, testing its UID and the gate's place. A pod whose gates

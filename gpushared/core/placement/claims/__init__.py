@@ -9,6 +9,8 @@
   ``place_on`` on each node).
 - ``room``: the room kept free on each GPU for pods kube-scheduler may allocate first fit (``could_take``,
   ``kept_room``).
+- ``preemption``: the pods to evict so that a gated pod's claims fit (``claim_victims``: groups of pods that
+  share claims go together), and the pod's claims as one request (``claims_request``).
 
 The components that gather the inputs and write the outcomes are in ``gpushared.extender.claims``.
 """
