@@ -16,12 +16,14 @@ from gpushared.core.placement.claims.gate import CLAIM_GATE
 from gpushared.core.placement.policies import BINPACK
 from gpushared.core.placement.steering import STEER_GATE
 from gpushared.extender.cache import ClusterCache
-from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator
+from gpushared.extender.claims.allocator import AllocatorSettings, ClaimAllocator, claim_events
 from gpushared.extender.claims.cache import ClaimCache
 from gpushared.kube.aioapi import AsyncApi
+from gpushared.kube.api import Api
 from tests.builders import inventory
 from tests.extender_harness import gpu_node
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.store import RESOURCES
 
 GI = 2**30
 CLAIMS = "/apis/resource.k8s.io/v1/namespaces/default/resourceclaims"
@@ -48,7 +50,14 @@ def claim(
     }
 
 
-def gated_pod(name: str, *claims: str, gated: bool = True, template: str | None = None) -> dict[str, Any]:
+def gated_pod(
+    name: str,
+    *claims: str,
+    gated: bool = True,
+    template: str | None = None,
+    priority: int | None = None,
+    labels: dict[str, str] | None = None,
+) -> dict[str, Any]:
     refs: list[dict[str, Any]] = [{"name": f"c{n}", "resourceClaimName": c} for n, c in enumerate(claims)]
     if template is not None:
         refs.append({"name": "t", "resourceClaimTemplateName": template})
@@ -58,7 +67,12 @@ def gated_pod(name: str, *claims: str, gated: bool = True, template: str | None 
     }
     if gated:
         spec["schedulingGates"] = [{"name": CLAIM_GATE}]
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"}, "spec": spec}
+    if priority is not None:  # as the API server resolves it from the pod's PriorityClass
+        spec["priority"] = priority
+    meta: dict[str, Any] = {"name": name, "namespace": "default"}
+    if labels:
+        meta["labels"] = labels
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
 
 def steered_pod(name: str, *, cpu: str = "2", **spec: Any) -> dict[str, Any]:
@@ -120,7 +134,8 @@ class ClaimWorld:
             await asyncio.sleep(0.01)
         cache.prepare()
         self.aio = AsyncApi(self.api.credentials(token=self.token))
-        self.allocator = ClaimAllocator(cache, claim_cache, self.aio, self.settings, clock=self.clock)
+        events = claim_events(Api(self.api.rest(token=self.token)))
+        self.allocator = ClaimAllocator(cache, claim_cache, self.aio, self.settings, clock=self.clock, event=events)
         return self.allocator
 
     async def until(self, done: Callable[[], bool], *, within: float = 10.0) -> None:
@@ -261,6 +276,41 @@ class FirstFitScheduler:
                     return
                 self.allocated += 1
                 return
+
+
+class ClaimController:
+    """kube-controller-manager's resourceclaim controller and the kubelet, as far as a claim's end needs them:
+    a pod being deleted is stopped (deleted for good), its claims drop it from ``reservedFor``, and a claim
+    reserved for no pod any more has its allocation cleared and the finalizer removed, but only where it
+    carries ``dra.ALLOCATED_FINALIZER`` (the real controller leaves any other claim allocated)."""
+
+    def __init__(self, api: FakeApiServer) -> None:
+        self.api = api
+        self.rest = api.rest()
+
+    def stop_terminating(self) -> None:
+        for pod in self.api.objects("pods"):
+            if pod["metadata"].get("deletionTimestamp") is not None:
+                self.api.store.delete(RESOURCES["pods"], "default", pod["metadata"]["name"], {"gracePeriodSeconds": 0})
+
+    def round(self) -> None:
+        alive = {p["metadata"]["uid"] for p in self.api.objects("pods")}
+        for body in self.api.objects("resourceclaims"):
+            status = dict(body.get("status") or {})
+            reserved = status.get("reservedFor") or []
+            remaining = [r for r in reserved if r.get("uid") in alive]
+            if len(remaining) == len(reserved):
+                continue
+            status["reservedFor"] = remaining
+            protected = dra.ALLOCATED_FINALIZER in (body["metadata"].get("finalizers") or [])
+            if not remaining and protected:
+                status.pop("allocation", None)
+            name = body["metadata"]["name"]
+            written = self.rest.request("unreserve", "PUT", f"{CLAIMS}/{name}/status", body={**body, "status": status})
+            if protected and not remaining:
+                meta = dict(written["metadata"])
+                meta["finalizers"] = [f for f in meta.get("finalizers") or [] if f != dra.ALLOCATED_FINALIZER]
+                self.rest.request("unprotect", "PUT", f"{CLAIMS}/{name}", body={**written, "metadata": meta})
 
 
 def parse(value: object) -> int:

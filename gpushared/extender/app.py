@@ -143,7 +143,6 @@ class Extender:
         if settings.claims is not None:
             self.claim_cache = ClaimCache(driver=settings.claims.driver, device_class=settings.claims.device_class)
             self.claim_cache.watch(api.rest, cache.owner, watch_seconds=settings.watch_seconds)
-            self.allocator = ClaimAllocator(cache, self.claim_cache, binder, settings.claims, event=claim_events(api))
         scheduler = Scheduler(
             cache=cache,
             api=binder,
@@ -163,6 +162,10 @@ class Extender:
             nominations=scheduler.nominations,
             max_evictions_per_minute=settings.max_evictions_per_minute,
         )
+        if self.claim_cache is not None and settings.claims is not None:
+            self.allocator = ClaimAllocator(
+                cache, self.claim_cache, binder, settings.claims, event=claim_events(api), cap=self.preempter.cap
+            )
         self.evictor = Evictor(
             cache,
             binder,

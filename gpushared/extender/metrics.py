@@ -96,6 +96,8 @@ class ClaimAllocations(Collector):
 
     #: every outcome it counts, exposed from the start at 0
     OUTCOMES = ("allocated", "handover", "timeout", "conflict", "released", "not_gated", "not_ours", "refused")
+    #: what its preemptions came to (``claims.preempting.ClaimPreempter.counts``)
+    PREEMPTIONS = ("evicted", "refused", "gone", "failed", "capped", "coming", "no_victims")
 
     def __init__(self) -> None:
         self.allocator: Any = None
@@ -140,6 +142,24 @@ class ClaimAllocations(Collector):
             "gpushared_extender_claim_pods_waiting",
             "Gated pods the claim allocator is waiting with (no room, a claim not made yet, kube-scheduler busy)",
             value=len(allocator.told),
+        )
+        preempter = allocator.preempter
+        family = CounterMetricFamily(
+            "gpushared_extender_claim_preemptions",
+            "The claim allocator's preemptions for gated pods that fit nowhere, per outcome: evicted (a pod), "
+            "refused (an eviction a PodDisruptionBudget forbade: the hold goes), gone (a victim gone meanwhile), "
+            "failed (an eviction that may have landed), capped (no eviction: the preemptor's namespace evicted its "
+            "most this minute), coming (room held that pods already terminating free), no_victims (no node had "
+            "lower-priority pods whose eviction frees the room)",
+            labels=("outcome",),
+        )
+        for outcome in self.PREEMPTIONS:
+            family.add_metric((outcome,), preempter.counts[outcome])
+        yield family
+        yield GaugeMetricFamily(
+            "gpushared_extender_claim_preemptors_held",
+            "Gated pods the room freed by a preemption is held for, until their claims are allocated",
+            value=len(preempter.holds),
         )
 
 
