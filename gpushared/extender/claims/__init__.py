@@ -10,8 +10,8 @@ in the extender's leader, on the extender's event loop, and owns nothing the ext
 - ``preempting``: for a gated pod that fits nowhere, the lower-priority pods whose claims hold the room
   evicted, and the room they free held for it (``ClaimPreempter``).
 - ``fence``: the room kept free for pods kube-scheduler may be allocating claims for meanwhile.
-- ``writes``: the API calls: a claim's allocation (its finalizer first), the gate's removal, a release, and the permissions
-  the API server refused (``ClaimWrites``, ``Refusals``).
+- ``writes``: the API calls: a claim's allocation (its finalizer first), the gate's removal, a release,
+  and the permissions the API server refused (``ClaimWrites``, ``Refusals``).
 
 What each step decides is pure and tested as tables in ``gpushared.core.placement.claims``; the webhook
 route that adds the gate is ``extender.routes``; docs/dra.md ("The claim allocator") has the whole path.
