@@ -30,7 +30,7 @@ from tests.claimworld import (
     gated_pod,
     gates,
 )
-from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.store import RESOURCES
 
 LOW, HIGH = 0, 100_000
@@ -188,5 +188,54 @@ def test_the_cap_stops_a_namespace_evicting_without_end(api: FakeApiServer) -> N
         await world.until(lambda: world.allocator.preempter.counts["capped"] >= 1)
         assert terminating(api) == []
         assert "evicted for it this minute" in world.allocator.told[next(iter(world.allocator.told))]
+
+    run(api, body)
+
+
+def test_an_eviction_cut_after_it_landed_evicts_no_one_more(api: FakeApiServer) -> None:
+    """The eviction lands but its answer is cut: the hold stays, and no second pod is evicted while the first
+    terminates, past the retry a refused eviction waits."""
+
+    async def body(world: ClaimWorld) -> None:
+        await nine_low_pods(world, api)
+        api.inject(Fault(method="POST", path=r"/eviction$", cut=True, applied=True))
+        api.create(claim("c-high", memory="10Gi"))
+        api.create(gated_pod("high", "c-high", priority=HIGH))
+        await world.until(lambda: bool(terminating(api)))
+        for _ in range(30):  # 1.5 s: three times the retry
+            world.allocator.step()
+            await world.allocator.settle()
+            await asyncio.sleep(0.05)
+        assert len(terminating(api)) == 1
+        assert world.allocator.preempter.counts["failed"] == 1 and world.allocator.preempter.counts["evicted"] == 0
+        assert list(world.allocator.preempter.holds) == [api.get("pods", "high", "default")["metadata"]["uid"]]  # type: ignore[index]
+
+    run(api, body)
+
+
+def test_a_new_leader_waits_for_the_victims_an_old_one_evicted(api: FakeApiServer) -> None:
+    """A leader evicts and is gone (its holds with it); the next one finds the victim terminating, holds the
+    room it frees and evicts no one more; the preemptor gets the GPU once the victim's claim is gone."""
+    controller = ClaimController(api)
+
+    async def body(world: ClaimWorld) -> None:
+        await nine_low_pods(world, api)
+        api.create(claim("c-high", memory="10Gi"))
+        api.create(gated_pod("high", "c-high", priority=HIGH))
+        await world.until(lambda: bool(terminating(api)))
+        (victim,) = terminating(api)
+        await world.stop()
+        await world.start()  # a fresh allocator, caches and holds: a takeover
+        await world.until(lambda: world.allocator.preempter.counts["coming"] >= 1)
+        assert terminating(api) == [victim] and world.allocator.preempter.counts["evicted"] == 0
+        controller.stop_terminating()
+
+        def allocated() -> bool:
+            controller.round()
+            return not gates(api, "high")
+
+        await world.until(allocated)
+        assert gpu_of(api, "c-high") == 0
+        assert set(LOWS) - {p["metadata"]["name"] for p in api.objects("pods")} == {victim}
 
     run(api, body)

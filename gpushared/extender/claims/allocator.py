@@ -175,6 +175,8 @@ class ClaimAllocator(GatedPodWorker):
             told=self._not_gated_event,
         )
         self._led = False
+        #: when the current step stops deciding (a preemption's search stops there too)
+        self._budget = float("inf")
 
     # --- the loop ------------------------------------------------------------------------------------------
 
@@ -214,7 +216,7 @@ class ClaimAllocator(GatedPodWorker):
                 self.fence.look_at(key, pod, now, gated_before=uid_of(pod) in self.first_seen)
         if gated:  # the room kept for kube-scheduler, worked out only when a pod is to be placed
             self.fence.hold()
-        budget = time.perf_counter() + STEP_SECONDS
+        budget = self._budget = time.perf_counter() + STEP_SECONDS
         start = self._cursor % len(gated) if gated else 0
         decided = 0
         refused = self.writes.refusals.holding(now)
@@ -299,7 +301,7 @@ class ClaimAllocator(GatedPodWorker):
         if hold is not None:
             return Wait(f"{choice.reason}; the room freed for it on node {hold.node} is held for it")
         if self.preempter.may_preempt(pod, now, self.first_seen.get(uid, now)):
-            planned = self.preempter.plan(pod, read.asks, read.node, now)
+            planned = self.preempter.plan(pod, read.asks, read.node, now, budget=self._budget)
             if isinstance(planned, Preemption):
                 return Preempt(planned)
             return self._timed_out(pod, now, f"{choice.reason}; {planned}")

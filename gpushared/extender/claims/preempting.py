@@ -28,6 +28,7 @@ preemptor's namespace (``extender.evictioncap``), with the ``preempt`` verb's an
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -148,9 +149,13 @@ class ClaimPreempter:
             return False
         return now - self.tried.get(uid, -RETRY_SECONDS) >= RETRY_SECONDS
 
-    def plan(self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, now: float) -> Preemption | str:
-        """The node to preempt on and its victims, or why there is none. A plan is counted at once: its room
-        held, its evictions counted toward the cap (``evict`` then carries it out)."""
+    def plan(
+        self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, now: float, *, budget: float
+    ) -> Preemption | str:
+        """The node to preempt on and its victims, or why there is none: at most MAX_NODES_TRIED nodes, from
+        where the last search stopped, and past ``budget`` (a ``time.perf_counter`` deadline: the allocator's
+        step) the best of those tried so far, as kube-scheduler too chooses among a sample. A plan is counted
+        at once: its room held, its evictions counted toward the cap (``evict`` then carries it out)."""
         uid, priority, namespace = uid_of(pod), priority_of(pod), key_of(pod)[0]
         self.tried[uid] = now
         candidates = self.placer.candidates(self.placer.ask_of(pod, asks, fixed))
@@ -159,7 +164,11 @@ class ClaimPreempter:
         why = "no node has lower-priority pods whose eviction frees the room"
         start = self._cursor % len(candidates) if candidates else 0
         tried = candidates[start:] + candidates[:start]
+        searched = 0
         for candidate in tried[:MAX_NODES_TRIED]:
+            if searched and time.perf_counter() > budget:
+                break
+            searched += 1
             request = claims_request(asks, candidate.ledger.unit)
             if isinstance(request, str):
                 return f"nothing is evicted for it: {request}"
@@ -176,7 +185,7 @@ class ClaimPreempter:
             requests[candidate.name] = request
             victims = Victims(found.pods, found.gpus, found.highest, found.pdb_violations)
             options.append(NodeVictims(candidate.name, victims, found.priorities))
-        self._cursor = start + min(len(tried), MAX_NODES_TRIED)
+        self._cursor = start + searched
         chosen = pick_node(options)
         if chosen is None:
             self.counts["no_victims"] += 1
