@@ -48,6 +48,8 @@ class ClaimCache:
         self.assumed: dict[str, tuple[str, list[Holding]]] = {}
         #: node -> changes to its claims; a ledger is kept per (inventory, change count)
         self._changes: dict[str, int] = {}
+        #: changes to the claims allocated on any node: what is worked out from them all is kept until it moves
+        self.changes = 0
         self._ledgers: dict[str | tuple[str, str], tuple[GpuInventory, int, Ledger]] = {}
         #: claims whose allocation could not be read: counted, and named in the log once
         self.problems: set[str] = set()
@@ -279,3 +281,4 @@ class ClaimCache:
 
     def _changed(self, node: str) -> None:
         self._changes[node] = self._changes.get(node, 0) + 1
+        self.changes += 1

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from gpushared.core.placement.claims.preemption import ClaimPod, ClaimVictims, c
 from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room
 from gpushared.core.placement.preemption import NodeVictims, Victims, pick_node
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, priority_of, uid_of
+from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.requests import PodRequest
 from gpushared.kube.errors import KubeError
 
@@ -59,6 +61,8 @@ GRACE_SECONDS = 5.0
 RETRY_SECONDS = 10.0
 #: The most nodes searched for one pod (kube-scheduler's preemption tries at least 100).
 MAX_NODES_TRIED = 100
+#: Searches kept at most (each a node's answer for one kind of preemptor); past it they are all made again.
+MAX_SEARCHES_KEPT = 100_000
 #: The longest the room freed for a preemptor is held for it: its victims' grace periods (30 s by default),
 #: their claims' deletion and its allocation fit well within it; past it, the room is anyone's.
 HOLD_SECONDS = 300.0
@@ -112,6 +116,12 @@ class ClaimPreempter:
         #: held that pods already terminating free), no_victims (a preemptor no node had victims for)
         self.counts: Counter[str] = Counter()
         self._cursor = 0
+        #: (the claim cache's change count, the lowest priority of a pod holding a claim): a pod of no higher
+        #: priority has no victims anywhere, and is not searched for
+        self._lowest: tuple[int, int | None] = (-1, None)
+        #: (node, request, priority) -> (the node's ledger, weakly, and its version; what the search found):
+        #: pods alike waiting for room search each node once while its claims stay the same
+        self._searched: dict[tuple[str, PodRequest, int], tuple[weakref.ref[Ledger], int, ClaimVictims | None]] = {}
 
     # --- reads ---------------------------------------------------------------------------------------------
 
@@ -145,9 +155,25 @@ class ClaimPreempter:
         uid = uid_of(pod)
         if (pod.get("spec") or {}).get("preemptionPolicy") == "Never" or self.hold_of(uid) is not None:
             return False
-        if now - gated_since < GRACE_SECONDS:
+        if now - gated_since < GRACE_SECONDS or now - self.tried.get(uid, -RETRY_SECONDS) < RETRY_SECONDS:
             return False
-        return now - self.tried.get(uid, -RETRY_SECONDS) >= RETRY_SECONDS
+        lowest = self._lowest_priority()
+        return lowest is not None and lowest < priority_of(pod)
+
+    def _lowest_priority(self) -> int | None:
+        """The lowest priority of the pods the claims allocated on the nodes are reserved for (None: none),
+        worked out again only when a claim changed."""
+        if self._lowest[0] != self.claim_cache.changes:
+            pods = _BoundPods(self.cache)
+            priorities = [
+                pods[ref.uid].priority
+                for node in self.claim_cache.published()
+                for claim in self.claim_cache.allocated_on(node)
+                for ref in reserved_pods(claim)
+                if ref.uid in pods
+            ]
+            self._lowest = (self.claim_cache.changes, min(priorities, default=None))
+        return self._lowest[1]
 
     def plan(
         self, pod: PodBody, asks: Sequence[ClaimAsk], fixed: str | None, now: float, *, budget: float
@@ -172,14 +198,7 @@ class ClaimPreempter:
             request = claims_request(asks, candidate.ledger.unit)
             if isinstance(request, str):
                 return f"nothing is evicted for it: {request}"
-            found = claim_victims(
-                candidate.ledger,
-                request,
-                priority=priority,
-                claims=self._reserved(candidate.name),
-                pods=self._pods(),
-                published=frozenset(candidate.devices),
-            )
+            found = self._search(candidate.name, candidate.ledger, request, priority, frozenset(candidate.devices))
             if found is None:
                 continue
             requests[candidate.name] = request
@@ -209,6 +228,31 @@ class ClaimPreempter:
             self.counts["coming"] += 1
         self.tried.pop(uid, None)
         return Preemption(chosen.node, found, request)
+
+    def _search(
+        self, node: str, ledger: Ledger, request: PodRequest, priority: int, published: frozenset[int]
+    ) -> ClaimVictims | None:
+        """``claim_victims`` on the node, kept while the node's ledger is the same object at the same version
+        (a claim changed, reserved or released, or a pod reserving one came or went: a new ledger)."""
+        key = (node, request, priority)
+        known = self._searched.get(key)
+        if known is not None and known[0]() is ledger and known[1] == ledger.version and self._standing(known[2]):
+            return known[2]
+        found = claim_victims(
+            ledger, request, priority=priority, claims=self._reserved(node), pods=self._pods(), published=published
+        )
+        if len(self._searched) >= MAX_SEARCHES_KEPT:
+            self._searched.clear()
+        self._searched[key] = (weakref.ref(ledger), ledger.version, found)
+        return found
+
+    def _standing(self, found: ClaimVictims | None) -> bool:
+        """Whether the victims a kept search found are all still there and not terminating (a pod deleted
+        meanwhile changes no claim until it is gone)."""
+        if found is None:
+            return True
+        pods = self._pods()
+        return all(uid in pods and not pods[uid].terminating for uid in found.pods)
 
     def _reserved(self, node: str) -> dict[str, tuple[str, ...]]:
         """Claim UID -> the pods it is reserved for, of the claims allocated on ``node``."""
