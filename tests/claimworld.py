@@ -121,6 +121,7 @@ class ClaimWorld:
         self.cache = cache = ClusterCache(
             list_nodes=rest.lister("/api/v1/nodes", what="nodes"),
             list_pods=rest.lister("/api/v1/pods", what="pods"),
+            list_budgets=rest.lister("/apis/policy/v1/poddisruptionbudgets", what="poddisruptionbudgets"),
             resources=contract.DEFAULT_RESOURCES,
             watch_seconds=5,
         )

@@ -111,6 +111,10 @@ class Extender:
 
     def __init__(self, settings: ExtenderSettings, *, api: Api, binder: AsyncApi) -> None:
         self.settings = settings
+        # Once, tried once, briefly: an API server not reachable yet must not hold the start (the safe
+        # window of before is used then).
+        version = api.without_retries().server_version(timeout=VERSION_READ_SECONDS)
+        budgets = "policy/v1" if version is None or version >= (1, 21) else "policy/v1beta1"
         self.cache = cache = ClusterCache(
             list_nodes=api.rest.lister("/api/v1/nodes", what="nodes"),
             list_pods=api.rest.lister("/api/v1/pods", what="pods"),
@@ -121,12 +125,10 @@ class Extender:
             rooms=settings.policy.reads_rooms,
             expected=settings.expected,
             schedulers=frozenset({"default-scheduler", settings.webhook_scheduler}),
+            list_budgets=api.rest.lister(f"/apis/{budgets}/poddisruptionbudgets", what="poddisruptionbudgets"),
         )
         # Each mix after the first is built off the event loop (extender.mixing); the pricing after it is not.
         cache.state.taker = self.taker = MixTaker(cache.state.book)
-        # Once, tried once, briefly: an API server not reachable yet must not hold the start (the safe
-        # window of before is used then).
-        version = api.without_retries().server_version(timeout=VERSION_READ_SECONDS)
         cache.reservations.fence_seconds = fence_window(version, landing=settings.binding_landing_seconds)
         log.info(
             "API server %s: binds fenced for up to %.0f s after a start or a takeover",

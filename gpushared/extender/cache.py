@@ -47,6 +47,7 @@ from gpushared.core.shared.bodies import (
 from gpushared.core.shared.ledger import GpuVerdict
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.core.shared.verdicts import explain
+from gpushared.extender.budgets import DisruptionBudgets
 from gpushared.extender.inbox import BATCH, Inbox, Owner
 from gpushared.extender.index import FilterIndex
 from gpushared.extender.reserving import Reservations
@@ -79,11 +80,13 @@ class ClusterCache:
         rooms: bool = True,
         expected: ExpectedMix | None = None,
         schedulers: frozenset[str] | None = None,
+        list_budgets: Lister | None = None,
     ) -> None:
         """``rooms``: whether the request mix is told each node's room (only a policy that reads the mix
         uses it; counting 5,000 nodes' rooms for one that does not is a cost on a scheduling call).
         ``schedulers``: the schedulers that call this extender (None: any); a pod for another one is never
-        bound here, so no earlier extender can have its Binding in flight (``arm_fence``)."""
+        bound here, so no earlier extender can have its Binding in flight (``arm_fence``). ``list_budgets``:
+        the PodDisruptionBudgets, for preemption's choice of victims (None: none are read)."""
         self.schedulers = schedulers
         self.owner = Owner()
         self.state = ClusterState(
@@ -107,6 +110,16 @@ class ClusterCache:
             transform=slim_pod,
             watch_seconds=watch_seconds,
         )
+        #: the PodDisruptionBudgets (``budgets``), watched where ``list_budgets`` is given
+        self.budgets = DisruptionBudgets()
+        self.budget_informer: Informer[Any] | None = None
+        if list_budgets is not None:
+            self.budget_informer = Informer(
+                list_budgets,
+                name="poddisruptionbudgets",
+                handler=self.inbox.handler("poddisruptionbudgets"),
+                watch_seconds=watch_seconds,
+            )
         #: pods waiting for a node, as the watch shows them: what a bind reads its pod from
         self.pending: dict[Key, PodBody] = {}
         #: those of them that use DRA claims: what the claim allocator looks at (``extender.claims.allocator``)
@@ -118,15 +131,21 @@ class ClusterCache:
 
     def start(self) -> None:
         self.started = self.reservations.clock()
-        self.nodes.start()
-        self.pods.start()
+        for informer in self._informers():
+            informer.start()
 
     def stop(self) -> None:
-        self.nodes.stop()
-        self.pods.stop()
+        for informer in self._informers():
+            informer.stop()
+
+    def _informers(self) -> list[Informer[Any]]:
+        found: list[Informer[Any]] = [self.nodes, self.pods]
+        return found if self.budget_informer is None else [*found, self.budget_informer]
 
     def listed(self) -> bool:
-        """Whether both informers have listed: everything they listed is in the inbox or applied."""
+        """Whether the node and pod informers have listed: everything they listed is in the inbox or applied.
+        The budgets are not waited for: they weigh a preemption's choice, the Eviction API enforces them, and
+        an extender whose ServiceAccount may not read them (an older ClusterRole) must still serve."""
         return self.nodes.synced and self.pods.synced
 
     def stale(self) -> str | None:
@@ -148,6 +167,8 @@ class ClusterCache:
     def _apply(self, kind: str, old: Any, new: Any) -> None:
         if kind == "pods":
             self.on_pod(old, new)
+        elif kind == "poddisruptionbudgets":
+            self.budgets.on_budget(old, new)
         else:
             self.on_node(old, new)
 

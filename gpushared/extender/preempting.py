@@ -136,9 +136,13 @@ class Preempter:
         if not isinstance(usable, tuple):
             return None
         state, ledger = usable
+        budgets = self.cache.budgets
         occupants = {
-            h.uid: Occupant(priority=h.priority) for h in ledger.holdings() if not h.kept and h.uid in state.pods
+            h.uid: Occupant(priority=h.priority, pdbs=budgets.of(state.pods[h.uid]))
+            for h in ledger.holdings()
+            if not h.kept and h.uid in state.pods
         }
+        allowed = budgets.allowed()
         going = {
             uid: occupant for uid, occupant in occupants.items() if meta_of(state.pods[uid]).get("deletionTimestamp")
         }
@@ -147,7 +151,9 @@ class Preempter:
             if coming is not None and _other_resources_fit(state, pod, list(coming.uids)):
                 return NodeVictims(node, Victims((), coming.gpus, None, 0), ())
             occupants = {uid: occupant for uid, occupant in occupants.items() if uid not in going}
-        found: Victims | None = select_victims(ledger, request, priority=priority, occupants=occupants)
+        found: Victims | None = select_victims(
+            ledger, request, priority=priority, occupants=occupants, pdb_allowed=allowed
+        )
         if found is None:
             return None
         victims = list(found.uids)

@@ -240,3 +240,42 @@ def test_a_new_leader_waits_for_the_victims_an_old_one_evicted(api: FakeApiServe
         assert set(LOWS) - {p["metadata"]["name"] for p in api.objects("pods")} == {victim}
 
     run(api, body)
+
+
+def test_victims_break_the_fewest_disruption_budgets(api: FakeApiServer) -> None:
+    """The two pods on the 16 GiB GPU are protected by a budget that allows no disruption: two unprotected pods
+    on a full GPU go instead (the lowest priority, then the fewest budgets broken, then the fewest pods)."""
+    controller = ClaimController(api)
+
+    async def body(world: ClaimWorld) -> None:
+        placed = await nine_low_pods(world, api)
+        for name in (n for n, gpu in placed.items() if gpu == 0):
+            pod = api.get("pods", name, "default")
+            assert pod is not None
+            pod["metadata"]["labels"] = {"tier": "protected"}
+            api.store.update(RESOURCES["pods"], "default", name, pod, subresource="", precondition_rv=None)
+        api.create(
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {"name": "protected", "namespace": "default"},
+                "spec": {"selector": {"matchLabels": {"tier": "protected"}}},
+                "status": {"disruptionsAllowed": 0},
+            }
+        )
+        await world.until(lambda: bool(world.cache.budgets.budgets))
+        api.create(claim("c-high", memory="10Gi"))
+        api.create(gated_pod("high", "c-high", priority=HIGH))
+        await world.until(lambda: len(terminating(api)) == 2)
+        assert {placed[name] for name in terminating(api)} in ({1}, {2})
+        controller.stop_terminating()
+
+        def allocated() -> bool:
+            controller.round()
+            return not gates(api, "high")
+
+        await world.until(allocated)
+        assert gpu_of(api, "c-high") in (1, 2)
+        assert world.allocator.preempter.counts["refused"] == 0
+
+    run(api, body)

@@ -48,9 +48,9 @@ def test_a_pod_that_fits_nowhere_gets_the_pods_on_one_gpu_evicted(api: FakeApiSe
     assert 'gpushared_extender_evictions_total{outcome="evicted"} 1.0' in text
 
 
-def test_a_disruption_budget_that_allows_none_stops_the_eviction(api: FakeApiServer, extender: Extender) -> None:
-    low = nine_low_pods(api, extender)
-    for name in ("low-0", "low-1"):
+def protect(api: FakeApiServer, *names: str) -> None:
+    """A budget that allows no disruption over the pods ``names``."""
+    for name in names:
         body = api.get("pods", name, "default")
         assert body is not None
         body["metadata"].setdefault("labels", {})["app"] = "notebook"
@@ -64,6 +64,31 @@ def test_a_disruption_budget_that_allows_none_stops_the_eviction(api: FakeApiSer
             "status": {"disruptionsAllowed": 0},
         }
     )
+
+
+def test_pods_a_budget_protects_are_spared_where_others_free_the_room(api: FakeApiServer, extender: Extender) -> None:
+    """Both pods on GPU 0 protected: two pods on a full GPU go instead (the fewest budgets broken first)."""
+    low = nine_low_pods(api, extender)
+    protect(api, "low-0", "low-1")
+    time.sleep(1)  # the budget's watch event reaches the extender (its process shows no budgets to ask)
+    api.create(waiting("high", 10, priority=HIGH))
+    wait_until(lambda: len(terminating(api)) == 2, timeout=20, message="two victims evicted")
+    assert set(terminating(api)) in (
+        {"low-2", "low-3"},
+        {"low-4", "low-5"},
+        {"low-4", "low-6"},
+        {"low-4", "low-7"},
+        {"low-5", "low-6"},
+        {"low-5", "low-7"},
+        {"low-6", "low-7"},
+    )
+    assert len(low) == 9
+
+
+def test_a_disruption_budget_that_allows_none_stops_the_eviction(api: FakeApiServer, extender: Extender) -> None:
+    """Every pod protected: the set chosen breaks a budget, and the Eviction API refuses it."""
+    low = nine_low_pods(api, extender)
+    protect(api, *low)
     api.create(waiting("high", 10, priority=HIGH))
 
     def refused() -> bool:

@@ -247,8 +247,9 @@ def _shared_containers(containers: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def slim_pod(pod: PodBody) -> PodBody:
     """The pod with only what the extender reads: its identity and resourceVersion, the annotations that say
-    what it holds, its node, its containers' names, GPU resources and CPU requests, its phase, and, once it is being
-    deleted, which of its containers have terminated (before that, no container state changes what it holds).
+    what it holds, its labels (for PodDisruptionBudgets), its node, its containers' names, GPU resources and
+    CPU requests, its phase, and, once it is being deleted, which of its containers have terminated (before
+    that, no container state changes what it holds).
 
     A watch cache holds each pod for as long as it runs, and whole pod objects (env, volumes, managed
     fields, last-applied annotations) are mostly what the extender never reads. Keys and the values many
@@ -268,6 +269,9 @@ def slim_pod(pod: PodBody) -> PodBody:
     }
     if annotations:
         slim_meta["annotations"] = annotations
+    labels = meta.get("labels")
+    if labels and isinstance(labels, dict):  # which PodDisruptionBudgets select it (preemption); shared when alike
+        slim_meta["labels"] = _shared(("labels", *sorted(labels.items())), labels)
     slim_spec: dict[str, Any] = {}
     if spec.get("nodeName"):
         slim_spec["nodeName"] = sys.intern(spec["nodeName"])

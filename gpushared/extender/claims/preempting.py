@@ -119,9 +119,11 @@ class ClaimPreempter:
         #: (the claim cache's change count, the lowest priority of a pod holding a claim): a pod of no higher
         #: priority has no victims anywhere, and is not searched for
         self._lowest: tuple[int, int | None] = (-1, None)
-        #: (node, request, priority) -> (the node's ledger, weakly, and its version; what the search found):
-        #: pods alike waiting for room search each node once while its claims stay the same
-        self._searched: dict[tuple[str, PodRequest, int], tuple[weakref.ref[Ledger], int, ClaimVictims | None]] = {}
+        #: (node, request, priority, the budgets' version) -> (the node's ledger, weakly, and its version; what
+        #: the search found): pods alike waiting for room search each node once while its claims stay the same
+        self._searched: dict[
+            tuple[str, PodRequest, int, int], tuple[weakref.ref[Ledger], int, ClaimVictims | None]
+        ] = {}
 
     # --- reads ---------------------------------------------------------------------------------------------
 
@@ -234,12 +236,18 @@ class ClaimPreempter:
     ) -> ClaimVictims | None:
         """``claim_victims`` on the node, kept while the node's ledger is the same object at the same version
         (a claim changed, reserved or released, or a pod reserving one came or went: a new ledger)."""
-        key = (node, request, priority)
+        key = (node, request, priority, self.cache.budgets.version)
         known = self._searched.get(key)
         if known is not None and known[0]() is ledger and known[1] == ledger.version and self._standing(known[2]):
             return known[2]
         found = claim_victims(
-            ledger, request, priority=priority, claims=self._reserved(node), pods=self._pods(), published=published
+            ledger,
+            request,
+            priority=priority,
+            claims=self._reserved(node),
+            pods=self._pods(),
+            published=published,
+            pdb_allowed=self.cache.budgets.allowed(),
         )
         if len(self._searched) >= MAX_SEARCHES_KEPT:
             self._searched.clear()
@@ -324,14 +332,15 @@ class _BoundPods(Mapping[str, ClaimPod]):
     """The pods bound to nodes, as the claim choice reads them, looked up in the cache by UID on demand."""
 
     def __init__(self, cache: ClusterCache) -> None:
-        self.state = cache.state
+        self.state, self.budgets = cache.state, cache.budgets
 
     def __getitem__(self, uid: str) -> ClaimPod:
         node = self.state.node_of.get(uid)
         pod = self.state.nodes[node].pods.get(uid) if node is not None and node in self.state.nodes else None
         if pod is None:
             raise KeyError(uid)
-        return ClaimPod(priority_of(pod), terminating=bool(meta_of(pod).get("deletionTimestamp")))
+        terminating = bool(meta_of(pod).get("deletionTimestamp"))
+        return ClaimPod(priority_of(pod), terminating=terminating, pdbs=self.budgets.of(pod))
 
     def __iter__(self) -> Any:
         return iter(self.state.node_of)
