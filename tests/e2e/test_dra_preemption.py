@@ -68,6 +68,7 @@ def test_a_high_priority_claim_gets_the_gpu_its_one_victim_frees(
     metrics = cluster.scheduling.extender_metrics()
     assert 'gpushared_extender_claim_preemptions_total{outcome="evicted"} 1.0' in metrics
     assert_no_gpu_over_capacity(cluster)
+    print(f"the preemptor ran {took:.1f} s after it was created")  # the bar: 30 s
     assert took < 60, f"the preemptor ran {took:.0f} s after it was created"
 
 

@@ -62,6 +62,7 @@ def test_a_high_priority_pod_gets_the_gpu_its_one_victim_frees(kube: Kube, names
     assert len(gone) == 1, f"evicted: {sorted(gone)}"
     assert placed[gone.pop()] == 0, "the victim was not on the GPU the preemptor got"
     assert_no_gpu_over_capacity(kube)
+    print(f"the preemptor ran {took:.1f} s after it was created")  # the bar: 30 s
     assert took < 60, f"the preemptor ran {took:.0f} s after it was created"
 
 
