@@ -36,11 +36,11 @@ from gpushared.core.shared.bodies import PodBody, key_of, priority_of, scheduler
 from gpushared.core.shared.requests import PodRequest, pod_request
 from gpushared.extender.cache import ClusterCache
 from gpushared.extender.events import Event, no_event
+from gpushared.extender.evicting import Evicted, evict_victims
 from gpushared.extender.gatedwork import GatedPodWorker
 from gpushared.extender.nominations import Offer
 from gpushared.extender.preempting import ASKED_SECONDS, Preempter
 from gpushared.kube.aioapi import AsyncApi
-from gpushared.kube.errors import KubeError
 
 log = logging.getLogger(__name__)
 
@@ -175,32 +175,26 @@ class Evictor(GatedPodWorker):
         """Evict the victims one by one; one a PodDisruptionBudget protects stops the rest, and the hold goes."""
         uid, node = uid_of(pod), chosen.node
         why = (
-            f"evicted by gpushared for pod {key[0]}/{key[1]} (priority {priority_of(pod)}), which needs "
-            f"GPU {','.join(map(str, chosen.victims.gpus))} of node {node}"
+            f"on node {node} evicted by gpushared for pod {key[0]}/{key[1]} (priority {priority_of(pod)}), which "
+            f"needs GPU {','.join(map(str, chosen.victims.gpus))} there"
         )
         try:
             bodies = self.cache.state.nodes[node].pods if node in self.cache.state.nodes else {}
-            for victim in chosen.victims.uids:
-                body = bodies.get(victim)
-                if body is None:
-                    continue
-                namespace, name = key_of(body)
-                try:
-                    await self.api.evict_pod(namespace, name, uid=victim, policy_v1=self.policy_v1)
-                except KubeError as exc:
-                    if exc.status in (404, 409):
-                        self.counts["gone"] += 1
-                        continue
-                    log.warning("pod %s/%s not evicted for %s/%s: %s", namespace, name, *key, exc)
-                    if exc.status == 429:  # refused: nothing went, the room is not coming
-                        self.counts["refused"] += 1
-                        self.preempter.nominations.offers.pop(uid, None)
-                    else:  # it may have landed: the hold stays until the pod binds or it expires
-                        self.counts["failed"] += 1
-                    return
-                self.counts["evicted"] += 1
-                log.info("pod %s/%s on node %s %s", namespace, name, node, why)
-                self.spawn(self.event(body, "Preempted", why))
+            evicted = await evict_victims(
+                self.api,
+                chosen.victims.uids,
+                bodies,
+                preemptor=key,
+                why=why,
+                counts=self.counts,
+                event=self.event,
+                spawn=self.spawn,
+                policy_v1=self.policy_v1,
+            )
+            if evicted is Evicted.REFUSED:  # nothing went, the room is not coming
+                self.preempter.nominations.offers.pop(uid, None)
+            if evicted is not Evicted.ALL:  # one that failed otherwise may have landed: the hold stays
+                return
             self.spawn(
                 self.event(pod, "Preempting", f"evicted {len(chosen.victims.uids)} pod(s) on node {node} for it")
             )

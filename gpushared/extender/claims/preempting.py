@@ -43,7 +43,7 @@ from gpushared.core.placement.preemption import NodeVictims, Victims, pick_node
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, priority_of, uid_of
 from gpushared.core.shared.ledger import Ledger
 from gpushared.core.shared.requests import PodRequest
-from gpushared.kube.errors import KubeError
+from gpushared.extender.evicting import Evicted, evict_victims
 
 if TYPE_CHECKING:  # what the allocator hands it: its own, on its loop
     from gpushared.extender.cache import ClusterCache
@@ -284,33 +284,25 @@ class ClaimPreempter:
             log.info("pod %s/%s: pods terminating on node %s free GPU %s for it: nothing evicted", *key, node, gpus)
             return
         why = (
-            f"evicted by gpushared's claim allocator for pod {key[0]}/{key[1]} (priority {priority_of(pod)}), "
-            f"whose claims need GPU {gpus} of node {node}"
+            f"on node {node} evicted by gpushared's claim allocator for pod {key[0]}/{key[1]} (priority "
+            f"{priority_of(pod)}), whose claims need GPU {gpus} there"
         )
         bodies = self.cache.state.nodes[node].pods if node in self.cache.state.nodes else {}
-        for victim in victims.pods:
-            body = bodies.get(victim)
-            if body is None:
-                self.counts["gone"] += 1
-                continue
-            namespace, name = key_of(body)
-            try:
-                await self.api.evict_pod(namespace, name, uid=victim)
-            except KubeError as exc:
-                if exc.status in (404, 409):
-                    self.counts["gone"] += 1
-                    continue
-                log.warning("pod %s/%s not evicted for %s/%s: %s", namespace, name, *key, exc)
-                if exc.status == 429:  # refused: nothing went, the room is not coming
-                    self.counts["refused"] += 1
-                    self.holds.pop(uid, None)
-                    self.tried[uid] = self.clock()
-                else:  # it may have landed: the hold stays until the pod is allocated or it expires
-                    self.counts["failed"] += 1
-                return
-            self.counts["evicted"] += 1
-            log.info("pod %s/%s on node %s %s", namespace, name, node, why)
-            self.spawn(self.event(body, "Preempted", why))
+        evicted = await evict_victims(
+            self.api,
+            victims.pods,
+            bodies,
+            preemptor=key,
+            why=why,
+            counts=self.counts,
+            event=self.event,
+            spawn=self.spawn,
+        )
+        if evicted is Evicted.REFUSED:  # nothing went, the room is not coming: looked at again after the retry
+            self.holds.pop(uid, None)
+            self.tried[uid] = self.clock()
+        if evicted is not Evicted.ALL:  # one that failed otherwise may have landed: the hold stays
+            return
         message = f"evicted {len(victims.pods)} pod(s) on node {node} for its claims: GPU {gpus} is held for it"
         self.spawn(self.event(pod, "Preempting", message))
 
