@@ -24,6 +24,7 @@ from tests.builders import on_gpus, pod
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kubelet import ContainerAllocation, ContainerSpec, FakeKubelet, PodRef
 from tests.fakes.nvml import FakeNvml
+from tests.fakes.store import RESOURCES
 from tests.fakes.systemd import NotifySocket
 
 NODE = "node-1"
@@ -278,3 +279,25 @@ def started(daemon: Daemon) -> Daemon:
         message="inventory",
     )
     return daemon
+
+
+def protect(
+    api: FakeApiServer, *names: str, namespace: str = "default", label: tuple[str, str] = ("app", "notebook")
+) -> None:
+    """A PodDisruptionBudget that allows no disruption over the pods ``names``, which get its label."""
+    key, value = label
+    for name in names:
+        body = api.get("pods", name, namespace)
+        assert body is not None
+        body["metadata"].setdefault("labels", {})[key] = value
+        api.store.update(RESOURCES["pods"], namespace, name, body, subresource="", precondition_rv=None)
+    if api.get("poddisruptionbudgets", f"{key}-{value}", namespace) is None:
+        api.create(
+            {
+                "apiVersion": "policy/v1",
+                "kind": "PodDisruptionBudget",
+                "metadata": {"name": f"{key}-{value}", "namespace": namespace},
+                "spec": {"selector": {"matchLabels": {key: value}}},
+                "status": {"disruptionsAllowed": 0},
+            }
+        )

@@ -32,6 +32,7 @@ from tests.claimworld import (
 )
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.store import RESOURCES
+from tests.harness import protect
 
 LOW, HIGH = 0, 100_000
 LOWS = [f"low-{i}" for i in range(9)]
@@ -140,16 +141,7 @@ def test_without_the_finalizer_the_claim_would_never_free(api: FakeApiServer) ->
 
 def test_a_disruption_budget_that_allows_none_evicts_nothing(api: FakeApiServer) -> None:
     async def body(world: ClaimWorld) -> None:
-        await nine_low_pods(world, api, app="notebook")
-        api.create(
-            {
-                "apiVersion": "policy/v1",
-                "kind": "PodDisruptionBudget",
-                "metadata": {"name": "notebooks", "namespace": "default"},
-                "spec": {"selector": {"matchLabels": {"app": "notebook"}}},
-                "status": {"disruptionsAllowed": 0},
-            }
-        )
+        protect(api, *(await nine_low_pods(world, api)))
         api.create(claim("c-high", memory="10Gi"))
         api.create(gated_pod("high", "c-high", priority=HIGH))
         await world.until(lambda: world.allocator.preempter.counts["refused"] >= 2, within=15)
@@ -249,20 +241,7 @@ def test_victims_break_the_fewest_disruption_budgets(api: FakeApiServer) -> None
 
     async def body(world: ClaimWorld) -> None:
         placed = await nine_low_pods(world, api)
-        for name in (n for n, gpu in placed.items() if gpu == 0):
-            pod = api.get("pods", name, "default")
-            assert pod is not None
-            pod["metadata"]["labels"] = {"tier": "protected"}
-            api.store.update(RESOURCES["pods"], "default", name, pod, subresource="", precondition_rv=None)
-        api.create(
-            {
-                "apiVersion": "policy/v1",
-                "kind": "PodDisruptionBudget",
-                "metadata": {"name": "protected", "namespace": "default"},
-                "spec": {"selector": {"matchLabels": {"tier": "protected"}}},
-                "status": {"disruptionsAllowed": 0},
-            }
-        )
+        protect(api, *(n for n, gpu in placed.items() if gpu == 0))
         await world.until(lambda: bool(world.cache.budgets.budgets))
         api.create(claim("c-high", memory="10Gi"))
         api.create(gated_pod("high", "c-high", priority=HIGH))

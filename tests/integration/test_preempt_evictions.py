@@ -10,7 +10,7 @@ from typing import Any
 from tests.extender_harness import Extender
 from tests.fakes.apiserver import FakeApiServer, Fault
 from tests.fakes.store import RESOURCES
-from tests.harness import wait_until
+from tests.harness import protect, wait_until
 from tests.integration.test_preempt_verb import HIGH, LOW, api, nine_low_pods, placed, preempt, used, waiting
 
 __all__ = ["api"]
@@ -46,24 +46,6 @@ def test_a_pod_that_fits_nowhere_gets_the_pods_on_one_gpu_evicted(api: FakeApiSe
     assert len(low) - len(terminating(api)) == 9  # no other pod went
     text = extender.get("/metrics")[1].decode()
     assert 'gpushared_extender_evictions_total{outcome="evicted"} 1.0' in text
-
-
-def protect(api: FakeApiServer, *names: str) -> None:
-    """A budget that allows no disruption over the pods ``names``."""
-    for name in names:
-        body = api.get("pods", name, "default")
-        assert body is not None
-        body["metadata"].setdefault("labels", {})["app"] = "notebook"
-        api.store.update(RESOURCES["pods"], "default", name, body, subresource="", precondition_rv=None)
-    api.create(
-        {
-            "apiVersion": "policy/v1",
-            "kind": "PodDisruptionBudget",
-            "metadata": {"name": "notebooks", "namespace": "default"},
-            "spec": {"selector": {"matchLabels": {"app": "notebook"}}},
-            "status": {"disruptionsAllowed": 0},
-        }
-    )
 
 
 def test_pods_a_budget_protects_are_spared_where_others_free_the_room(api: FakeApiServer, extender: Extender) -> None:

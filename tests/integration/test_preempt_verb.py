@@ -15,7 +15,7 @@ from tests.builders import inventory, pod
 from tests.extender_harness import Extender, gpu_node
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.store import RESOURCES
-from tests.harness import wait_until
+from tests.harness import protect, wait_until
 
 #: The node of the scenario: four GPUs of 16, 12, 24 and 8 GiB.
 SIZES = (16, 12, 24, 8)
@@ -157,13 +157,6 @@ def test_one_namespace_evicts_at_most_the_cap_a_minute(api: FakeApiServer, spawn
     assert 'gpushared_extender_preemption_nodes_total{outcome="capped"} 1.0' in text
 
 
-def label(api: FakeApiServer, name: str, **labels: str) -> None:
-    body = api.get("pods", name, "default")
-    assert body is not None
-    body["metadata"].setdefault("labels", {}).update(labels)
-    api.store.update(RESOURCES["pods"], "default", name, body, subresource="", precondition_rv=None)
-
-
 def test_victims_break_the_fewest_disruption_budgets(api: FakeApiServer, extender: Extender) -> None:
     """Of the two pods on GPU 0, the one a budget protects is spared; with both protected, two pods on a full
     GPU go instead of one protected pod (kube-scheduler's order: the lowest priority, then the fewest
@@ -174,23 +167,14 @@ def test_victims_break_the_fewest_disruption_budgets(api: FakeApiServer, extende
     [first] = [v["UID"] for v in preempt(extender, high, {"g4": []})["NodeNameToMetaVictims"]["g4"]["Pods"]]
     protected = next(name for name, u in uid.items() if u == first)
     other = "low-1" if protected == "low-0" else "low-0"
-    label(api, protected, app="notebook")
-    api.create(
-        {
-            "apiVersion": "policy/v1",
-            "kind": "PodDisruptionBudget",
-            "metadata": {"name": "notebooks", "namespace": "default"},
-            "spec": {"selector": {"matchLabels": {"app": "notebook"}}},
-            "status": {"disruptionsAllowed": 0},
-        }
-    )
+    protect(api, protected)
 
     def answer() -> dict[str, Any]:
         return preempt(extender, high, {"g4": []})["NodeNameToMetaVictims"]["g4"]  # type: ignore[no-any-return]
 
     wait_until(lambda: [v["UID"] for v in answer()["Pods"]] == [uid[other]], message="the protected pod spared")
     assert answer()["NumPDBViolations"] == 0
-    label(api, other, app="notebook")
+    protect(api, other)
     wait_until(lambda: len(answer()["Pods"]) == 2, message="two unprotected pods instead of one protected")
     victims = {next(n for n, u in uid.items() if u == v["UID"]) for v in answer()["Pods"]}
     assert victims <= {"low-2", "low-3", "low-4", "low-5", "low-6", "low-7"}, victims

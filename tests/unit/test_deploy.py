@@ -71,8 +71,8 @@ def test_extender_deployment_runs_the_built_image_with_election() -> None:
     rules = kinds["ClusterRole"]["rules"]
     granted = {(res, verb) for rule in rules for res in rule["resources"] for verb in rule["verbs"]}
     # Exactly what the extender calls: the cache's lists and watches, a pod read back, its Binding, and
-    # preemption's evictions, Events and the budgets it weighs. The GPU choice reaches the pod on its Binding (no patch), and
-    # refusals reach the pod through kube-scheduler's own events.
+    # preemption's evictions, Events and the budgets it weighs. The GPU choice reaches the pod on its
+    # Binding (no patch), and refusals reach the pod through kube-scheduler's own events.
     assert granted == {
         ("nodes", "get"),
         ("nodes", "list"),
