@@ -78,6 +78,17 @@ async def nine_low_pods(world: ClaimWorld, api: FakeApiServer, **labels: str) ->
     return placed
 
 
+async def victims_gone_then_allocated(world: ClaimWorld, controller: ClaimController, pod: str) -> None:
+    """The victims' kubelet stops them, the claim controller deallocates their claims; until ``pod`` is ungated."""
+    controller.stop_terminating()
+
+    def allocated() -> bool:
+        controller.round()
+        return not gates(world.api, pod)
+
+    await world.until(allocated)
+
+
 def run(api: FakeApiServer, body: object, **settings: object) -> ClaimWorld:
     return ClaimWorld(api, AllocatorSettings(policy=BINPACK, **settings)).run(body)  # type: ignore[arg-type]
 
@@ -101,13 +112,7 @@ def test_the_pod_on_the_gpu_with_room_goes_and_the_room_is_the_preemptors(api: F
             world.allocator.step()
             await world.allocator.settle()
         assert terminating(api) == [victim]
-        controller.stop_terminating()
-
-        def allocated() -> bool:
-            controller.round()
-            return not gates(api, "high")
-
-        await world.until(allocated)
+        await victims_gone_then_allocated(world, controller, "high")
         assert gpu_of(api, "c-high") == 0
         for _ in range(10):
             world.allocator.step()
@@ -221,13 +226,7 @@ def test_a_new_leader_waits_for_the_victims_an_old_one_evicted(api: FakeApiServe
         await world.start()  # a fresh allocator, caches and holds: a takeover
         await world.until(lambda: world.allocator.preempter.counts["coming"] >= 1)
         assert terminating(api) == [victim] and world.allocator.preempter.counts["evicted"] == 0
-        controller.stop_terminating()
-
-        def allocated() -> bool:
-            controller.round()
-            return not gates(api, "high")
-
-        await world.until(allocated)
+        await victims_gone_then_allocated(world, controller, "high")
         assert gpu_of(api, "c-high") == 0
         assert set(LOWS) - {p["metadata"]["name"] for p in api.objects("pods")} == {victim}
 
@@ -247,13 +246,7 @@ def test_victims_break_the_fewest_disruption_budgets(api: FakeApiServer) -> None
         api.create(gated_pod("high", "c-high", priority=HIGH))
         await world.until(lambda: len(terminating(api)) == 2)
         assert {placed[name] for name in terminating(api)} in ({1}, {2})
-        controller.stop_terminating()
-
-        def allocated() -> bool:
-            controller.round()
-            return not gates(api, "high")
-
-        await world.until(allocated)
+        await victims_gone_then_allocated(world, controller, "high")
         assert gpu_of(api, "c-high") in (1, 2)
         assert world.allocator.preempter.counts["refused"] == 0
 
