@@ -267,10 +267,14 @@ FGD_LEVELS: Final = 100
 #: fgd weighs the pressure projected from their share of the demand and what each model has left
 #: (``PricingContext.projected_pressure``): the count starts near 0 while few pinned pods have come, and fgd
 #: had filled the pinned models before it grew (gpuspec05, seed 42: 174 GPU tasks refused before 88 %
-#: full, most pinned to T4). Both chosen by scripts/tune_placement.py; figures:
-#: bench/results/tuning-placement.json (binpack), bench/results/tuning-projected-pressure.json (fgd).
+#: full, most pinned to T4). The projected pressure is at most 1 and grows with the pinned share of the
+#: demand, so fgd's weight is what a model pinned pods want in full costs: at 32 of 100 levels it stays
+#: theirs as pinning grows (at 8, fgd fell 1.6 below binpack with half the GPU pods pinned), while under
+#: light pinning the pressure, and so the term, stays small. Both chosen by scripts/tune_placement.py;
+#: figures: bench/results/tuning-placement.json (binpack), bench/results/tuning-pinning.json (fgd, held
+#: against binpack on traces with 30 and 50 % of GPU pods pinned; scripts/derive_pinned_traces.py).
 BINPACK_PRESSURE: Final = 512.0
-FGD_PRESSURE: Final = 8.0
+FGD_PRESSURE: Final = 32.0
 
 
 def _fgd_levels(growth: float) -> float:
