@@ -322,3 +322,95 @@ def test_bench_claims_fence_and_bench_steer_run_and_report() -> None:
     )
     report = json.loads(steer.stdout)
     assert report["steered"] == 6 and report["created_to_ungated"]["count"] == 6
+
+
+def test_pinned_traces_derive_and_fgd_is_held_against_binpack(tmp_path: Path) -> None:
+    """derive_pinned_traces: the default list's rows with only gpu_spec changed, the share pinned; tune_placement
+    --against binpack holds fgd against it on a trace with no paper curve; compare_placement prints the margins."""
+    data = small_trace(tmp_path / "trace")
+    for name in ("gpuspec05", "gpuspec10", "gpuspec20"):  # the published lists the derivation learns from
+        (data / f"openb_pod_list_{name}.csv").write_text((data / "openb_pod_list_default.csv").read_text())
+    derived = tmp_path / "derived"
+    subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "derive_pinned_traces.py"), "--data", str(data), "--out", str(derived)],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    default = (data / "openb_pod_list_default.csv").read_text().splitlines()
+    fifty = (derived / "openb_pod_list_gpuspec50.csv").read_text().splitlines()
+    assert len(fifty) == len(default)
+    columns = default[0].split(",")
+    spec = columns.index("gpu_spec")
+    for before, after in zip(default[1:], fifty[1:], strict=True):
+        a, b = before.split(","), after.split(",")
+        assert a[:spec] + a[spec + 1 :] == b[:spec] + b[spec + 1 :]  # nothing but gpu_spec changed
+        assert not b[spec] or b[spec] == "T4"  # the only value the published lists give
+    gpu_pods = [line.split(",") for line in fifty[1:] if int(line.split(",")[columns.index("num_gpu")])]
+    assert sum(1 for row in gpu_pods if row[spec]) == round(0.5 * len(gpu_pods))
+    out = tmp_path / "tuning.json"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "tune_placement.py"),
+            "--data",
+            str(derived),
+            "--traces",
+            "gpuspec50",
+            "--candidates",
+            "fgd:8:1000",
+            "--against",
+            "binpack:512:1000",
+            "--seeds",
+            "42",
+            "--jobs",
+            "2",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    report = json.loads(out.read_text())
+    assert report["against"] == "binpack:512:1000" and list(report["grid"]) == ["fgd"]  # the reference is no candidate
+    assert list(report["grid"]["fgd"]["8:1000"]["perTrace"]) == ["gpuspec50"]  # held against binpack: no paper curve
+    results = tmp_path / "results"
+    subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_openb.py"),
+            "--data",
+            str(derived),
+            "--traces",
+            "gpuspec50",
+            "--policies",
+            "fgd",
+            "binpack",
+            "--seeds",
+            "42",
+            "--jobs",
+            "2",
+            "--no-plots",
+            "--out",
+            str(results),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    table = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "compare_placement.py"),
+            "--results",
+            str(results / "openb.json"),
+            "--data",
+            str(derived),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
+    assert "| gpuspec50 |" in table and "—" in table  # no paper curve for a derived trace
