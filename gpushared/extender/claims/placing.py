@@ -36,7 +36,7 @@ from gpushared.core.placement.claims.choice import (
     kube_resource_score,
     place_on,
 )
-from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, with_kept
+from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, added, with_kept
 from gpushared.core.placement.cpu import cpu_of, memory_request
 from gpushared.core.placement.nodefit import admits, within_bounds
 from gpushared.core.placement.nodes import NodeState
@@ -167,7 +167,7 @@ class ClaimPlacer:
         known = self._no_room.get(seen)
         if known is not None:
             return known
-        choice = self._choose(ask, asks, kept=_sum_of(self.kept if fenced else NO_ROOM_KEPT, held))
+        choice = self._choose(ask, asks, kept=added(self.kept if fenced else NO_ROOM_KEPT, held))
         if isinstance(choice, NoRoom) and self.generation:
             self._no_room[seen] = choice
         return choice
@@ -294,18 +294,3 @@ class ClaimPlacer:
 def _key_of(room: KeptRoom) -> tuple[tuple[str, int, Room], ...]:
     """Room kept, as a key: equal rooms, equal keys."""
     return tuple(sorted((node, index, kept) for node, on_node in room.items() for index, kept in on_node.items()))
-
-
-def _sum_of(one: KeptRoom, other: KeptRoom) -> KeptRoom:
-    """Two rooms kept, added GPU by GPU."""
-    if not other:
-        return one
-    if not one:
-        return other
-    summed = {node: dict(on_node) for node, on_node in one.items()}
-    for node, on_node in other.items():
-        mine = summed.setdefault(node, {})
-        for index, room in on_node.items():
-            known = mine.get(index, Room(0, 0))
-            mine[index] = Room(known.units + room.units, known.compute + room.compute)
-    return summed

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 from gpushared.core.dra.allocated import reserved_pods
 from gpushared.core.placement.claims.asks import ClaimAsk
 from gpushared.core.placement.claims.preemption import ClaimPod, ClaimVictims, claim_victims, claims_request
-from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room
+from gpushared.core.placement.claims.room import NO_ROOM_KEPT, KeptRoom, Room, added
 from gpushared.core.placement.preemption import NodeVictims, Victims, pick_node
 from gpushared.core.shared.bodies import PodBody, key_of, meta_of, priority_of, uid_of
 from gpushared.core.shared.ledger import Ledger
@@ -140,14 +140,10 @@ class ClaimPreempter:
         if not self.holds:
             return NO_ROOM_KEPT
         uid, priority, now = uid_of(pod), priority_of(pod), self.clock()
-        held: dict[str, dict[int, Room]] = {}
+        held: KeptRoom = NO_ROOM_KEPT
         for other, hold in self.holds.items():
-            if other == uid or hold.priority < priority or now - hold.at >= HOLD_SECONDS:
-                continue
-            on_node = held.setdefault(hold.node, {})
-            for index, room in hold.room.items():
-                known = on_node.get(index, Room(0, 0))
-                on_node[index] = Room(known.units + room.units, known.compute + room.compute)
+            if other != uid and hold.priority >= priority and now - hold.at < HOLD_SECONDS:
+                held = added(held, {hold.node: hold.room})
         return held
 
     # --- deciding (no I/O) ---------------------------------------------------------------------------------
@@ -188,7 +184,7 @@ class ClaimPreempter:
         self.tried[uid] = now
         candidates = self.placer.candidates(self.placer.ask_of(pod, asks, fixed))
         options: list[NodeVictims] = []
-        requests: dict[str, PodRequest] = {}
+        found_on: dict[str, tuple[PodRequest, ClaimVictims]] = {}
         why = "no node has lower-priority pods whose eviction frees the room"
         start = self._cursor % len(candidates) if candidates else 0
         tried = candidates[start:] + candidates[:start]
@@ -203,7 +199,7 @@ class ClaimPreempter:
             found = self._search(candidate.name, candidate.ledger, request, priority, frozenset(candidate.devices))
             if found is None:
                 continue
-            requests[candidate.name] = request
+            found_on[candidate.name] = (request, found)
             victims = Victims(found.pods, found.gpus, found.highest, found.pdb_violations)
             options.append(NodeVictims(candidate.name, victims, found.priorities))
         self._cursor = start + searched
@@ -214,14 +210,7 @@ class ClaimPreempter:
         if chosen.victims.uids and not self.cap.may_evict(namespace, now):
             self.counts["capped"] += 1
             return f"namespace {namespace} had its most pods evicted for it this minute"
-        request = requests[chosen.node]
-        found = ClaimVictims(
-            chosen.victims.uids,
-            chosen.victims.gpus,
-            chosen.victims.highest_priority,
-            chosen.priorities,
-            chosen.victims.pdb_violations,
-        )
+        request, found = found_on[chosen.node]
         room = {index: Room(request.per_gpu, request.compute_request) for index in found.gpus}
         self.holds[uid] = Hold(chosen.node, room, priority, now, len(found.pods))
         if found.pods:

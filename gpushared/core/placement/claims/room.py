@@ -97,6 +97,22 @@ def kept_room(takes: Iterable[tuple[Mapping[int, Room], int]], ledger: Ledger) -
     return kept
 
 
+def added(one: KeptRoom, other: KeptRoom) -> KeptRoom:
+    """Two rooms kept, added GPU by GPU (the room kept for kube-scheduler and the room held for preemptors;
+    the holds of several preemptors). Either returned as it is where the other keeps nothing."""
+    if not other:
+        return one
+    if not one:
+        return other
+    summed = {node: dict(on_node) for node, on_node in one.items()}
+    for node, on_node in other.items():
+        mine = summed.setdefault(node, {})
+        for index, room in on_node.items():
+            known = mine.get(index, Room(0, 0))
+            mine[index] = Room(known.units + room.units, known.compute + room.compute)
+    return summed
+
+
 def with_kept(ledger: Ledger, kept: Mapping[int, Room]) -> Ledger:
     """A copy of the node's ledger with the room kept on each GPU counted as taken (``Holding.kept``: never a
     pod on the GPU), the ledger a gated pod is placed on while kube-scheduler may be allocating there."""
